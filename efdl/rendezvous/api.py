@@ -162,21 +162,36 @@ class WatchBatch:
     reset: bool = False
 
 
+WatchSink = Callable[[WatchBatch | StoreError], None]
+
+
 class Watch:
     """A stream of :class:`WatchBatch` from a store; filled by the store, drained by the caller.
 
-    Waiting is a blocking queue read with a deadline, never a poll of the store.
+    Waiting is a blocking queue read with a deadline, never a poll of the store. With a
+    ``sink``, batches go to that callable instead (called from the store's thread; it must
+    only hand the batch on), so one thread can wait on several watches through one queue.
     """
 
-    def __init__(self, description: str, on_cancel: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        description: str,
+        on_cancel: Callable[[], None] | None = None,
+        sink: WatchSink | None = None,
+    ) -> None:
         self.description = description
         self._queue: queue.Queue[WatchBatch | StoreError] = queue.Queue()
         self._cancelled = threading.Event()
         self._on_cancel_hook = on_cancel
+        self._sink = sink
 
     # The producer side (the store).
     def _deliver(self, item: WatchBatch | StoreError) -> None:
-        if not self._cancelled.is_set():
+        if self._cancelled.is_set():
+            return
+        if self._sink is not None:
+            self._sink(item)
+        else:
             self._queue.put(item)
 
     @property
@@ -280,8 +295,17 @@ class KVStore(abc.ABC):
         """End a lease now, deleting its keys. Revoking an unknown lease is not an error."""
 
     @abc.abstractmethod
-    def watch(self, key: str, *, prefix: bool = False, start_revision: int | None = None) -> Watch:
+    def watch(
+        self,
+        key: str,
+        *,
+        prefix: bool = False,
+        start_revision: int | None = None,
+        sink: WatchSink | None = None,
+    ) -> Watch:
         """Watch ``key`` (or a prefix) from ``start_revision`` (default: the next revision).
+
+        With ``sink``, batches are handed to it instead of queued for :meth:`Watch.get`.
 
         No event is missed: events from ``start_revision`` on are replayed in order; if that
         revision was compacted the watch re-lists (a batch with ``reset=True``); if the server

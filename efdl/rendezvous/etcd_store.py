@@ -45,6 +45,7 @@ from efdl.rendezvous.api import (
     Watch,
     WatchBatch,
     WatchEvent,
+    WatchSink,
 )
 
 log = logging.getLogger(__name__)
@@ -411,10 +412,17 @@ class EtcdStore(KVStore):
 
     # ---------------------------------------------------------------- watches
 
-    def watch(self, key: str, *, prefix: bool = False, start_revision: int | None = None) -> Watch:
+    def watch(
+        self,
+        key: str,
+        *,
+        prefix: bool = False,
+        start_revision: int | None = None,
+        sink: WatchSink | None = None,
+    ) -> Watch:
         if start_revision is None:
             start_revision = self._revision_now(key) + 1
-        w = _EtcdWatch(self, key, prefix, start_revision)
+        w = _EtcdWatch(self, key, prefix, start_revision, sink)
         with self._lock:
             self._watches.add(w)
         w.start()
@@ -468,8 +476,17 @@ def _hold_open(first: Any, done: threading.Event) -> Iterator[Any]:
 class _EtcdWatch(Watch):
     """One watch: a thread that keeps a gRPC watch stream open and resumes it after errors."""
 
-    def __init__(self, store: EtcdStore, key: str, prefix: bool, start_revision: int) -> None:
-        super().__init__(f"watch {'prefix ' if prefix else ''}{key} on {store.description}")
+    def __init__(
+        self,
+        store: EtcdStore,
+        key: str,
+        prefix: bool,
+        start_revision: int,
+        sink: WatchSink | None,
+    ) -> None:
+        super().__init__(
+            f"watch {'prefix ' if prefix else ''}{key} on {store.description}", sink=sink
+        )
         self._store = store
         self._key = key
         self._prefix = prefix

@@ -31,6 +31,7 @@ from efdl.rendezvous.api import (
     Watch,
     WatchBatch,
     WatchEvent,
+    WatchSink,
 )
 
 
@@ -238,7 +239,14 @@ class MemoryStore(KVStore):
             if lease_id in self._leases:
                 self._drop_lease(lease_id)
 
-    def watch(self, key: str, *, prefix: bool = False, start_revision: int | None = None) -> Watch:
+    def watch(
+        self,
+        key: str,
+        *,
+        prefix: bool = False,
+        start_revision: int | None = None,
+        sink: WatchSink | None = None,
+    ) -> Watch:
         with self._cond:
             self._check_open()
             self._expire()
@@ -246,6 +254,7 @@ class MemoryStore(KVStore):
                 Watch(
                     f"watch {'prefix ' if prefix else ''}{key} on {self.description}",
                     on_cancel=lambda: self._unwatch(watcher),
+                    sink=sink,
                 ),
                 key,
                 prefix,

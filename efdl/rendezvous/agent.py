@@ -1,0 +1,440 @@
+"""One node's part in a job's rendezvous: register, elect, follow (or write) rounds.
+
+The etcd I/O around :func:`~efdl.rendezvous.decide.decide`. Traffic per agent is O(1) per
+round: every agent watches the round key and, for the election, only the node key just
+before its own (etcd's election pattern); only the leader watches all node records.
+
+Keys (``/efdl/<job>/``): ``nodes/<id>`` (the node record, bound to the agent's lease; the
+oldest is the leader), ``steps/<id>`` (the committed step, bound to the lease), ``round``
+(written by the leader with compare-and-swap on its previous revision and on the leader's
+own node record, so a leader whose lease is gone cannot write).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from efdl.errors import LeaseLostError, RendezvousError, StoreError
+from efdl.rendezvous.api import (
+    Compare,
+    EventType,
+    Get,
+    KeyValue,
+    KVStore,
+    Put,
+    Watch,
+    WatchBatch,
+)
+from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
+from efdl.rendezvous.lease import LeaseSession
+from efdl.rendezvous.model import JobKeys, NodeRecord, RecordError, Round, RoundStatus
+
+log = logging.getLogger(__name__)
+
+_Item = tuple[str, WatchBatch | StoreError | None]
+
+
+def parse_nodes(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, NodeView]:
+    """Node views from ``nodes/`` keys; a record that does not parse is logged and skipped."""
+    nodes: dict[str, NodeView] = {}
+    for kv in kvs:
+        try:
+            nodes[keys.node_id_of(kv.key)] = NodeView(
+                NodeRecord.from_json(kv.value, kv.key), kv.create_revision
+            )
+        except RecordError as exc:
+            log.error("Job %s: ignoring a bad node record: %s", keys.job_id, exc)
+    return nodes
+
+
+def parse_round(kv: KeyValue | None, keys: JobKeys) -> Round | None:
+    if kv is None or not kv.value:
+        return None
+    try:
+        return Round.from_json(kv.value, kv.key)
+    except RecordError as exc:
+        log.error("Job %s: ignoring a bad round record: %s", keys.job_id, exc)
+        return None
+
+
+class RendezvousAgent:
+    """Takes part in the rounds of job ``job_id`` as node ``node.node_id``.
+
+    Args:
+        store: the etcd (or fake) store.
+        job_id: the job; all its keys live under ``/efdl/<job_id>/``.
+        node: this node's record (registered on :meth:`join`).
+        policy: min/max workers, settle window, join timeout (used while leader).
+        lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
+        clock: wall-clock seconds (rounds carry wall times for the join timeout).
+        on_lease_lost: called once if the lease is lost (fencing): stop the workers.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        job_id: str,
+        node: NodeRecord,
+        policy: Policy,
+        lease_ttl_s: int = 5,
+        clock: Callable[[], float] = time.time,
+        on_lease_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.keys = JobKeys(job_id)
+        self._store = store
+        self._node = node
+        self._policy = policy
+        self._ttl_s = lease_ttl_s
+        self._clock = clock
+        self._on_lease_lost = on_lease_lost
+        self._inbox: queue.Queue[_Item] = queue.Queue()
+        self._cond = threading.Condition()
+        self._round: Round | None = None
+        self._round_mod_revision = 0
+        self._is_leader = False
+        self._stopped = False
+        self._session: LeaseSession | None = None
+        self._my_revision = 0
+        self._thread: threading.Thread | None = None
+        self.requests = 0  # etcd requests this agent made (for the benchmark)
+
+    # ---------------------------------------------------------------- public
+
+    @property
+    def node_id(self) -> str:
+        return self._node.node_id
+
+    @property
+    def is_leader(self) -> bool:
+        return self._is_leader
+
+    @property
+    def current_round(self) -> Round | None:
+        with self._cond:
+            return self._round
+
+    @property
+    def lease_lost(self) -> bool:
+        return self._session is not None and self._session.lost
+
+    def _tag(self) -> str:
+        gen = self._round.generation if self._round else 0
+        return f"job {self.keys.job_id} node {self.node_id} gen {gen}"
+
+    def join(self) -> None:
+        """Register this node (bound to a new lease) and start following rounds.
+
+        Raises:
+            RendezvousError: a live node with the same id is already in the job.
+            StoreError: etcd failed.
+        """
+        self._session = LeaseSession(self._store, self._ttl_s, on_lost=self._lease_gone)
+        key = self.keys.node(self.node_id)
+        result = self._store.txn(
+            [Compare.absent(key)],
+            [Put(key, self._node.to_json(), self._session.lease_id)],
+            [Get(key)],
+        )
+        self.requests += 2
+        if not result.succeeded:
+            self._session.close()
+            (existing,) = result.gets[0] or (None,)
+            other = ""
+            if existing is not None:
+                try:
+                    other = f" (host {NodeRecord.from_json(existing.value, key).host})"
+                except RecordError:
+                    other = ""
+            raise RendezvousError(
+                f"A live node with id {self.node_id!r} is already in job {self.keys.job_id!r}"
+                f"{other}; give this node another --node-id."
+            )
+        self._my_revision = result.revision
+        log.info(
+            "Job %s: node %s joined (lease %x).",
+            self.keys.job_id,
+            self.node_id,
+            self._session.lease_id,
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"efdl-rdzv-{self.node_id}", daemon=True
+        )
+        self._thread.start()
+
+    def next_round(self, after: int, timeout_s: float | None = None) -> Round | None:
+        """The newest round with a generation above ``after``, waiting up to ``timeout_s``.
+
+        A round superseded before the caller asked is skipped: each round is acted on at
+        most once, and the newest one always is.
+
+        Raises:
+            LeaseLostError: this node's lease is gone: it is no longer a member.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._session is not None and self._session.lost:
+                    self._session.check()
+                if self._round is not None and self._round.generation > after:
+                    return self._round
+                if self._stopped:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
+
+    def publish_step(self, step: int) -> None:
+        """Publish this node's newest committed step (the leader puts its holder at rank 0)."""
+        assert self._session is not None, "join() first"
+        self._store.put(
+            self.keys.step(self.node_id), str(step).encode(), lease=self._session.lease_id
+        )
+        self.requests += 1
+
+    def request_restart(self) -> None:
+        """Ask for a new round with the same members (this node restarted its workers)."""
+        assert self._session is not None, "join() first"
+        self._node = replace(self._node, incarnation=self._node.incarnation + 1)
+        key = self.keys.node(self.node_id)
+        ok = self._store.txn(
+            [Compare.create_revision_is(key, self._my_revision)],
+            [Put(key, self._node.to_json(), self._session.lease_id)],
+        ).succeeded
+        self.requests += 1
+        if not ok:
+            raise LeaseLostError(f"The node record of {self.node_id} is gone; it left the job.")
+
+    def leave(self) -> None:
+        """Leave gracefully: revoke the lease, so the node's keys go and the next round comes
+        at once instead of after the lease TTL."""
+        self._stop()
+        if self._session is not None:
+            self._session.close(revoke=True)
+            self.requests += 1
+        log.info("Job %s: node %s left.", self.keys.job_id, self.node_id)
+
+    def abandon(self) -> None:
+        """Stop without revoking (as a crash would): the keys go when the lease expires."""
+        self._stop()
+        if self._session is not None:
+            self._session.close(revoke=False)
+
+    # ---------------------------------------------------------------- internals
+
+    def _stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._inbox.put(("stop", None))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _lease_gone(self, reason: str) -> None:
+        with self._cond:
+            self._is_leader = False
+            self._cond.notify_all()
+        self._inbox.put(("lease", None))
+        if self._on_lease_lost is not None:
+            self._on_lease_lost(reason)
+
+    def _sink(self, tag: str) -> Callable[[WatchBatch | StoreError], None]:
+        return lambda item: self._inbox.put((tag, item))
+
+    def _set_round(self, kv: KeyValue | None) -> None:
+        parsed = parse_round(kv, self.keys)
+        with self._cond:
+            if kv is not None:
+                self._round_mod_revision = kv.mod_revision if kv.value else 0
+            if parsed is not None and (
+                self._round is None or parsed.generation > self._round.generation
+            ):
+                self._round = parsed
+                self._cond.notify_all()
+                log.info(
+                    "Job %s: round %d is %s (world size %d): %s.",
+                    self.keys.job_id,
+                    parsed.generation,
+                    parsed.status.value,
+                    parsed.world_size,
+                    parsed.reason,
+                )
+
+    def _run(self) -> None:
+        watches: list[Watch] = []
+        try:
+            snap = self._store.get_prefix(self.keys.prefix)
+            self.requests += 1
+            round_kv = next((kv for kv in snap.kvs if kv.key == self.keys.round), None)
+            self._set_round(round_kv)
+            start = snap.revision + 1
+            watches.append(
+                self._store.watch(self.keys.round, start_revision=start, sink=self._sink("round"))
+            )
+            node_kvs = tuple(kv for kv in snap.kvs if kv.key.startswith(self.keys.nodes))
+            self.requests += 1
+            self._loop(node_kvs, start)
+        except StoreError as exc:
+            log.error("%s: the rendezvous stopped: %s", self._tag(), exc)
+        except LeaseLostError:
+            pass
+        finally:
+            for w in watches:
+                w.cancel()
+
+    def _follow(self, node_kvs: tuple[KeyValue, ...], start: int) -> tuple[bool, Watch | None]:
+        """Watch the node just before ours; (True, None) if there is none: we lead."""
+        older = [kv for kv in node_kvs if kv.create_revision < self._my_revision]
+        if not older:
+            return True, None
+        pred = max(older, key=lambda kv: kv.create_revision)
+        self.requests += 1
+        return False, self._store.watch(pred.key, start_revision=start, sink=self._sink("pred"))
+
+    def _loop(self, node_kvs: tuple[KeyValue, ...], start: int) -> None:
+        leads, pred_watch = self._follow(node_kvs, start)
+        nodes_watch: Watch | None = None
+        nodes: dict[str, NodeView] = {}
+        last_change = self._clock()
+        wake_at: float | None = None
+        if leads:
+            nodes_watch, nodes = self._lead(node_kvs, start)
+        while True:
+            timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
+            try:
+                tag, item = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                tag, item = "wake", None
+            if tag == "stop" or self._stopped:
+                break
+            if tag == "lease" or (self._session is not None and self._session.lost):
+                break
+            if isinstance(item, StoreError):
+                raise item
+            if tag == "round" and isinstance(item, WatchBatch):
+                for ev in item.events:
+                    self._set_round(ev.kv if ev.type is EventType.PUT else None)
+            elif tag == "pred" and isinstance(item, WatchBatch):
+                if any(ev.type is EventType.DELETE for ev in item.events):
+                    if pred_watch is not None:
+                        pred_watch.cancel()
+                    snap = self._store.get_prefix(self.keys.nodes)
+                    self.requests += 1
+                    leads, pred_watch = self._follow(snap.kvs, snap.revision + 1)
+                    if leads:
+                        nodes_watch, nodes = self._lead(snap.kvs, snap.revision + 1)
+                        last_change = self._clock()
+            elif tag == "nodes" and isinstance(item, WatchBatch):
+                if item.reset:
+                    nodes = {}
+                for ev in item.events:
+                    node_id = self.keys.node_id_of(ev.kv.key)
+                    if ev.type is EventType.DELETE:
+                        nodes.pop(node_id, None)
+                    else:
+                        nodes.update(parse_nodes((ev.kv,), self.keys))
+                last_change = self._clock()
+            if self._is_leader:
+                try:
+                    wake_at = self._decide(nodes, last_change)
+                except StoreError as exc:
+                    log.warning(
+                        "%s: could not write the next round (%s); retrying.", self._tag(), exc
+                    )
+                    wake_at = self._clock() + 0.5
+        for w in (pred_watch, nodes_watch):
+            if w is not None:
+                w.cancel()
+
+    def _lead(
+        self, node_kvs: tuple[KeyValue, ...], start: int
+    ) -> tuple[Watch, dict[str, NodeView]]:
+        with self._cond:
+            self._is_leader = True
+        log.info("%s: this node leads the job.", self._tag())
+        watch = self._store.watch(
+            self.keys.nodes, prefix=True, start_revision=start, sink=self._sink("nodes")
+        )
+        self.requests += 1
+        self._inbox.put(("wake", None))
+        return watch, parse_nodes(node_kvs, self.keys)
+
+    def _decide(self, nodes: dict[str, NodeView], last_change: float) -> float | None:
+        """Decide once as leader; write the round if there is one. Returns when to wake."""
+        with self._cond:
+            current = self._round
+        view = JobView(nodes, current, {}, last_change, self.node_id)
+        now = self._clock()
+        decision = decide(view, self._policy, now)
+        if decision.round is None:
+            return decision.wake_at
+        # Only now read the steps: one request per written round, not per event.
+        steps = self._read_steps()
+        decision = decide(replace(view, steps=steps), self._policy, now)
+        if decision.round is None:
+            return decision.wake_at
+        result = self._store.txn(
+            [
+                Compare.mod_revision_is(self.keys.round, self._round_mod_revision),
+                Compare.create_revision_is(self.keys.node(self.node_id), self._my_revision),
+            ],
+            [Put(self.keys.round, decision.round.to_json())],
+            [Get(self.keys.round), Get(self.keys.node(self.node_id))],
+        )
+        self.requests += 1
+        if result.succeeded:
+            kv = KeyValue(self.keys.round, decision.round.to_json(), 0, result.revision)
+            self._set_round(kv)
+            return None
+        round_kvs, mine = result.gets
+        if not mine or mine[0].create_revision != self._my_revision:
+            log.error("%s: our node record is gone; no longer leading.", self._tag())
+            with self._cond:
+                self._is_leader = False
+            raise LeaseLostError("The node record is gone.")
+        log.info("%s: the round changed under us; deciding again.", self._tag())
+        self._set_round(round_kvs[0] if round_kvs else None)
+        return self._clock()
+
+    def _read_steps(self) -> dict[str, int]:
+        snap = self._store.get_prefix(self.keys.steps)
+        self.requests += 1
+        steps = {}
+        for kv in snap.kvs:
+            try:
+                steps[self.keys.node_id_of(kv.key)] = int(kv.value)
+            except ValueError:
+                log.error(
+                    "Job %s: ignoring the bad step %r at %s.",
+                    self.keys.job_id,
+                    kv.value[:32],
+                    kv.key,
+                )
+        return steps
+
+
+def close_job(store: KVStore, job_id: str, reason: str = "stopped by efdl stop") -> Round:
+    """Write a CLOSED round (compare-and-swap), so every agent of the job exits cleanly."""
+    keys = JobKeys(job_id)
+    for _ in range(20):
+        kv = store.get(keys.round)
+        current = parse_round(kv, keys)
+        generation = (current.generation if current else 0) + 1
+        closed = Round(
+            generation=generation,
+            status=RoundStatus.CLOSED,
+            reason=reason,
+            created=time.time(),
+            since=time.time(),
+        )
+        mod = kv.mod_revision if kv else 0
+        if store.txn(
+            [Compare.mod_revision_is(keys.round, mod)], [Put(keys.round, closed.to_json())]
+        ).succeeded:
+            return closed
+    raise RendezvousError(f"Could not close job {job_id!r}: its round kept changing.")

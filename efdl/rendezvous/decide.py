@@ -1,0 +1,250 @@
+"""The rendezvous decision: given what the leader sees, which round (if any) comes next.
+
+Pure functions of their arguments, the clock included, so every rule is tested without a
+store: ``decide(view, policy, now) -> Decision``.
+
+Rules:
+
+- Workers are counted across the job; ``min``/``max`` bound them. A node may run fewer
+  workers than its slots so the job stays within ``max``; nodes left over are spares.
+- Survivors of the last active round come first, in their old rank order, with their old
+  worker counts; then they grow into free slots; then newcomers join in join order.
+- Rank 0 is the admitted node with the newest committed step (ties: the earlier in that
+  order), so the state to broadcast is on rank 0.
+- A departure (or a member asking for a restart) makes a round at once. Joins alone wait
+  for a settle window after the last change, so joins close together make one round, unless
+  the job is already at ``max``.
+- Below ``min`` the job waits (a WAITING round stops training) until ``join_timeout_s``
+  after the wait began; then a FAILED round ends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+
+from efdl.errors import ConfigError
+from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
+
+NO_STEP = -1
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The job's admission rules.
+
+    Attributes:
+        min_workers: fewer than this and the job waits.
+        max_workers: never more than this; nodes beyond it are spares.
+        settle_s: how long after the last join to wait for more joins before a round.
+            Longer batches more joins into one rescale; shorter starts training sooner.
+        join_timeout_s: how long the job may wait below ``min_workers`` before it fails.
+    """
+
+    min_workers: int
+    max_workers: int
+    settle_s: float = 1.0
+    join_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ConfigError(
+                f"The minimum number of workers ({self.min_workers}) must be at least 1."
+            )
+        if self.max_workers < self.min_workers:
+            raise ConfigError(
+                f"The maximum number of workers ({self.max_workers}) must be at least the "
+                f"minimum ({self.min_workers})."
+            )
+        if self.settle_s < 0:
+            raise ConfigError(f"The settle window ({self.settle_s} s) must not be negative.")
+        if self.join_timeout_s <= 0:
+            raise ConfigError(f"The join timeout ({self.join_timeout_s} s) must be positive.")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """A live node as the leader sees it: its record and when it joined (create revision)."""
+
+    record: NodeRecord
+    joined_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """Everything the decision needs.
+
+    Attributes:
+        nodes: live nodes by id.
+        round: the newest round, or None before the first.
+        steps: the committed step each node published (missing: none yet).
+        last_change: when the leader last saw a node join (for the settle window).
+        leader: the deciding node's id (written into the round).
+    """
+
+    nodes: Mapping[str, NodeView]
+    round: Round | None
+    steps: Mapping[str, int] = field(default_factory=dict)
+    last_change: float = 0.0
+    leader: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the leader does now.
+
+    Attributes:
+        round: the round to write (compare-and-swap on the current one), or None.
+        wake_at: decide again at this time even if nothing happens (settle, timeout).
+        reason: why, for the log line and the round record.
+    """
+
+    round: Round | None
+    wake_at: float | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    members: tuple[Member, ...]
+    spares: tuple[str, ...]
+
+    @property
+    def workers(self) -> int:
+        return sum(m.workers for m in self.members)
+
+
+def assign(view: JobView, policy: Policy) -> Assignment:
+    """Who trains, with how many workers, at which ranks (see the module rules)."""
+    prev = view.round
+    prev_members = prev.members if prev and prev.status is RoundStatus.ACTIVE else ()
+    step = {n: view.steps.get(n, NO_STEP) for n in view.nodes}
+    survivors = [m for m in prev_members if m.node_id in view.nodes]
+    surviving = {m.node_id for m in survivors}
+    newcomers = sorted(
+        (n for n in view.nodes if n not in surviving),
+        key=lambda n: (-step[n], view.nodes[n].joined_revision, n),
+    )
+    budget = policy.max_workers
+    counts: dict[str, int] = {}
+    for m in survivors:
+        take = min(m.workers, view.nodes[m.node_id].record.slots, budget)
+        if take > 0:
+            counts[m.node_id] = take
+            budget -= take
+    for node_id in list(counts):
+        extra = min(view.nodes[node_id].record.slots - counts[node_id], budget)
+        counts[node_id] += extra
+        budget -= extra
+    for node_id in newcomers:
+        take = min(view.nodes[node_id].record.slots, budget)
+        if take > 0:
+            counts[node_id] = take
+            budget -= take
+    order = list(counts)  # survivors in rank order, then newcomers
+    if order:
+        best = max(order, key=lambda n: (step[n], -order.index(n)))
+        order.remove(best)
+        order.insert(0, best)
+    members = []
+    rank = 0
+    for node_id in order:
+        members.append(Member(node_id, counts[node_id], rank, view.nodes[node_id].record.host))
+        rank += counts[node_id]
+    spares = tuple(
+        sorted(
+            (n for n in view.nodes if n not in counts), key=lambda n: view.nodes[n].joined_revision
+        )
+    )
+    return Assignment(tuple(members), spares)
+
+
+def _changes(view: JobView, assignment: Assignment) -> tuple[list[str], list[str], list[str]]:
+    """(departed, restarted, joined) members relative to the current active round."""
+    prev = view.round
+    if prev is None or prev.status is not RoundStatus.ACTIVE:
+        return [], [], [m.node_id for m in assignment.members]
+    departed = [m.node_id for m in prev.members if m.node_id not in view.nodes]
+    restarted = [
+        m.node_id
+        for m in prev.members
+        if m.node_id in view.nodes
+        and view.nodes[m.node_id].record.incarnation > prev.incarnations.get(m.node_id, 0)
+    ]
+    joined = [m.node_id for m in assignment.members if prev.member(m.node_id) is None]
+    return departed, restarted, joined
+
+
+def decide(view: JobView, policy: Policy, now: float) -> Decision:
+    """The next round to write, if any; see the module docstring for the rules."""
+    prev = view.round
+    generation = (prev.generation if prev else 0) + 1
+    if prev is not None and prev.status in (RoundStatus.CLOSED, RoundStatus.FAILED):
+        return Decision(None, None, f"the job is {prev.status.value}")
+    assignment = assign(view, policy)
+    base = Round(
+        generation=generation,
+        status=RoundStatus.WAITING,
+        spares=assignment.spares,
+        leader=view.leader,
+        created=now,
+        since=now,
+        steps={n: view.steps[n] for n in view.nodes if n in view.steps},
+        incarnations={n: v.record.incarnation for n, v in view.nodes.items()},
+    )
+    have = assignment.workers
+    if have < policy.min_workers:
+        waiting = f"{have} of the {policy.min_workers} workers needed are here"
+        if prev is not None and prev.status is RoundStatus.WAITING:
+            deadline = prev.since + policy.join_timeout_s
+            if now >= deadline:
+                reason = (
+                    f"only {have} of the {policy.min_workers} workers needed joined within "
+                    f"the join timeout ({policy.join_timeout_s:g} s)"
+                )
+                return Decision(_with(base, status=RoundStatus.FAILED, reason=reason), None, reason)
+            return Decision(None, deadline, f"waiting: {waiting}")
+        lost = ""
+        if prev is not None and prev.status is RoundStatus.ACTIVE:
+            gone = [m.node_id for m in prev.members if m.node_id not in view.nodes]
+            lost = f"{', '.join(gone)} left; " if gone else ""
+        reason = f"{lost}waiting: {waiting}"
+        spares = tuple(sorted(view.nodes, key=lambda n: view.nodes[n].joined_revision))
+        return Decision(_with(base, spares=spares, reason=reason), None, reason)
+
+    departed, restarted, joined = _changes(view, assignment)
+    same_shape = (
+        prev is not None
+        and prev.status is RoundStatus.ACTIVE
+        and (prev.shape() == tuple((m.node_id, m.workers) for m in assignment.members))
+    )
+    if same_shape and not restarted:
+        return Decision(None, None, "no change")
+    parts = []
+    if departed:
+        parts.append(f"{', '.join(departed)} left")
+    if restarted:
+        parts.append(f"{', '.join(restarted)} restarted its workers")
+    if joined:
+        parts.append(f"{', '.join(joined)} joined")
+    if not parts:
+        parts.append("the workers per node changed")
+    reason = "; ".join(parts)
+    urgent = bool(departed or restarted) or have >= policy.max_workers
+    settle_until = view.last_change + policy.settle_s
+    if not urgent and now < settle_until:
+        return Decision(None, settle_until, f"settling ({reason})")
+    head = view.nodes[assignment.members[0].node_id].record
+    new = _with(
+        base,
+        status=RoundStatus.ACTIVE,
+        members=assignment.members,
+        store_host=head.host,
+        store_port=head.store_port,
+        reason=reason,
+    )
+    return Decision(new, None, reason)
+
+
+def _with(base: Round, **changes: object) -> Round:
+    return replace(base, **changes)  # type: ignore[arg-type]

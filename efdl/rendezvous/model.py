@@ -1,0 +1,335 @@
+"""What the rendezvous keeps in etcd: keys, node records and rounds, with strict JSON codecs.
+
+Everything read from etcd is untrusted input: a record that does not parse raises
+:class:`RecordError` naming the key and the field, and the caller logs it and skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from efdl.errors import ConfigError, EfdlError
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NODE_ID_RE = JOB_ID_RE
+ROOT = "/efdl"
+
+
+class RecordError(EfdlError):
+    """A value in etcd is not a valid efdl record."""
+
+
+def check_job_id(job_id: str) -> str:
+    """Return ``job_id`` if it is safe as one path segment of an etcd key.
+
+    Raises:
+        ConfigError: it could escape its prefix (``/``, ``..``) or is otherwise odd.
+    """
+    if not JOB_ID_RE.match(job_id) or ".." in job_id:
+        raise ConfigError(
+            f"The job id {job_id!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (no '/' and no '..')."
+        )
+    return job_id
+
+
+def check_node_id(node_id: str) -> str:
+    if not NODE_ID_RE.match(node_id) or ".." in node_id:
+        raise ConfigError(
+            f"The node id {node_id!r} is not allowed: use 1-128 letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit."
+        )
+    return node_id
+
+
+@dataclass(frozen=True, slots=True)
+class JobKeys:
+    """The etcd keys of one job; nothing outside ``/efdl/<job>/`` is ever touched."""
+
+    job_id: str
+
+    def __post_init__(self) -> None:
+        check_job_id(self.job_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}/{self.job_id}/"
+
+    @property
+    def nodes(self) -> str:
+        return self.prefix + "nodes/"
+
+    @property
+    def steps(self) -> str:
+        return self.prefix + "steps/"
+
+    @property
+    def round(self) -> str:
+        return self.prefix + "round"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def step(self, node_id: str) -> str:
+        return self.steps + node_id
+
+    def node_id_of(self, key: str) -> str:
+        """The node id at the end of a ``nodes/`` or ``steps/`` key."""
+        return key.rsplit("/", 1)[-1]
+
+
+# ---------------------------------------------------------------- validation helpers
+
+
+def _obj(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise RecordError(f"{where} must be a JSON object, not {type(data).__name__}.")
+    return data
+
+
+def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if name not in data:
+        raise RecordError(f"{where} has no field {name!r}.")
+    value = data[name]
+    if isinstance(value, bool) and kind in (int, float):
+        raise RecordError(f"{where} field {name!r} is {value!r}; expected a number.")
+    if not isinstance(value, kind):
+        expected = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise RecordError(f"{where} field {name!r} is {value!r}; expected {expected}.")
+    return value
+
+
+def _count(data: dict[str, Any], name: str, where: str, low: int = 0, high: int = 1 << 20) -> int:
+    value = int(_field(data, name, int, where))
+    if not low <= value <= high:
+        raise RecordError(f"{where} field {name!r} is {value}; expected {low}..{high}.")
+    return value
+
+
+def _text(data: dict[str, Any], name: str, where: str, limit: int = 256) -> str:
+    value = str(_field(data, name, str, where))
+    if len(value) > limit:
+        raise RecordError(f"{where} field {name!r} is longer than {limit} characters.")
+    return value
+
+
+def _load(raw: bytes, where: str) -> dict[str, Any]:
+    if len(raw) > 1 << 20:
+        raise RecordError(f"{where} is larger than 1 MiB.")
+    try:
+        return _obj(json.loads(raw), where)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{where} is not valid JSON: {exc}.") from None
+
+
+def _dump(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+# ---------------------------------------------------------------- node records
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    index: int
+    model: str = ""
+    memory_mb: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """What a node agent offers, under ``nodes/<node_id>``, bound to its lease.
+
+    Attributes:
+        node_id: unique within the job.
+        host: the address peers use to reach this node (store, workers).
+        store_port: where this agent serves the c10d store when it holds rank 0.
+        slots: how many workers it can run (its free GPUs, or --nproc-per-node on CPU).
+        gpus: the GPUs behind the slots; empty on CPU hosts.
+        cpus: CPU count, for thread shares.
+        version: efdl version of the agent.
+        start_time: wall-clock seconds when the agent started.
+        incarnation: bumped by the agent to ask for a new round without a membership change
+            (its workers failed and were restarted).
+        in_place: whether its workers can rebuild in place (efdl-aware script).
+    """
+
+    node_id: str
+    host: str
+    store_port: int
+    slots: int
+    gpus: tuple[GpuInfo, ...] = ()
+    cpus: int = 1
+    version: str = ""
+    start_time: float = 0.0
+    incarnation: int = 0
+    in_place: bool = False
+
+    def to_json(self) -> bytes:
+        return _dump(asdict(self))
+
+    @staticmethod
+    def from_json(raw: bytes, key: str) -> NodeRecord:
+        where = f"The node record at {key}"
+        data = _load(raw, where)
+        gpus = []
+        for i, g in enumerate(_field(data, "gpus", list, where)):
+            gw = f"{where} (gpus[{i}])"
+            g = _obj(g, gw)
+            gpus.append(
+                GpuInfo(
+                    _count(g, "index", gw, 0, 1024),
+                    _text(g, "model", gw),
+                    _count(g, "memory_mb", gw),
+                )
+            )
+        record = NodeRecord(
+            node_id=_text(data, "node_id", where, 128),
+            host=_text(data, "host", where),
+            store_port=_count(data, "store_port", where, 0, 65535),
+            slots=_count(data, "slots", where, 1, 4096),
+            gpus=tuple(gpus),
+            cpus=_count(data, "cpus", where, 1, 1 << 16),
+            version=_text(data, "version", where, 64),
+            start_time=float(_field(data, "start_time", (int, float), where)),
+            incarnation=_count(data, "incarnation", where, 0, 1 << 40),
+            in_place=bool(_field(data, "in_place", bool, where)),
+        )
+        if not NODE_ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
+            raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
+        return record
+
+
+# ---------------------------------------------------------------- rounds
+
+
+class RoundStatus(StrEnum):
+    ACTIVE = "active"  # train with these members
+    WAITING = "waiting"  # fewer than --min workers: stop and wait for more
+    FAILED = "failed"  # waited longer than the join timeout: exit with an error
+    CLOSED = "closed"  # `efdl stop`: exit cleanly
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One node in a round: how many workers it runs and the global rank of its first one."""
+
+    node_id: str
+    workers: int
+    first_rank: int
+    host: str = ""
+
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.workers)
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One generation of the job, written by the leader alone with compare-and-swap.
+
+    Attributes:
+        generation: 1, 2, ...; each round is acted on exactly once.
+        status: what agents do with it.
+        members: in rank order; ranks within a node are contiguous.
+        spares: admitted nodes are members; these wait beyond --max.
+        store_host, store_port: the c10d store of this generation (the rank-0 node's agent).
+        store_prefix: key prefix in that store; fresh per generation so nothing stale is read.
+        reason: why this round was made, for logs and ``efdl status``.
+        leader: the node that wrote it.
+        since: wall-clock seconds when the current state (e.g. WAITING) began.
+        created: wall-clock seconds when this round was written.
+    """
+
+    generation: int
+    status: RoundStatus
+    members: tuple[Member, ...] = ()
+    spares: tuple[str, ...] = ()
+    store_host: str = ""
+    store_port: int = 0
+    reason: str = ""
+    leader: str = ""
+    since: float = 0.0
+    created: float = 0.0
+    # what members reported when the round was made (node id -> committed step, incarnation)
+    steps: dict[str, int] = field(default_factory=dict)
+    incarnations: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.workers for m in self.members)
+
+    @property
+    def store_prefix(self) -> str:
+        return f"efdl/gen{self.generation}/"
+
+    def member(self, node_id: str) -> Member | None:
+        return next((m for m in self.members if m.node_id == node_id), None)
+
+    def shape(self) -> tuple[tuple[str, int], ...]:
+        """The (node, workers) layout in rank order: equal shapes need no new round."""
+        return tuple((m.node_id, m.workers) for m in self.members)
+
+    def to_json(self) -> bytes:
+        data = asdict(self)
+        data["status"] = self.status.value
+        return _dump(data)
+
+    @staticmethod
+    def from_json(raw: bytes, key: str) -> Round:
+        where = f"The round at {key}"
+        data = _load(raw, where)
+        status_text = _text(data, "status", where, 16)
+        try:
+            status = RoundStatus(status_text)
+        except ValueError:
+            raise RecordError(
+                f"{where} has status {status_text!r}; expected one of "
+                f"{', '.join(s.value for s in RoundStatus)}."
+            ) from None
+        members = []
+        next_rank = 0
+        for i, m in enumerate(_field(data, "members", list, where)):
+            mw = f"{where} (members[{i}])"
+            m = _obj(m, mw)
+            member = Member(
+                _text(m, "node_id", mw, 128),
+                _count(m, "workers", mw, 1, 4096),
+                _count(m, "first_rank", mw, 0, 1 << 20),
+                _text(m, "host", mw),
+            )
+            if member.first_rank != next_rank:
+                raise RecordError(f"{mw} starts at rank {member.first_rank}; expected {next_rank}.")
+            next_rank += member.workers
+            members.append(member)
+        if len({m.node_id for m in members}) != len(members):
+            raise RecordError(f"{where} lists a node twice.")
+        steps = _int_map(data, "steps", where)
+        incarnations = _int_map(data, "incarnations", where)
+        return Round(
+            generation=_count(data, "generation", where, 1, 1 << 40),
+            status=status,
+            members=tuple(members),
+            spares=tuple(str(s) for s in _field(data, "spares", list, where)),
+            store_host=_text(data, "store_host", where),
+            store_port=_count(data, "store_port", where, 0, 65535),
+            reason=_text(data, "reason", where, 4096),
+            leader=_text(data, "leader", where, 128),
+            since=float(_field(data, "since", (int, float), where)),
+            created=float(_field(data, "created", (int, float), where)),
+            steps=steps,
+            incarnations=incarnations,
+        )
+
+
+def _int_map(data: dict[str, Any], name: str, where: str) -> dict[str, int]:
+    raw = _obj(_field(data, name, dict, where), f"{where} ({name})")
+    out = {}
+    for node, value in raw.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RecordError(f"{where} has {name} {value!r} for {node!r}; expected a number.")
+        out[str(node)] = value
+    return out

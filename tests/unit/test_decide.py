@@ -1,0 +1,194 @@
+"""The rendezvous decision, with no store and a clock passed in."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from efdl.errors import ConfigError
+from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
+from efdl.rendezvous.model import NodeRecord, Round, RoundStatus
+
+T0 = 1_000.0
+
+
+def node(node_id: str, slots: int = 1, rev: int = 0, incarnation: int = 0) -> tuple[str, NodeView]:
+    record = NodeRecord(
+        node_id,
+        host=f"10.0.0.{ord(node_id[-1]) % 250}",
+        store_port=29500,
+        slots=slots,
+        incarnation=incarnation,
+    )
+    return node_id, NodeView(record, joined_revision=rev or ord(node_id[-1]))
+
+
+def view(
+    *nodes: tuple[str, NodeView],
+    round: Round | None = None,
+    steps: dict[str, int] | None = None,
+    last_change: float = T0,
+) -> JobView:
+    return JobView(dict(nodes), round, steps or {}, last_change, leader="a")
+
+
+def layout(r: Round | None) -> list[tuple[str, int, int]]:
+    assert r is not None
+    return [(m.node_id, m.workers, m.first_rank) for m in r.members]
+
+
+def settled(v: JobView, policy: Policy) -> Round:
+    """The round written once the settle window has passed."""
+    d = decide(v, policy, T0 + policy.settle_s + 0.01)
+    assert d.round is not None, d.reason
+    return d.round
+
+
+P = Policy(min_workers=2, max_workers=4, settle_s=1.0, join_timeout_s=60)
+
+
+def test_policy_validation() -> None:
+    with pytest.raises(ConfigError, match=r"minimum number of workers \(0\) must be at least 1"):
+        Policy(0, 2)
+    with pytest.raises(
+        ConfigError, match=r"maximum number of workers \(1\) must be at least the minimum \(2\)"
+    ):
+        Policy(2, 1)
+    with pytest.raises(ConfigError, match="settle window"):
+        Policy(1, 2, settle_s=-1)
+
+
+def test_below_min_writes_a_waiting_round_then_waits_then_fails() -> None:
+    d = decide(view(node("a")), P, T0)
+    assert d.round is not None and d.round.status is RoundStatus.WAITING
+    assert d.round.generation == 1 and d.round.spares == ("a",)
+    assert "1 of the 2 workers needed" in d.reason
+    waiting = d.round
+    d2 = decide(view(node("a"), round=waiting), P, T0 + 30)
+    assert d2.round is None and d2.wake_at == T0 + 60  # no new round while waiting
+    d3 = decide(view(node("a"), round=waiting), P, T0 + 60)
+    assert d3.round is not None and d3.round.status is RoundStatus.FAILED
+    assert "within the join timeout (60 s)" in d3.round.reason
+
+
+def test_joins_settle_into_one_round() -> None:
+    v = view(node("a"), node("b"), last_change=T0)
+    early = decide(v, P, T0 + 0.5)
+    assert early.round is None and early.wake_at == T0 + 1.0 and "settling" in early.reason
+    r = settled(v, P)
+    assert r.status is RoundStatus.ACTIVE and layout(r) == [("a", 1, 0), ("b", 1, 1)]
+    assert r.world_size == 2 and (r.store_host, r.store_port) == ("10.0.0.97", 29500)
+
+
+def test_reaching_max_skips_the_settle_window() -> None:
+    d = decide(view(node("a", 2), node("b", 2)), P, T0)
+    assert d.round is not None and layout(d.round) == [("a", 2, 0), ("b", 2, 2)]
+
+
+def test_partial_node_keeps_the_job_within_max() -> None:
+    r = settled(view(node("a", 3), node("b", 8)), P)
+    assert layout(r) == [("a", 3, 0), ("b", 1, 3)]
+    assert r.world_size == 4 and r.spares == ()
+
+
+def test_spares_wait_and_take_a_departed_members_place_at_once() -> None:
+    r1 = settled(view(node("a", 2), node("b", 2), node("c", 2)), P)
+    assert layout(r1) == [("a", 2, 0), ("b", 2, 2)] and r1.spares == ("c",)
+    # c is a spare: nothing changes while a and b stay
+    assert decide(view(node("a", 2), node("b", 2), node("c", 2), round=r1), P, T0 + 5).round is None
+    # b dies: c is admitted in the very next round, no settle wait
+    d = decide(view(node("a", 2), node("c", 2), round=r1, last_change=T0 + 5), P, T0 + 5)
+    assert d.round is not None and layout(d.round) == [("a", 2, 0), ("c", 2, 2)]
+    assert "b left" in d.reason and "c joined" in d.reason and d.round.generation == 2
+
+
+def test_survivors_keep_order_and_ranks_newcomers_appended() -> None:
+    r1 = settled(view(node("a"), node("b"), node("c")), Policy(2, 8, settle_s=1))
+    assert layout(r1) == [("a", 1, 0), ("b", 1, 1), ("c", 1, 2)]
+    d = decide(
+        view(node("a"), node("c"), node("d"), node("e"), round=r1, last_change=T0),
+        Policy(2, 8, 1),
+        T0,
+    )
+    assert d.round is not None
+    assert layout(d.round) == [("a", 1, 0), ("c", 1, 1), ("d", 1, 2), ("e", 1, 3)]
+
+
+def test_rank0_goes_to_the_survivor_with_the_newest_step() -> None:
+    r1 = settled(view(node("a"), node("b"), node("c")), Policy(2, 8, 1))
+    # a (rank 0) died; c committed a newer step than b
+    d = decide(view(node("b"), node("c"), round=r1, steps={"b": 10, "c": 12}), Policy(2, 8, 1), T0)
+    assert d.round is not None and layout(d.round) == [("c", 1, 0), ("b", 1, 1)]
+    assert d.round.store_host == "10.0.0.99"  # the store moves with rank 0
+    # equal steps: the old order stands
+    d = decide(view(node("b"), node("c"), round=r1, steps={"b": 12, "c": 12}), Policy(2, 8, 1), T0)
+    assert d.round is not None and layout(d.round) == [("b", 1, 0), ("c", 1, 1)]
+
+
+def test_rank0_is_never_a_newcomer_without_state() -> None:
+    r1 = settled(view(node("a"), node("b")), Policy(2, 8, 1))
+    d = decide(
+        view(node("a"), node("b"), node("c"), round=r1, steps={"a": 5, "b": 5}),
+        Policy(2, 8, 1),
+        T0 + 2,
+    )
+    assert d.round is not None and layout(d.round)[0][0] == "a"
+
+
+def test_survivor_grows_into_free_slots_before_newcomers() -> None:
+    p = Policy(2, 4, 1)
+    r1 = settled(view(node("a", 3), node("b", 4)), p)
+    assert layout(r1) == [("a", 3, 0), ("b", 1, 3)]
+    d = decide(view(node("b", 4), node("c", 4), round=r1), p, T0)
+    assert d.round is not None and layout(d.round) == [("b", 4, 0)] and d.round.spares == ("c",)
+
+
+def test_nothing_changes_when_nothing_changed() -> None:
+    r1 = settled(view(node("a"), node("b")), P)
+    d = decide(view(node("a"), node("b"), round=r1), P, T0 + 100)
+    assert d.round is None and d.reason == "no change"
+
+
+def test_a_member_restarting_its_workers_gets_a_new_round_at_once() -> None:
+    r1 = settled(view(node("a"), node("b")), P)
+    d = decide(view(node("a"), node("b", incarnation=1), round=r1, last_change=T0 + 5), P, T0 + 5)
+    assert d.round is not None and d.round.generation == 2 and "b restarted its workers" in d.reason
+    assert layout(d.round) == layout(r1) and d.round.incarnations["b"] == 1
+    # and that incarnation is not acted on twice
+    assert decide(view(node("a"), node("b", incarnation=1), round=d.round), P, T0 + 6).round is None
+
+
+def test_dropping_below_min_stops_training_then_recovers() -> None:
+    r1 = settled(view(node("a"), node("b")), P)
+    d = decide(view(node("a"), round=r1), P, T0 + 10)
+    assert d.round is not None and d.round.status is RoundStatus.WAITING
+    assert "b left" in d.reason and d.round.since == T0 + 10
+    v = view(node("a"), node("c"), round=d.round, last_change=T0 + 20)
+    back = decide(v, P, T0 + 21.5)
+    assert back.round is not None and back.round.status is RoundStatus.ACTIVE
+    assert back.round.generation == 3 and layout(back.round) == [("a", 1, 0), ("c", 1, 1)]
+
+
+def test_a_new_leader_decides_the_same_and_doubles_nothing() -> None:
+    r1 = settled(view(node("a"), node("b"), node("c")), P)
+    # a (the leader) crashes; b takes over with a fresh view of its own
+    d = decide(replace(view(node("b"), node("c"), round=r1), leader="b"), P, T0 + 7)
+    assert d.round is not None and d.round.generation == 2 and d.round.leader == "b"
+    assert layout(d.round) == [("b", 1, 0), ("c", 1, 1)]
+    # once written, the same view yields nothing more
+    assert (
+        decide(replace(view(node("b"), node("c"), round=d.round), leader="b"), P, T0 + 8).round
+        is None
+    )
+
+
+def test_closed_and_failed_jobs_get_no_more_rounds() -> None:
+    for status in (RoundStatus.CLOSED, RoundStatus.FAILED):
+        d = decide(view(node("a"), node("b"), round=Round(5, status)), P, T0)
+        assert d.round is None and status.value in d.reason
+
+
+def test_round_roundtrips_through_json() -> None:
+    r = settled(view(node("a", 2), node("b", 2), steps={"a": 3}), P)
+    assert Round.from_json(r.to_json(), "/efdl/j/round") == r
