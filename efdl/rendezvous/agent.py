@@ -230,6 +230,7 @@ class RendezvousAgent:
     def _stop(self) -> None:
         with self._cond:
             self._stopped = True
+            self._is_leader = False
             self._cond.notify_all()
         self._inbox.put(("stop", None))
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -1,0 +1,307 @@
+"""The rendezvous protocol with several agents (threads, each with its own etcd client)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from efdl.errors import LeaseLostError, RendezvousError
+from efdl.rendezvous.agent import RendezvousAgent, close_job
+from efdl.rendezvous.api import KVStore
+from efdl.rendezvous.decide import Policy
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
+
+Layout = list[tuple[str, int]]
+
+
+class Cluster:
+    """Agents of one job, each on its own connection, all stopped at the end."""
+
+    def __init__(self, server: EmbeddedEtcd, policy: Policy, ttl_s: int = 2) -> None:
+        self.server = server
+        self.job = f"job-{uuid.uuid4().hex[:8]}"
+        self.policy = policy
+        self.ttl_s = ttl_s
+        self.agents: dict[str, RendezvousAgent] = {}
+        self.stores: list[KVStore] = []
+        self.lost: dict[str, str] = {}
+
+    def store(self) -> EtcdStore:
+        s = EtcdStore(self.server.settings(request_timeout_s=3))
+        self.stores.append(s)
+        return s
+
+    def add(self, node_id: str, slots: int = 1) -> RendezvousAgent:
+        record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots)
+        agent = RendezvousAgent(
+            self.store(),
+            self.job,
+            record,
+            self.policy,
+            lease_ttl_s=self.ttl_s,
+            on_lease_lost=lambda reason, n=node_id: self.lost.__setitem__(n, reason),
+        )
+        agent.join()
+        self.agents[node_id] = agent
+        return agent
+
+    def wait(self, pred: Callable[[Round], bool], *names: str, timeout_s: float = 15) -> Round:
+        """Until every named agent (default: all) sees a round satisfying ``pred``; that round."""
+        deadline = time.monotonic() + timeout_s
+        names = names or tuple(self.agents)
+        seen: dict[str, Round] = {}
+        while time.monotonic() < deadline:
+            for n in names:
+                r = self.agents[n].current_round
+                if r is not None and pred(r):
+                    seen[n] = r
+            if len(seen) == len(names):
+                gens = {r.generation for r in seen.values()}
+                assert len(gens) == 1, f"agents disagree: {gens}"
+                return next(iter(seen.values()))
+            time.sleep(0.02)
+        state = {n: a.current_round for n, a in self.agents.items()}
+        raise AssertionError(f"no matching round within {timeout_s} s: {state}")
+
+    def leaders(self) -> list[str]:
+        return [n for n, a in self.agents.items() if a.is_leader]
+
+    def close(self) -> None:
+        for a in self.agents.values():
+            a.abandon()
+        for s in self.stores:
+            s.close()
+
+
+def shape(*pairs: tuple[str, int]) -> Callable[[Round], bool]:
+    return lambda r: r.status is RoundStatus.ACTIVE and list(r.shape()) == list(pairs)
+
+
+@pytest.fixture()
+def cluster(etcd_server: EmbeddedEtcd) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(
+        min_workers: int = 2,
+        max_workers: int = 8,
+        settle_s: float = 0.5,
+        join_timeout_s: float = 60,
+        ttl_s: int = 2,
+    ) -> Cluster:
+        c = Cluster(etcd_server, Policy(min_workers, max_workers, settle_s, join_timeout_s), ttl_s)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_two_join_then_a_third_then_one_leaves_gracefully(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(ttl_s=10)
+    c.add("a")
+    c.add("b")
+    r1 = c.wait(shape(("a", 1), ("b", 1)))
+    assert c.leaders() == ["a"] and r1.world_size == 2
+    assert (r1.store_host, r1.store_port) == ("127.0.0.1", 29500)
+    c.add("c")
+    r2 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    assert r2.generation == r1.generation + 1 and "c joined" in r2.reason
+    t0 = time.monotonic()
+    c.agents["b"].leave()
+    r3 = c.wait(shape(("a", 1), ("c", 1)), "a", "c")
+    # Well before the 10 s lease would have expired: the leave is seen at once.
+    assert time.monotonic() - t0 < 5
+    assert r3.generation == r2.generation + 1 and "b left" in r3.reason
+
+
+def test_a_crashed_node_goes_when_its_lease_expires(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(ttl_s=2)
+    for n in "abc":
+        c.add(n)
+    r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    t0 = time.monotonic()
+    c.agents["c"].abandon()  # no revoke: as if the process was SIGKILLed
+    r2 = c.wait(shape(("a", 1), ("b", 1)), "a", "b")
+    assert 1.0 < time.monotonic() - t0 < 8
+    assert r2.generation == r1.generation + 1 and "c left" in r2.reason
+
+
+def test_leader_crash_hands_over_without_losing_or_doubling_a_round(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c = cluster(ttl_s=2)
+    for n in "abc":
+        c.add(n)
+    r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    assert c.leaders() == ["a"]
+    c.agents["a"].abandon()
+    r2 = c.wait(shape(("b", 1), ("c", 1)), "b", "c")
+    assert r2.generation == r1.generation + 1  # exactly one round for the loss
+    assert r2.leader == "b" and c.leaders() == ["b"]
+    time.sleep(1.0)
+    assert c.agents["c"].current_round == r2  # and nothing after it
+
+
+def test_a_spare_replaces_a_departed_member(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_workers=2, max_workers=4)
+    c.add("a", slots=2)
+    c.add("b", slots=2)
+    c.add("s", slots=2)
+    r1 = c.wait(shape(("a", 2), ("b", 2)))
+    time.sleep(0.5)  # s registered, and as a spare it changes nothing
+    assert c.agents["s"].current_round == r1 and r1.member("s") is None
+    c.agents["b"].leave()
+    r2 = c.wait(shape(("a", 2), ("s", 2)), "a", "s")
+    assert r2.generation == r1.generation + 1 and r2.spares == ()
+
+
+def test_partial_node_and_rank0_follows_the_newest_step(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_workers=2, max_workers=3)
+    c.add("a", slots=2)
+    c.add("b", slots=4)
+    c.wait(shape(("a", 2), ("b", 1)))
+    c.agents["a"].publish_step(7)
+    c.agents["b"].publish_step(9)
+    c.add("c", slots=1)  # a spare: the job is at max
+    time.sleep(1)
+    c.agents["a"].leave()
+    r = c.wait(shape(("b", 3)), "b", "c")
+    assert r.store_port == 29501 and r.steps["b"] == 9 and r.spares == ("c",)
+
+
+def test_concurrent_joins_converge_on_one_round(cluster: Callable[..., Cluster]) -> None:
+    import threading
+
+    c = cluster(min_workers=2, max_workers=16, settle_s=0.3)
+    c.add("n00")
+    threads = [threading.Thread(target=c.add, args=(f"n{i:02d}",)) for i in range(1, 10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = c.wait(lambda r: r.status is RoundStatus.ACTIVE and r.world_size == 10)
+    assert [m.first_rank for m in final.members] == list(range(10))
+    assert len(c.leaders()) == 1
+    # Every generation is written once: the round key changed exactly `generation` times.
+    kv = c.stores[0].get(JobKeys(c.job).round)
+    assert kv is not None and kv.version == final.generation
+
+
+def test_below_min_waits_then_fails_after_the_join_timeout(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_workers=3, join_timeout_s=1.5)
+    c.add("a")
+    c.add("b")
+    waiting = c.wait(lambda r: r.status is RoundStatus.WAITING)
+    assert "2 of the 3 workers needed" in waiting.reason or "1 of the 3" in waiting.reason
+    failed = c.wait(lambda r: r.status is RoundStatus.FAILED)
+    assert "join timeout (1.5 s)" in failed.reason
+
+
+def test_below_min_then_recovers_when_a_node_comes(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_workers=2, ttl_s=2)
+    c.add("a")
+    c.add("b")
+    c.wait(shape(("a", 1), ("b", 1)))
+    c.agents["b"].leave()
+    c.wait(lambda r: r.status is RoundStatus.WAITING, "a")
+    c.add("c")
+    r = c.wait(shape(("a", 1), ("c", 1)), "a", "c")
+    assert r.status is RoundStatus.ACTIVE
+
+
+def test_fencing_a_node_that_lost_its_lease(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(ttl_s=3)
+    a = c.add("a")
+    c.add("b")
+    r1 = c.wait(shape(("a", 1), ("b", 1)))
+    # etcd drops the lease (what a partition longer than the TTL looks like to etcd)
+    c.stores[0].revoke_lease(a._session.lease_id)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 5
+    while "a" not in c.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "a" in c.lost and a.lease_lost
+    with pytest.raises(LeaseLostError):
+        a.next_round(after=r1.generation, timeout_s=1)
+    assert not a.is_leader
+    r2 = c.wait(lambda r: r.generation > r1.generation, "b")
+    assert r2.status is RoundStatus.WAITING and r2.leader == "b"
+
+
+def test_duplicate_node_id_is_refused(cluster: Callable[..., Cluster]) -> None:
+    c = cluster()
+    c.add("a")
+    with pytest.raises(
+        RendezvousError, match=r"A live node with id 'a' is already in job .* \(host 127.0.0.1\)"
+    ):
+        c.add("a")
+
+
+def test_bad_records_are_ignored_not_fatal(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(ttl_s=5)
+    c.add("a")
+    s = c.store()
+    keys = JobKeys(c.job)
+    lease = s.grant_lease(30)
+    s.put(keys.node("zz-garbage"), b"{not json", lease=lease)
+    s.put(keys.step("a"), b"NaN?")
+    c.add("b")
+    c.wait(shape(("a", 1), ("b", 1)))
+    s.revoke_lease(lease)
+
+
+def test_two_jobs_in_one_etcd_never_see_each_other(cluster: Callable[..., Cluster]) -> None:
+    one, two = cluster(), cluster()
+    for n in "ab":
+        one.add(n)
+        two.add(n)  # the same node ids, another job
+    r_one = one.wait(shape(("a", 1), ("b", 1)))
+    two.add("c")
+    two.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    time.sleep(0.5)
+    assert one.agents["a"].current_round == r_one
+
+
+def test_close_job_ends_every_agent(cluster: Callable[..., Cluster]) -> None:
+    c = cluster()
+    c.add("a")
+    c.add("b")
+    r1 = c.wait(shape(("a", 1), ("b", 1)))
+    closed = close_job(c.store(), c.job)
+    r2 = c.wait(lambda r: r.status is RoundStatus.CLOSED)
+    assert r2 == closed and r2.generation == r1.generation + 1
+    c.add("c")  # a late joiner gets no round after the close
+    time.sleep(1)
+    assert c.agents["c"].current_round == closed
+
+
+def test_next_round_returns_each_round_once(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_workers=1)
+    a = c.add("a")
+    r1 = a.next_round(after=0, timeout_s=10)
+    assert r1 is not None and r1.status is RoundStatus.ACTIVE
+    assert a.next_round(after=r1.generation, timeout_s=0.5) is None
+    c.add("b")
+    r2 = a.next_round(after=r1.generation, timeout_s=10)
+    assert r2 is not None and r2.world_size == 2
+
+
+def test_etcd_restart_in_the_middle_of_rounds(own_etcd: EmbeddedEtcd) -> None:
+    c = Cluster(own_etcd, Policy(2, 8, settle_s=0.5), ttl_s=6)
+    try:
+        c.add("a")
+        c.add("b")
+        r1 = c.wait(shape(("a", 1), ("b", 1)))
+        own_etcd.kill()
+        own_etcd.start()
+        c.add("c")  # joins right after the restart, while the others reconnect
+        r2 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)), timeout_s=20)
+        assert r2.generation == r1.generation + 1
+        assert not c.lost
+    finally:
+        c.close()

@@ -1,0 +1,92 @@
+"""Records read from etcd are untrusted: bad ones are refused with a sentence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from efdl.errors import ConfigError
+from efdl.rendezvous.model import (
+    GpuInfo,
+    JobKeys,
+    NodeRecord,
+    RecordError,
+    Round,
+    RoundStatus,
+    check_job_id,
+)
+
+GOOD = NodeRecord(
+    "n1",
+    "10.0.0.1",
+    29500,
+    2,
+    (GpuInfo(0, "H100", 81559), GpuInfo(1, "H100", 81559)),
+    16,
+    "0.1.0",
+    1.0,
+)
+
+
+def test_node_record_roundtrip() -> None:
+    assert NodeRecord.from_json(GOOD.to_json(), "/efdl/j/nodes/n1") == GOOD
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.pop("host"), "has no field 'host'"),
+        (lambda d: d.update(slots=0), r"field 'slots' is 0; expected 1..4096"),
+        (lambda d: d.update(slots="2"), r"field 'slots' is '2'; expected int"),
+        (lambda d: d.update(store_port=70000), r"'store_port' is 70000"),
+        (lambda d: d.update(in_place="yes"), "field 'in_place'"),
+        (lambda d: d.update(gpus=[{"index": -1, "model": "x", "memory_mb": 1}]), r"gpus\[0\]"),
+        (lambda d: d.update(node_id="n2"), "names node 'n2', not the node of its key"),
+        (lambda d: d.update(host="x" * 300), "longer than 256"),
+    ],
+)
+def test_bad_node_records(mutate: object, message: str) -> None:
+    data = json.loads(GOOD.to_json())
+    mutate(data)  # type: ignore[operator]
+    with pytest.raises(RecordError, match=message):
+        NodeRecord.from_json(json.dumps(data).encode(), "/efdl/j/nodes/n1")
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1,2]", b"\xff\xfe", b"null"])
+def test_garbage_is_a_record_error(raw: bytes) -> None:
+    with pytest.raises(RecordError, match="/efdl/j/nodes/n1"):
+        NodeRecord.from_json(raw, "/efdl/j/nodes/n1")
+
+
+def test_bad_rounds() -> None:
+    good = json.loads(Round(3, RoundStatus.ACTIVE).to_json())
+    for mutate, message in [
+        (lambda d: d.update(status="running"), "status 'running'; expected one of active"),
+        (
+            lambda d: d.update(
+                members=[{"node_id": "a", "workers": 1, "first_rank": 1, "host": ""}]
+            ),
+            "starts at rank 1; expected 0",
+        ),
+        (lambda d: d.update(generation=0), "'generation' is 0"),
+        (lambda d: d.update(steps={"a": "3"}), "steps '3' for 'a'"),
+    ]:
+        data = dict(good)
+        mutate(data)
+        with pytest.raises(RecordError, match=message):
+            Round.from_json(json.dumps(data).encode(), "/efdl/j/round")
+
+
+@pytest.mark.parametrize("job_id", ["a/b", "..", "a..b", "", "/abs", "-x", "x" * 200, "a b"])
+def test_job_ids_that_would_escape_their_prefix_are_refused(job_id: str) -> None:
+    with pytest.raises(ConfigError, match="is not allowed"):
+        check_job_id(job_id)
+
+
+def test_job_keys_stay_under_the_job_prefix() -> None:
+    k = JobKeys("resnet-50.v2")
+    assert k.prefix == "/efdl/resnet-50.v2/"
+    assert all(
+        x.startswith(k.prefix) for x in (k.nodes, k.steps, k.round, k.node("n1"), k.step("n1"))
+    )
