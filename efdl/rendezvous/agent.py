@@ -73,6 +73,8 @@ class RendezvousAgent:
         lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
         clock: wall-clock seconds (rounds carry wall times for the join timeout).
         on_lease_lost: called once if the lease is lost (fencing): stop the workers.
+        on_round: called (from the rendezvous thread) with each newer round as it is seen;
+            keep it short.
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class RendezvousAgent:
         lease_ttl_s: int = 5,
         clock: Callable[[], float] = time.time,
         on_lease_lost: Callable[[str], None] | None = None,
+        on_round: Callable[[Round], None] | None = None,
     ) -> None:
         self.keys = JobKeys(job_id)
+        self._on_round = on_round
         self._store = store
         self._node = node
         self._policy = policy
@@ -248,23 +252,36 @@ class RendezvousAgent:
         return lambda item: self._inbox.put((tag, item))
 
     def _set_round(self, kv: KeyValue | None) -> None:
+        """Take in the round key as read or watched; events may arrive late, never go back."""
         parsed = parse_round(kv, self.keys)
         with self._cond:
-            if kv is not None:
-                self._round_mod_revision = kv.mod_revision if kv.value else 0
-            if parsed is not None and (
+            if kv is not None and kv.mod_revision > self._round_mod_revision:
+                self._round_mod_revision = kv.mod_revision
+            newer = parsed is not None and (
                 self._round is None or parsed.generation > self._round.generation
-            ):
-                self._round = parsed
-                self._cond.notify_all()
-                log.info(
-                    "Job %s: round %d is %s (world size %d): %s.",
-                    self.keys.job_id,
-                    parsed.generation,
-                    parsed.status.value,
-                    parsed.world_size,
-                    parsed.reason,
-                )
+            )
+            if parsed is None or not newer:
+                return
+            self._round = parsed
+            self._cond.notify_all()
+        log.info(
+            "Job %s: node %s sees round %d, %s (world size %d): %s.",
+            self.keys.job_id,
+            self.node_id,
+            parsed.generation,
+            parsed.status.value,
+            parsed.world_size,
+            parsed.reason,
+        )
+        if self._on_round is not None:
+            self._on_round(parsed)
+
+    def _round_deleted(self) -> None:
+        """Someone deleted the round key: the next round is written on its absence; the
+        generations go on from the last one seen."""
+        with self._cond:
+            self._round_mod_revision = 0
+        log.warning("Job %s: the round key was deleted.", self.keys.job_id)
 
     def _run(self) -> None:
         watches: list[Watch] = []
@@ -319,7 +336,10 @@ class RendezvousAgent:
                 raise item
             if tag == "round" and isinstance(item, WatchBatch):
                 for ev in item.events:
-                    self._set_round(ev.kv if ev.type is EventType.PUT else None)
+                    if ev.type is EventType.PUT:
+                        self._set_round(ev.kv)
+                    else:
+                        self._round_deleted()
             elif tag == "pred" and isinstance(item, WatchBatch):
                 if any(ev.type is EventType.DELETE for ev in item.events):
                     if pred_watch is not None:
@@ -399,7 +419,10 @@ class RendezvousAgent:
                 self._is_leader = False
             raise LeaseLostError("The node record is gone.")
         log.info("%s: the round changed under us; deciding again.", self._tag())
-        self._set_round(round_kvs[0] if round_kvs else None)
+        if round_kvs:
+            self._set_round(round_kvs[0])
+        else:
+            self._round_deleted()
         return self._clock()
 
     def _read_steps(self) -> dict[str, int]:

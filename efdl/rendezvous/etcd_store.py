@@ -15,12 +15,14 @@ restarts. This adapter owns those three things:
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import grpc._common
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
@@ -53,6 +55,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CHANNEL_OPTIONS = [
+    # One TCP connection per store: gRPC otherwise puts every channel to the same target in
+    # the process on one connection, whose HTTP/2 stream limit then caps how many watches and
+    # keep-alive streams all of them can hold.
+    ("grpc.use_local_subchannel_pool", 1),
     # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s).
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -62,6 +68,13 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 _RETRY_CODES = {grpc.StatusCode.UNAVAILABLE}
+
+# gRPC Python wakes every thread blocked on a stream 10 times a second (only so that Ctrl-C can
+# interrupt the main thread). New data still wakes a reader at once through its condition
+# variable; the timer only costs CPU: ~10 wakeups/s per open watch or keep-alive stream.
+# Once a second is plenty for Ctrl-C. (A private constant: left alone if it ever goes away.)
+if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = max(grpc._common.MAXIMUM_WAIT_TIMEOUT, 1.0)
 _COMPARE_OPS = {
     CompareOp.EQUAL: etcdrpc.Compare.EQUAL,
     CompareOp.NOT_EQUAL: etcdrpc.Compare.NOT_EQUAL,
@@ -138,6 +151,7 @@ class EtcdStore(KVStore):
         self._closed = False
         self._watches: set[_EtcdWatch] = set()
         self._connect()
+        self._keepalive = _KeepAliveStream(self)
 
     # ---------------------------------------------------------------- plumbing
 
@@ -384,20 +398,10 @@ class EtcdStore(KVStore):
         return int(resp.ID)
 
     def refresh_lease(self, lease_id: int, timeout_s: float | None = None) -> int:
+        if self._closed:
+            raise StoreError(f"The connection to {self.description} is closed.")
         rpc_timeout = min(self._timeout(), timeout_s) if timeout_s else self._timeout()
-
-        def refresh(ch: _Channel, md: Any) -> int:
-            responses = ch.lease.LeaseKeepAlive(
-                iter([etcdrpc.LeaseKeepAliveRequest(ID=lease_id)]),
-                timeout=rpc_timeout,
-                metadata=md,
-            )
-            for resp in responses:
-                # etcd answers TTL 0 (not an error) for a lease that has expired.
-                return int(resp.TTL)
-            return 0
-
-        return self._call(f"refresh lease {lease_id:x}", refresh, timeout_s=rpc_timeout)
+        return self._keepalive.refresh(lease_id, rpc_timeout)
 
     def revoke_lease(self, lease_id: int) -> None:
         request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
@@ -462,9 +466,112 @@ class EtcdStore(KVStore):
             watches = list(self._watches)
         for w in watches:
             w.cancel()
+        self._keepalive.close()
         self._closed = True
         for ch in self._channels:
             ch.close()
+
+
+class _KeepAliveStream:
+    """One long-lived LeaseKeepAlive stream per store, shared by all its leases.
+
+    A refresh is one message on it, not a new stream (and thread) per call: at hundreds of
+    agents per process that is the difference between idle and busy. The stream is reopened,
+    on the next endpoint if need be, after any error.
+    """
+
+    def __init__(self, store: EtcdStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._requests: queue.Queue[Any] | None = None
+        self._call: Any = None
+        self._waiters: dict[int, list[_Waiter]] = {}
+
+    def refresh(self, lease_id: int, timeout_s: float) -> int:
+        waiter = _Waiter()
+        with self._lock:
+            requests = self._requests or self._open()
+            self._waiters.setdefault(lease_id, []).append(waiter)
+        requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
+        if not waiter.done.wait(timeout_s):
+            with self._lock:
+                if waiter in self._waiters.get(lease_id, []):
+                    self._waiters[lease_id].remove(waiter)
+            self._reset(f"no answer within {timeout_s:g} s")
+            raise StoreConnectionError(
+                f"etcd at {self._store.settings.endpoint_list} did not answer the refresh of "
+                f"lease {lease_id:x} within {timeout_s:g} s."
+            )
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter.ttl
+
+    def _open(self) -> queue.Queue[Any]:
+        """Open the stream (caller holds the lock)."""
+        ch, md = self._store._watch_channel()
+        requests: queue.Queue[Any] = queue.Queue()
+        call = ch.lease.LeaseKeepAlive(_drain(requests), metadata=md)
+        self._requests, self._call = requests, call
+        threading.Thread(
+            target=self._read, args=(call, requests, ch), name="efdl-keepalive", daemon=True
+        ).start()
+        return requests
+
+    def _read(self, call: Any, requests: queue.Queue[Any], ch: _Channel) -> None:
+        error: StoreError | None = None
+        try:
+            for resp in call:
+                with self._lock:
+                    waiters = self._waiters.pop(int(resp.ID), [])
+                for w in waiters:
+                    w.ttl = int(resp.TTL)  # 0: the lease has expired (not an error)
+                    w.done.set()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self._store._watch_failed_over(ch, exc)
+                error = self._store._translate(exc, ch.endpoint, "refresh a lease")
+        with self._lock:
+            if self._requests is requests:
+                self._requests, self._call = None, None
+            if self._requests is None:  # fail whoever still waits on this stream
+                waiters = [w for ws in self._waiters.values() for w in ws]
+                self._waiters.clear()
+            else:
+                waiters = []
+        requests.put(None)
+        for w in waiters:
+            w.error = error or StoreConnectionError(
+                f"The lease keep-alive stream to {self._store.description} ended."
+            )
+            w.done.set()
+
+    def _reset(self, why: str) -> None:
+        with self._lock:
+            call, requests = self._call, self._requests
+            self._requests, self._call = None, None
+        if call is not None:
+            log.debug("Reopening the lease keep-alive stream: %s.", why)
+            call.cancel()
+        if requests is not None:
+            requests.put(None)
+
+    def close(self) -> None:
+        self._reset("closing")
+
+
+class _Waiter:
+    __slots__ = ("done", "error", "ttl")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ttl = 0
+        self.error: StoreError | None = None
+
+
+def _drain(requests: queue.Queue[Any]) -> Iterator[Any]:
+    """A request stream fed from a queue; ends at None."""
+    while (item := requests.get()) is not None:
+        yield item
 
 
 def _hold_open(first: Any, done: threading.Event) -> Iterator[Any]:

@@ -1,0 +1,1 @@
+"""efdl's benchmarks: scripts that print tables (never timed tests)."""

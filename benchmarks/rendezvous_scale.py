@@ -1,0 +1,324 @@
+"""Rendezvous at scale: N simulated agents (threads, no torch) against one real local etcd.
+
+For N agents it measures, from etcd's own metrics and the agents' clocks:
+- join:  from the last agent's join to every agent seeing the round with all N;
+- leave: from a member's graceful leave to every other agent seeing the next round;
+- crash: from a member's crash (no revoke) to every other agent seeing the next round, and
+  the part of it after etcd expired the lease (the rest is the lease TTL);
+- etcd requests per round (unary RPCs, keep-alives excluded) and watch messages sent.
+
+Usage: python -m benchmarks.rendezvous_scale [--sizes 2,16,64,256] [--settle 0.5] [--ttl 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import queue
+import re
+import statistics
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from efdl.rendezvous.agent import RendezvousAgent
+from efdl.rendezvous.api import EtcdSettings
+from efdl.rendezvous.decide import Policy
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
+
+_METRIC = re.compile(r"^(grpc_server_handled_total|grpc_server_msg_sent_total)\{(.*)\} (\S+)$")
+
+
+def etcd_metrics(server: EmbeddedEtcd) -> Counter[str]:
+    """Unary RPCs handled and watch messages sent, by method, from etcd's /metrics."""
+    url = f"http://127.0.0.1:{server.client_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    counts: Counter[str] = Counter()
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        method = labels.get("grpc_method", "?")
+        if m.group(1) == "grpc_server_handled_total" and labels.get("grpc_type") == "unary":
+            counts[f"rpc:{method}"] += int(float(m.group(3)))
+        elif m.group(1) == "grpc_server_msg_sent_total" and method == "Watch":
+            counts["watch_msgs"] += int(float(m.group(3)))
+        elif m.group(1) == "grpc_server_msg_sent_total" and method == "LeaseKeepAlive":
+            counts["keepalives"] += int(float(m.group(3)))
+    return counts
+
+
+def requests_of(delta: Counter[str]) -> int:
+    return sum(v for k, v in delta.items() if k.startswith("rpc:"))
+
+
+@dataclass
+class Phase:
+    name: str
+    seconds: float
+    rounds: int
+    requests: int
+    watch_msgs: int
+    after_expiry_s: float | None = None
+
+
+class _Group:
+    """Some of the fleet's agents, living in one worker process."""
+
+    def __init__(self, endpoint: str, job: str, policy: Policy, ttl_s: int, seen: Any) -> None:
+        self.endpoint, self.job, self.policy, self.ttl_s, self.seen = (
+            endpoint,
+            job,
+            policy,
+            ttl_s,
+            seen,
+        )
+        self.agents: dict[str, RendezvousAgent] = {}
+        self.stores: list[EtcdStore] = []
+        self.lock = threading.Lock()
+
+    def add(self, i: int) -> None:
+        store = EtcdStore(
+            EtcdSettings.from_list(self.endpoint, request_timeout_s=10, connect_timeout_s=30)
+        )
+        node_id = f"node{i:04d}"
+
+        def on_round(r: Round) -> None:
+            if r.status is RoundStatus.ACTIVE:
+                self.seen.put((r.world_size, r.generation, node_id, time.monotonic()))
+
+        agent = RendezvousAgent(
+            store,
+            self.job,
+            NodeRecord(node_id, "127.0.0.1", 30000 + i, 1),
+            self.policy,
+            lease_ttl_s=self.ttl_s,
+            on_round=on_round,
+        )
+        agent.join()
+        with self.lock:
+            self.agents[node_id] = agent
+            self.stores.append(store)
+
+    def serve(self, conn: Any) -> None:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "add":
+                threads = [threading.Thread(target=self.add, args=(i,)) for i in arg]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                conn.send(time.monotonic())
+            elif cmd in ("leave", "abandon"):
+                t0 = time.monotonic()
+                getattr(self.agents.pop(arg), cmd)()
+                conn.send(t0)
+            elif cmd == "close":
+                for a in self.agents.values():
+                    a.abandon()
+                for s in self.stores:
+                    s.close()
+                conn.send(None)
+                return
+
+
+def _group_main(conn: Any, endpoint: str, job: str, policy: Policy, ttl_s: int, seen: Any) -> None:
+    logging.basicConfig(level=logging.ERROR)
+    _Group(endpoint, job, policy, ttl_s, seen).serve(conn)
+
+
+class Fleet:
+    """N agents of one job spread over worker processes (CLOCK_MONOTONIC is system-wide, so
+    their timestamps compare); records when each agent saw a round of each world size."""
+
+    def __init__(
+        self, server: EmbeddedEtcd, n: int, settle_s: float, ttl_s: int, procs: int
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.job = f"bench-{uuid.uuid4().hex[:6]}"
+        self.n = n
+        self.seen_q: Any = ctx.Queue()
+        self.seen: dict[int, dict[str, float]] = {}
+        self.generation = 0
+        self.owner: dict[str, int] = {}
+        self.conns = []
+        self.procs = []
+        policy = Policy(min_workers=1, max_workers=10 * n, settle_s=settle_s)
+        for _ in range(min(procs, n)):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_group_main,
+                args=(child, str(server.endpoint), self.job, policy, ttl_s, self.seen_q),
+                daemon=True,
+            )
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def add(self, indices: list[int]) -> float:
+        """Join these agents (spread over the processes); when the last join returned."""
+        parts = [indices[k :: len(self.conns)] for k in range(len(self.conns))]
+        for conn, part in zip(self.conns, parts, strict=True):
+            conn.send(("add", part))
+            for i in part:
+                self.owner[f"node{i:04d}"] = self.conns.index(conn)
+        return max(conn.recv() for conn in self.conns)
+
+    def act(self, cmd: str, node_id: str) -> float:
+        conn = self.conns[self.owner.pop(node_id)]
+        conn.send((cmd, node_id))
+        return float(conn.recv())
+
+    def wait_all(self, world: int, names: set[str], timeout_s: float = 120) -> float:
+        """When the last of ``names`` saw a round of ``world`` workers (monotonic seconds)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen = self.seen.get(world, {})
+            if names <= seen.keys():
+                return max(seen[n] for n in names)
+            try:
+                w, gen, node, t = self.seen_q.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self.seen.setdefault(w, {})[node] = t
+            self.generation = max(self.generation, gen)
+        missing = sorted(names - self.seen.get(world, {}).keys())[:5]
+        raise TimeoutError(
+            f"not every agent saw world size {world} within {timeout_s} s; e.g. not {missing}"
+        )
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.send(("close", None))
+            conn.recv()
+        for p in self.procs:
+            p.join(timeout=10)
+
+
+def run_size(n: int, settle_s: float, ttl_s: int, procs: int) -> list[Phase]:
+    phases: list[Phase] = []
+    with EmbeddedEtcd() as server:
+        fleet = Fleet(server, n, settle_s, ttl_s, procs)
+        observer = EtcdStore(server.settings())
+        try:
+            before = etcd_metrics(server)
+            t_last_join = fleet.add(list(range(n)))
+            names = set(fleet.owner)
+            done = fleet.wait_all(n, names)
+            time.sleep(0.2)
+            delta = etcd_metrics(server) - before
+            phases.append(
+                Phase(
+                    "join",
+                    done - t_last_join,
+                    fleet.generation,
+                    requests_of(delta),
+                    delta["watch_msgs"],
+                )
+            )
+
+            # A graceful leave of the newest member (a non-leader).
+            leaver = f"node{n - 1:04d}"
+            names.discard(leaver)
+            gen0, before = fleet.generation, etcd_metrics(server)
+            t0 = fleet.act("leave", leaver)
+            done = fleet.wait_all(n - 1, names)
+            time.sleep(0.2)
+            delta = etcd_metrics(server) - before
+            phases.append(
+                Phase(
+                    "leave",
+                    done - t0,
+                    fleet.generation - gen0,
+                    requests_of(delta),
+                    delta["watch_msgs"],
+                )
+            )
+
+            # Back to N, then a crash: the agent stops refreshing its lease, revokes nothing.
+            fleet.seen.clear()
+            fleet.add([n])
+            names.add(f"node{n:04d}")
+            fleet.wait_all(n, names)
+            victim = f"node{n:04d}"
+            names.discard(victim)
+            key = JobKeys(fleet.job).node(victim)
+            watch = observer.watch(key, start_revision=observer.get_prefix(key).revision + 1)
+            gen0, before = fleet.generation, etcd_metrics(server)
+            t0 = fleet.act("abandon", victim)
+            batch = watch.get(timeout_s=ttl_s * 3 + 10)
+            t_expired = time.monotonic()
+            assert batch is not None, "the crashed node's lease did not expire"
+            done = fleet.wait_all(n - 1, names)
+            time.sleep(0.2)
+            delta = etcd_metrics(server) - before
+            # The observer's watch setup came before `before`; its one event is subtracted.
+            phases.append(
+                Phase(
+                    "crash",
+                    done - t0,
+                    fleet.generation - gen0,
+                    requests_of(delta),
+                    delta["watch_msgs"] - 1,
+                    done - t_expired,
+                )
+            )
+            watch.cancel()
+        finally:
+            observer.close()
+            fleet.close()
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="2,16,64,256")
+    parser.add_argument("--settle", type=float, default=0.5, help="settle window, seconds")
+    parser.add_argument("--ttl", type=int, default=5, help="lease TTL, seconds")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per size (median shown)")
+    parser.add_argument("--procs", type=int, default=4, help="processes the agents run in")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(
+        f"Rendezvous scale: settle window {args.settle:g} s, lease TTL {args.ttl} s, "
+        f"median of {args.repeat} runs (min-max); one local etcd; agents as threads in "
+        f"{args.procs} processes, each agent with its own etcd connection.\n"
+    )
+    print(
+        "| agents | event | to every agent seeing the round (s) | after lease expiry (s) "
+        "| rounds | etcd requests | per agent | watch msgs |"
+    )
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for n in sizes:
+        runs = [run_size(n, args.settle, args.ttl, args.procs) for _ in range(args.repeat)]
+        for i, name in enumerate(("join", "leave", "crash")):
+            ps = [r[i] for r in runs]
+            secs = [p.seconds for p in ps]
+            after = [p.after_expiry_s for p in ps if p.after_expiry_s is not None]
+            reqs = statistics.median(p.requests for p in ps)
+            after_text = (
+                f"{statistics.median(after):.3f} ({min(after):.3f}-{max(after):.3f})"
+                if after
+                else "-"
+            )
+            print(
+                f"| {n} | {name} | {statistics.median(secs):.3f} ({min(secs):.3f}-{max(secs):.3f}) "
+                f"| {after_text} | {statistics.median(p.rounds for p in ps):g} | {reqs:g} "
+                f"| {reqs / n:.2f} | {statistics.median(p.watch_msgs for p in ps):g} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
