@@ -22,10 +22,13 @@ import click
 from efdl import __version__
 from efdl.config import EtcdClientConfig, load, read_yaml
 from efdl.errors import EfdlError
+from efdl.rendezvous.agent import RendezvousAgent
 from efdl.rendezvous.api import Compare, EventType, Put
+from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
+from efdl.rendezvous.model import JobKeys, NodeRecord, RoundStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,12 +165,47 @@ def check(standalone: bool, config_file: Path | None, **flags: Any) -> None:
         finally:
             timed("revoke lease", lambda: session.close(revoke=True))
         gone = store.get(key) is None
+        timed("rendezvous: 2 agents form a round", lambda: _rendezvous_smoke(store))
         click.echo(f"efdl {__version__}: {store.description} works for efdl.")
         for what, ms in rows:
             click.echo(f"  {what:<40} {ms:8.1f} ms")
         click.echo(f"  {'key removed with its lease':<40} {'yes' if gone else 'NO'}")
         if not gone:
             raise EfdlError(f"{store.description} kept a key after its lease was revoked.")
+
+
+def _rendezvous_smoke(store: EtcdStore) -> None:
+    """Two agents, each on its own connection, join a throwaway job and agree on a round."""
+    job = f"check-{uuid.uuid4().hex[:12]}"
+    policy = Policy(min_workers=2, max_workers=2, settle_s=0)
+    agents = []
+    stores = [EtcdStore(store.settings) for _ in range(2)]
+    try:
+        for i, s in enumerate(stores):
+            record = NodeRecord(f"check{i}", "127.0.0.1", 0, slots=1, version=__version__)
+            agent = RendezvousAgent(s, job, record, policy, lease_ttl_s=5)
+            agent.join()
+            agents.append(agent)
+        deadline = time.monotonic() + 10
+        generations = set()
+        for a in agents:
+            r = a.next_round(after=0, timeout_s=10)
+            while r is not None and r.status is not RoundStatus.ACTIVE:
+                # The first agent alone is below --min: a waiting round comes first.
+                r = a.next_round(after=r.generation, timeout_s=deadline - time.monotonic())
+            if r is None or r.world_size != 2:
+                raise EfdlError(
+                    f"Two agents on {store.description} did not agree on a round in 10 s."
+                )
+            generations.add(r.generation)
+        if len(generations) != 1:
+            raise EfdlError(f"Two agents on {store.description} saw different rounds.")
+    finally:
+        for a in agents:
+            a.leave()
+        for s in stores:
+            s.close()
+        store.delete(JobKeys(job).prefix, prefix=True)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -276,6 +276,9 @@ class Round:
     def to_json(self) -> bytes:
         data = asdict(self)
         data["status"] = self.status.value
+        # Derived, but written out for people reading the key with etcdctl.
+        data["world_size"] = self.world_size
+        data["store_prefix"] = self.store_prefix
         return _dump(data)
 
     @staticmethod
@@ -307,6 +310,10 @@ class Round:
             members.append(member)
         if len({m.node_id for m in members}) != len(members):
             raise RecordError(f"{where} lists a node twice.")
+        if "world_size" in data and data["world_size"] != next_rank:
+            raise RecordError(
+                f"{where} says world size {data['world_size']!r} but its members have {next_rank}."
+            )
         steps = _int_map(data, "steps", where)
         incarnations = _int_map(data, "incarnations", where)
         return Round(

@@ -25,6 +25,7 @@ def test_check_standalone_starts_and_stops_its_own_etcd() -> None:
     assert result.returncode == 0, result.stderr
     assert "works for efdl" in result.stdout
     assert "key removed with its lease" in result.stdout and "yes" in result.stdout
+    assert "rendezvous: 2 agents form a round" in result.stdout
 
 
 def test_check_against_a_running_etcd(etcd_server: EmbeddedEtcd) -> None:
