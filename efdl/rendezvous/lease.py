@@ -63,7 +63,7 @@ class LeaseSession:
     @property
     def lost(self) -> bool:
         """Whether the lease is (or must be assumed) gone."""
-        return self._lost.is_set() or self._clock() - self._last_ok >= self._ttl_s
+        return bool(self._lost_reason) or self._clock() - self._last_ok >= self._ttl_s
 
     @property
     def lost_reason(self) -> str:
@@ -82,16 +82,18 @@ class LeaseSession:
             )
 
     def _declare_lost(self, reason: str) -> None:
-        if self._lost.is_set():
+        """Record the loss, run the callback, then wake waiters: once :meth:`wait_lost`
+        returns, the callback has run."""
+        if self._lost_reason:
             return
         self._lost_reason = reason
-        self._lost.set()
         log.error("%s", reason)
         if self._on_lost is not None:
             try:
                 self._on_lost(reason)
             except Exception:
                 log.exception("The lease-lost callback failed.")
+        self._lost.set()
 
     def _keep_alive(self) -> None:
         interval = self._ttl_s / 3
@@ -134,7 +136,7 @@ class LeaseSession:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self._ttl_s)
-        if revoke and not self._lost.is_set():
+        if revoke and not self._lost_reason:
             try:
                 self._store.revoke_lease(self.lease_id)
             except StoreError as exc:
