@@ -182,7 +182,7 @@ def _rendezvous_smoke(store: EtcdStore) -> None:
     stores = [EtcdStore(store.settings) for _ in range(2)]
     try:
         for i, s in enumerate(stores):
-            record = NodeRecord(f"check{i}", "127.0.0.1", 0, slots=1, version=__version__)
+            record = NodeRecord(f"check{i}", "127.0.0.1", 29500 + i, slots=1, version=__version__)
             agent = RendezvousAgent(s, job, record, policy, lease_ttl_s=5)
             agent.join()
             agents.append(agent)

@@ -73,8 +73,11 @@ class RendezvousAgent:
         lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
         clock: wall-clock seconds (rounds carry wall times for the join timeout).
         on_lease_lost: called once if the lease is lost (fencing): stop the workers.
-        on_round: called (from the rendezvous thread) with each newer round as it is seen;
-            keep it short.
+        on_round: called (from the rendezvous thread) with each newer ready round; keep it
+            short.
+        serve_store: called (from the rendezvous thread) when this node holds rank 0 of a new
+            active round: start the generation's fresh c10d store and return its port, which
+            the agent then publishes in the round. Default: the record's fixed ``store_port``.
     """
 
     def __init__(
@@ -87,9 +90,15 @@ class RendezvousAgent:
         clock: Callable[[], float] = time.time,
         on_lease_lost: Callable[[str], None] | None = None,
         on_round: Callable[[Round], None] | None = None,
+        serve_store: Callable[[Round], int] | None = None,
     ) -> None:
         self.keys = JobKeys(job_id)
         self._on_round = on_round
+        if serve_store is None and node.store_port == 0:
+            raise RendezvousError(
+                f"Node {node.node_id} has neither a store server nor a fixed store port."
+            )
+        self._serve_store = serve_store or (lambda _round: node.store_port)
         self._store = store
         self._node = node
         self._policy = policy
@@ -98,10 +107,12 @@ class RendezvousAgent:
         self._on_lease_lost = on_lease_lost
         self._inbox: queue.Queue[_Item] = queue.Queue()
         self._cond = threading.Condition()
-        self._round: Round | None = None
+        self._round: Round | None = None  # the newest round seen, ready or not
+        self._ready: Round | None = None  # the newest ready round: what the node acts on
         self._round_mod_revision = 0
         self._is_leader = False
         self._stopped = False
+        self._failure = ""  # why the rendezvous thread died, if it did
         self._session: LeaseSession | None = None
         self._my_revision = 0
         self._thread: threading.Thread | None = None
@@ -119,15 +130,16 @@ class RendezvousAgent:
 
     @property
     def current_round(self) -> Round | None:
+        """The newest ready round (see :attr:`Round.ready`)."""
         with self._cond:
-            return self._round
+            return self._ready
 
     @property
     def lease_lost(self) -> bool:
         return self._session is not None and self._session.lost
 
     def _tag(self) -> str:
-        gen = self._round.generation if self._round else 0
+        gen = self._ready.generation if self._ready else 0
         return f"job {self.keys.job_id} node {self.node_id} gen {gen}"
 
     def join(self) -> None:
@@ -178,14 +190,17 @@ class RendezvousAgent:
 
         Raises:
             LeaseLostError: this node's lease is gone: it is no longer a member.
+            RendezvousError: the rendezvous failed on this node (it has left the job).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
                 if self._session is not None and self._session.lost:
                     self._session.check()
-                if self._round is not None and self._round.generation > after:
-                    return self._round
+                if self._failure:
+                    raise RendezvousError(self._failure)
+                if self._ready is not None and self._ready.generation > after:
+                    return self._ready
                 if self._stopped:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -254,27 +269,70 @@ class RendezvousAgent:
     def _set_round(self, kv: KeyValue | None) -> None:
         """Take in the round key as read or watched; events may arrive late, never go back."""
         parsed = parse_round(kv, self.keys)
+        if kv is None or parsed is None:
+            return
         with self._cond:
-            if kv is not None and kv.mod_revision > self._round_mod_revision:
+            if kv.mod_revision > self._round_mod_revision:
                 self._round_mod_revision = kv.mod_revision
-            newer = parsed is not None and (
-                self._round is None or parsed.generation > self._round.generation
-            )
-            if parsed is None or not newer:
+            latest = self._round
+            if (
+                latest is None
+                or parsed.generation > latest.generation
+                or (parsed.generation == latest.generation and parsed.ready and not latest.ready)
+            ):
+                self._round = latest = parsed
+            if not latest.ready:
+                head = latest.members[0].node_id
+                if head == self.node_id:
+                    self._inbox.put(("serve", None))
                 return
-            self._round = parsed
+            if self._ready is not None and self._ready.generation >= latest.generation:
+                return
+            self._ready = latest
             self._cond.notify_all()
         log.info(
             "Job %s: node %s sees round %d, %s (world size %d): %s.",
             self.keys.job_id,
             self.node_id,
-            parsed.generation,
-            parsed.status.value,
-            parsed.world_size,
-            parsed.reason,
+            latest.generation,
+            latest.status.value,
+            latest.world_size,
+            latest.reason,
         )
         if self._on_round is not None:
-            self._on_round(parsed)
+            self._on_round(latest)
+
+    def _serve(self, r: Round) -> int:
+        try:
+            port = self._serve_store(r)
+        except Exception as exc:
+            raise RendezvousError(
+                f"Node {self.node_id} could not serve the c10d store of round {r.generation}: {exc}"
+            ) from exc
+        if not 0 < port < 65536:
+            raise RendezvousError(f"The store of round {r.generation} got port {port}.")
+        return port
+
+    def _publish_store(self) -> None:
+        """As rank 0 of a new round: serve its fresh store, put the port into the round."""
+        with self._cond:
+            current, mod_revision = self._round, self._round_mod_revision
+        if current is None or current.ready or current.members[0].node_id != self.node_id:
+            return
+        done = replace(current, store_port=self._serve(current))
+        result = self._store.txn(
+            [Compare.mod_revision_is(self.keys.round, mod_revision)],
+            [Put(self.keys.round, done.to_json())],
+        )
+        self.requests += 1
+        if result.succeeded:
+            self._set_round(KeyValue(self.keys.round, done.to_json(), 0, result.revision))
+        else:
+            log.info(
+                "%s: round %d was superseded before its store was published.",
+                self._tag(),
+                current.generation,
+            )
 
     def _round_deleted(self) -> None:
         """Someone deleted the round key: the next round is written on its absence; the
@@ -297,10 +355,17 @@ class RendezvousAgent:
             node_kvs = tuple(kv for kv in snap.kvs if kv.key.startswith(self.keys.nodes))
             self.requests += 1
             self._loop(node_kvs, start)
-        except StoreError as exc:
-            log.error("%s: the rendezvous stopped: %s", self._tag(), exc)
         except LeaseLostError:
             pass
+        except Exception as exc:
+            log.error("%s: the rendezvous failed: %s", self._tag(), exc, exc_info=True)
+            with self._cond:
+                self._is_leader = False
+            if self._session is not None:
+                self._session.close(revoke=True)  # leave first, so the others go on without us
+            with self._cond:
+                self._failure = f"The rendezvous of node {self.node_id} failed: {exc}"
+                self._cond.notify_all()
         finally:
             for w in watches:
                 w.cancel()
@@ -334,7 +399,9 @@ class RendezvousAgent:
                 break
             if isinstance(item, StoreError):
                 raise item
-            if tag == "round" and isinstance(item, WatchBatch):
+            if tag == "serve":
+                self._publish_store()
+            elif tag == "round" and isinstance(item, WatchBatch):
                 for ev in item.events:
                     if ev.type is EventType.PUT:
                         self._set_round(ev.kv)
@@ -399,17 +466,20 @@ class RendezvousAgent:
         decision = decide(replace(view, steps=steps), self._policy, now)
         if decision.round is None:
             return decision.wake_at
+        new = decision.round
+        if new.status is RoundStatus.ACTIVE and new.members[0].node_id == self.node_id:
+            new = replace(new, store_port=self._serve(new))  # one write, not two
         result = self._store.txn(
             [
                 Compare.mod_revision_is(self.keys.round, self._round_mod_revision),
                 Compare.create_revision_is(self.keys.node(self.node_id), self._my_revision),
             ],
-            [Put(self.keys.round, decision.round.to_json())],
+            [Put(self.keys.round, new.to_json())],
             [Get(self.keys.round), Get(self.keys.node(self.node_id))],
         )
         self.requests += 1
         if result.succeeded:
-            kv = KeyValue(self.keys.round, decision.round.to_json(), 0, result.revision)
+            kv = KeyValue(self.keys.round, new.to_json(), 0, result.revision)
             self._set_round(kv)
             return None
         round_kvs, mine = result.gets

@@ -14,6 +14,8 @@ Rules:
 - A departure (or a member asking for a restart) makes a round at once. Joins alone wait
   for a settle window after the last change, so joins close together make one round, unless
   the job is already at ``max``.
+- The store of the generation lives with rank 0; the leader leaves its port 0 and the
+  rank-0 node's agent publishes it (see :attr:`Round.ready`).
 - Below ``min`` the job waits (a WAITING round stops training) until ``join_timeout_s``
   after the wait began; then a FAILED round ends it.
 """
@@ -240,7 +242,7 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         status=RoundStatus.ACTIVE,
         members=assignment.members,
         store_host=head.host,
-        store_port=head.store_port,
+        store_port=0,  # the rank-0 node's agent fills it in once its fresh store serves
         reason=reason,
     )
     return Decision(new, None, reason)

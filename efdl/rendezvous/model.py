@@ -236,7 +236,8 @@ class Round:
         status: what agents do with it.
         members: in rank order; ranks within a node are contiguous.
         spares: admitted nodes are members; these wait beyond --max.
-        store_host, store_port: the c10d store of this generation (the rank-0 node's agent).
+        store_host, store_port: the c10d store of this generation, served fresh by the rank-0
+            node's agent; port 0 until that agent has published it.
         store_prefix: key prefix in that store; fresh per generation so nothing stale is read.
         reason: why this round was made, for logs and ``efdl status``.
         leader: the node that wrote it.
@@ -261,6 +262,13 @@ class Round:
     @property
     def world_size(self) -> int:
         return sum(m.workers for m in self.members)
+
+    @property
+    def ready(self) -> bool:
+        """Whether agents may act on it: an ACTIVE round is ready once the rank-0 node's agent
+        has published the port of the generation's fresh c10d store (until then no worker
+        could reach a store that holds only this generation's keys)."""
+        return self.status is not RoundStatus.ACTIVE or self.store_port != 0
 
     @property
     def store_prefix(self) -> str:

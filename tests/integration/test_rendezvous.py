@@ -305,3 +305,56 @@ def test_etcd_restart_in_the_middle_of_rounds(own_etcd: EmbeddedEtcd) -> None:
         assert not c.lost
     finally:
         c.close()
+
+
+def test_rank0_serves_a_fresh_store_before_anyone_acts(cluster: Callable[..., Cluster]) -> None:
+    # settle 1 s and max 3: the round waits long enough for b's step to be published
+    c = cluster(min_workers=2, max_workers=3, settle_s=1.0)
+    c.add("a")  # the leader, with an older step than b: b will hold rank 0
+    c.agents["a"].publish_step(1)
+    served: list[int] = []
+    ports = iter(range(41000, 41100))
+
+    def serve(r: Round) -> int:
+        assert not r.ready  # nobody can act on the round before its store serves
+        served.append(r.generation)
+        return next(ports)
+
+    b = RendezvousAgent(
+        c.store(),
+        c.job,
+        NodeRecord("b", "127.0.0.1", 0, 1),
+        c.policy,
+        lease_ttl_s=2,
+        serve_store=serve,
+    )
+    b.join()
+    b.publish_step(5)
+    c.agents["b"] = b
+    r = c.wait(shape(("b", 1), ("a", 1)))
+    assert served == [r.generation] and (r.store_host, r.store_port) == ("127.0.0.1", 41000)
+    # A member restarting its workers makes a new round: rank 0 serves a new store for it.
+    c.agents["a"].request_restart()
+    r2 = c.wait(lambda x: x.generation > r.generation and x.status is RoundStatus.ACTIVE)
+    assert served == [r.generation, r2.generation] and r2.store_port == 41001
+
+
+def test_a_store_that_cannot_start_makes_the_node_leave(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(min_workers=1, max_workers=1, settle_s=0)
+
+    def broken(r: Round) -> int:
+        raise OSError("Address already in use")
+
+    a = RendezvousAgent(
+        c.store(),
+        c.job,
+        NodeRecord("a", "127.0.0.1", 0, 1),
+        c.policy,
+        lease_ttl_s=2,
+        serve_store=broken,
+    )
+    a.join()
+    c.agents["a"] = a
+    with pytest.raises(RendezvousError, match=r"could not serve the c10d store .*Address already"):
+        a.next_round(after=0, timeout_s=10)
+    assert c.stores[0].get(JobKeys(c.job).node("a")) is None  # it left the job

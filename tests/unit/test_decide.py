@@ -78,7 +78,8 @@ def test_joins_settle_into_one_round() -> None:
     assert early.round is None and early.wake_at == T0 + 1.0 and "settling" in early.reason
     r = settled(v, P)
     assert r.status is RoundStatus.ACTIVE and layout(r) == [("a", 1, 0), ("b", 1, 1)]
-    assert r.world_size == 2 and (r.store_host, r.store_port) == ("10.0.0.97", 29500)
+    assert r.world_size == 2 and (r.store_host, r.store_port) == ("10.0.0.97", 0)
+    assert not r.ready  # until the rank-0 node's agent publishes its fresh store
 
 
 def test_reaching_max_skips_the_settle_window() -> None:
