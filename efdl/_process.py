@@ -11,18 +11,26 @@ import sys
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+# Resolved here, in the parent: the child of a multi-threaded parent must not dlopen.
+_prctl = (
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl if sys.platform.startswith("linux") else None
+)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     """A ``preexec_fn`` that makes the child get ``sig`` when its parent dies (Linux).
 
-    This is what keeps workers and the embedded etcd from outliving a SIGKILLed agent.
+    This is what keeps workers and the embedded etcd from outliving a SIGKILLed agent. The
+    signal comes when the *thread* that started the child ends, so start children from a
+    thread that lives as long as the agent (its main thread).
     """
+    parent = os.getpid()
 
     def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before prctl took effect
+                os._exit(1)
 
     return preexec
 

@@ -29,16 +29,23 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def option_name(field_name: str) -> str:
-    """``lease_ttl_s`` -> ``lease_ttl``: the name users see (flag, env var, YAML key)."""
+def option_name(field_name: str, cls: type | None = None) -> str:
+    """``lease_ttl_s`` -> ``lease_ttl``: the name users see (flag, env var, YAML key).
+
+    A field may set ``metadata={"option": "min"}`` to be called something else.
+    """
+    if cls is not None:
+        for f in dataclasses.fields(cls):
+            if f.name == field_name and "option" in f.metadata:
+                return str(f.metadata["option"])
     for suffix in _UNIT_SUFFIXES:
         if field_name.endswith(suffix):
             return field_name[: -len(suffix)]
     return field_name
 
 
-def env_name(field_name: str) -> str:
-    return "EFDL_" + option_name(field_name).upper()
+def env_name(field_name: str, cls: type | None = None) -> str:
+    return "EFDL_" + option_name(field_name, cls).upper()
 
 
 def _convert(value: Any, annotation: Any, where: str) -> Any:
@@ -144,7 +151,7 @@ def load(
     env = os.environ if env is None else env
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
-    by_option = {option_name(n): n for n in fields}
+    by_option = {option_name(n, cls): n for n in fields}
     from_yaml: dict[str, Any] = {}
     for key, value in (yaml_data or {}).items():
         name = by_option.get(str(key).replace("-", "_"))
@@ -155,10 +162,13 @@ def load(
     values: dict[str, Any] = {}
     for name in fields:
         flag = flags.get(name)
+        variable = env_name(name, cls)
         if flag is not None:
-            values[name] = _convert(flag, hints[name], f"--{option_name(name).replace('_', '-')}")
-        elif env_name(name) in env:
-            values[name] = _convert(env[env_name(name)], hints[name], env_name(name))
+            values[name] = _convert(
+                flag, hints[name], f"--{option_name(name, cls).replace('_', '-')}"
+            )
+        elif variable in env:
+            values[name] = _convert(env[variable], hints[name], variable)
         elif name in from_yaml:
             values[name] = _convert(
                 from_yaml[name], hints[name], f"{option_name(name)!r} in {yaml_source}"
@@ -229,3 +239,112 @@ class EtcdClientConfig:
             request_timeout_s=self.etcd_timeout_s,
             connect_timeout_s=max(self.etcd_timeout_s, 2 * self.etcd_timeout_s),
         )
+
+
+NPROC_WORDS = ("gpu", "cpu", "auto")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchConfig(EtcdClientConfig):
+    """Everything ``efdl-run`` needs, validated once (flag > ``EFDL_*`` env > YAML > default).
+
+    Attributes:
+        standalone: start an embedded etcd on 127.0.0.1 and run one node.
+        job_id: the job; agents with the same id and etcd form one job.
+        min_workers: the job trains with at least this many workers, else it waits.
+        max_workers: never more workers than this; extra nodes wait as spares.
+        nnodes: torchrun's ``MIN:MAX`` (nodes), turned into workers with ``nproc_per_node``.
+        nproc_per_node: workers on this node: a number, ``gpu`` (one per visible GPU),
+            ``cpu`` (one per CPU core, as torchrun) or ``auto`` (one per GPU; 1 on a CPU host,
+            where torchrun would start one per core).
+        node_id: this node's id in the job (default: host name and a random suffix).
+        host: the address peers use to reach this node; the store binds to it.
+        store_port: fixed port for the generation's c10d store (0: any free port).
+        lease_ttl_s: a dead node is noticed after this long. Longer than the longest
+            stall that must not count as death.
+        settle_s: joins closer together than this make one round.
+        join_timeout_s: how long the job may wait below ``min_workers`` before it fails.
+        max_restarts: how many times this node restarts its failed workers before giving up.
+        grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
+        log_dir: keep per-rank log files (and error files) under this directory.
+        tee: torchrun's ``--tee``: accepted; logs always go to the console unless redirected.
+        redirects: torchrun's ``--redirects``: 1 stdout, 2 stderr, 3 both go to files only.
+        role: torchrun's ``--role`` (ROLE_NAME).
+    """
+
+    standalone: bool = False
+    job_id: str | None = None
+    min_workers: int | None = dataclasses.field(default=None, metadata={"option": "min"})
+    max_workers: int | None = dataclasses.field(default=None, metadata={"option": "max"})
+    nnodes: str | None = None
+    nproc_per_node: str = "auto"
+    node_id: str | None = None
+    host: str | None = None
+    store_port: int = 0
+    lease_ttl_s: int = 5
+    settle_s: float = 1.0
+    join_timeout_s: float = 600.0
+    max_restarts: int = 3
+    grace_period_s: float = 30.0
+    log_dir: Path | None = None
+    tee: int = 0
+    redirects: int = 0
+    role: str = "default"
+
+    def __post_init__(self) -> None:
+        word = self.nproc_per_node.strip().lower()
+        if word not in NPROC_WORDS and not (word.isdigit() and int(word) > 0):
+            raise ConfigError(
+                f"--nproc-per-node is {self.nproc_per_node!r}; expected a positive number, "
+                "'gpu', 'cpu' or 'auto'."
+            )
+        if self.nnodes is not None:
+            self.node_range()  # validates
+        for flag, value in (("--min", self.min_workers), ("--max", self.max_workers)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} ({value}) must be at least 1.")
+        if (
+            self.min_workers is not None
+            and self.max_workers is not None
+            and self.min_workers > self.max_workers
+        ):
+            raise ConfigError(
+                f"--min ({self.min_workers}) must not be greater than --max ({self.max_workers})."
+            )
+        if self.lease_ttl_s < 2:
+            raise ConfigError(f"--lease-ttl ({self.lease_ttl_s} s) must be at least 2 seconds.")
+        if not 0 <= self.store_port < 65536:
+            raise ConfigError(f"--store-port ({self.store_port}) must be 0..65535.")
+        for name in ("settle_s", "grace_period_s"):
+            if getattr(self, name) < 0:
+                flag = option_name(name).replace("_", "-")
+                raise ConfigError(f"--{flag} ({getattr(self, name)}) must not be negative.")
+        if self.join_timeout_s <= 0:
+            raise ConfigError(f"--join-timeout ({self.join_timeout_s} s) must be positive.")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts ({self.max_restarts}) must not be negative.")
+        for name in ("tee", "redirects"):
+            if not 0 <= getattr(self, name) <= 3:
+                raise ConfigError(
+                    f"--{name} is {getattr(self, name)}; expected 0 (none), 1 (stdout), "
+                    "2 (stderr) or 3 (both)."
+                )
+        if not self.standalone and not self.etcd:
+            raise ConfigError(
+                "No etcd endpoints were given: pass --etcd host:port[,host:port...] "
+                "(or EFDL_ETCD), or --standalone for a single node."
+            )
+        if not self.standalone and not self.job_id:
+            raise ConfigError("No job id was given: pass --job-id (torchrun: --rdzv-id).")
+
+    def node_range(self) -> tuple[int, int]:
+        """``--nnodes`` as (min, max) nodes."""
+        assert self.nnodes is not None
+        text = self.nnodes.strip()
+        low, _, high = text.partition(":")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ConfigError(f"--nnodes is {self.nnodes!r}; expected N or MIN:MAX (e.g. 2:4).")
+        lo, hi = int(low), int(high or low)
+        if lo < 1 or hi < lo:
+            raise ConfigError(f"--nnodes {self.nnodes!r}: MIN must be >= 1 and MAX >= MIN.")
+        return lo, hi

@@ -512,23 +512,47 @@ class RendezvousAgent:
         return steps
 
 
-def close_job(store: KVStore, job_id: str, reason: str = "stopped by efdl stop") -> Round:
-    """Write a CLOSED round (compare-and-swap), so every agent of the job exits cleanly."""
+def end_job(
+    store: KVStore,
+    job_id: str,
+    status: RoundStatus = RoundStatus.CLOSED,
+    reason: str = "stopped by efdl stop",
+    generation: int | None = None,
+) -> Round | None:
+    """Write a final round (compare-and-swap), so every agent of the job ends.
+
+    Args:
+        status: CLOSED (stop the workers now) or FINISHED (let them finish).
+        generation: only if the current round is this generation (else None is returned:
+            something newer happened and the caller should look again).
+    """
     keys = JobKeys(job_id)
     for _ in range(20):
         kv = store.get(keys.round)
         current = parse_round(kv, keys)
-        generation = (current.generation if current else 0) + 1
-        closed = Round(
-            generation=generation,
-            status=RoundStatus.CLOSED,
+        if current is not None and current.status.final:
+            return current
+        if generation is not None and (current is None or current.generation != generation):
+            return None
+        now = time.time()
+        final = Round(
+            generation=(current.generation if current else 0) + 1,
+            status=status,
             reason=reason,
-            created=time.time(),
-            since=time.time(),
+            created=now,
+            since=now,
         )
         mod = kv.mod_revision if kv else 0
-        if store.txn(
-            [Compare.mod_revision_is(keys.round, mod)], [Put(keys.round, closed.to_json())]
-        ).succeeded:
-            return closed
-    raise RendezvousError(f"Could not close job {job_id!r}: its round kept changing.")
+        ok = store.txn(
+            [Compare.mod_revision_is(keys.round, mod)], [Put(keys.round, final.to_json())]
+        )
+        if ok.succeeded:
+            return final
+    raise RendezvousError(f"Could not end job {job_id!r}: its round kept changing.")
+
+
+def close_job(store: KVStore, job_id: str, reason: str = "stopped by efdl stop") -> Round:
+    """Write a CLOSED round: every agent of the job stops its workers and exits cleanly."""
+    result = end_job(store, job_id, RoundStatus.CLOSED, reason)
+    assert result is not None
+    return result

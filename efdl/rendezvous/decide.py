@@ -181,7 +181,7 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     """The next round to write, if any; see the module docstring for the rules."""
     prev = view.round
     generation = (prev.generation if prev else 0) + 1
-    if prev is not None and prev.status in (RoundStatus.CLOSED, RoundStatus.FAILED):
+    if prev is not None and prev.status.final:
         return Decision(None, None, f"the job is {prev.status.value}")
     assignment = assign(view, policy)
     base = Round(

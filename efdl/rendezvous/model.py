@@ -211,7 +211,13 @@ class RoundStatus(StrEnum):
     ACTIVE = "active"  # train with these members
     WAITING = "waiting"  # fewer than --min workers: stop and wait for more
     FAILED = "failed"  # waited longer than the join timeout: exit with an error
-    CLOSED = "closed"  # `efdl stop`: exit cleanly
+    CLOSED = "closed"  # `efdl stop`: stop the workers, exit cleanly
+    FINISHED = "finished"  # a node's workers all completed: let the others finish, exit
+
+    @property
+    def final(self) -> bool:
+        """No round follows this one."""
+        return self in (RoundStatus.FAILED, RoundStatus.CLOSED, RoundStatus.FINISHED)
 
 
 @dataclass(frozen=True, slots=True)

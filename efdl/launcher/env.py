@@ -1,0 +1,73 @@
+"""The environment of one worker: torchrun's contract plus ``EFDL_*``. Pure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from efdl.rendezvous.model import NodeRecord, Round
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@dataclass(frozen=True, slots=True)
+class JobContext:
+    """What every worker of this node shares across rounds."""
+
+    job_id: str
+    node: NodeRecord
+    max_restarts: int
+    role: str = "default"
+
+
+def worker_env(
+    base: Mapping[str, str],
+    ctx: JobContext,
+    rnd: Round,
+    local_rank: int,
+    restart_count: int,
+    error_file: Path,
+) -> dict[str, str]:
+    """The environment for local worker ``local_rank`` of this node in round ``rnd``.
+
+    Raises:
+        ValueError: this node is not a member of ``rnd``.
+    """
+    member = rnd.member(ctx.node.node_id)
+    if member is None:
+        raise ValueError(f"Node {ctx.node.node_id} is not in round {rnd.generation}.")
+    group_rank = [m.node_id for m in rnd.members].index(member.node_id)
+    rank = member.first_rank + local_rank
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(rnd.world_size),
+        LOCAL_WORLD_SIZE=str(member.workers),
+        GROUP_RANK=str(group_rank),
+        GROUP_WORLD_SIZE=str(len(rnd.members)),
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(rnd.world_size),
+        ROLE_NAME=ctx.role,
+        MASTER_ADDR=rnd.store_host,
+        MASTER_PORT=str(rnd.store_port),
+        TORCHELASTIC_RUN_ID=ctx.job_id,
+        TORCHELASTIC_RESTART_COUNT=str(restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(ctx.max_restarts),
+        # The rank-0 node's agent serves this generation's store: every worker is a client.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_ERROR_FILE=str(error_file),
+        EFDL_JOB_ID=ctx.job_id,
+        EFDL_NODE_ID=ctx.node.node_id,
+        EFDL_GENERATION=str(rnd.generation),
+        EFDL_STORE_PREFIX=rnd.store_prefix,
+    )
+    if ctx.node.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = str(ctx.node.gpus[local_rank].index)
+    threads = str(max(1, ctx.node.cpus // member.workers))
+    for name in THREAD_VARIABLES:
+        if name not in base:
+            env[name] = threads
+    env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log prefixer as they are printed
+    return env

@@ -1,0 +1,76 @@
+"""The c10d store a rank-0 node's agent serves for one generation at a time.
+
+Each generation gets a fresh ``TCPStore`` (torch's env:// workers use the agent's store with
+no key prefix, so a store that outlived its generation would hand new workers stale keys).
+The listening socket is bound here, to the node's ``--host`` address, not to every interface.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from typing import Any
+
+from efdl.errors import ConfigError
+from efdl.rendezvous.model import Round
+
+log = logging.getLogger(__name__)
+
+
+class StoreServer:
+    """Serves one generation's TCPStore on ``host`` (a fixed ``port``, or a free one each time).
+
+    Args:
+        host: the address to listen on (the node's ``--host``).
+        port: a fixed port (checked now: an error if it is in use), or 0 for any free port.
+    """
+
+    def __init__(self, host: str, port: int = 0) -> None:
+        self._host = host
+        self._port = port
+        self._store: Any = None
+        self.generation = 0
+        if port:
+            self._listen().close()  # fail at start, not at the first round, if it is taken
+
+    def _listen(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._host, self._port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(
+                f"Cannot listen on {self._host}:{self._port} for the c10d store: {exc.strerror}"
+                " (is the port in use, or --host not an address of this machine?)."
+            ) from None
+        sock.listen(1024)
+        return sock
+
+    def serve(self, rnd: Round) -> int:
+        """Replace the store with a fresh one for ``rnd``; returns its port."""
+        # The agent needs torch only when it serves a store.
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        self.close()
+        sock = self._listen()
+        port = int(sock.getsockname()[1])
+        self._store = TCPStore(
+            self._host,
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
+        )
+        self.generation = rnd.generation
+        log.info(
+            "Serving the c10d store of generation %d on %s:%d.", rnd.generation, self._host, port
+        )
+        return port
+
+    def close(self) -> None:
+        self._store = None  # the store's daemon stops with the object

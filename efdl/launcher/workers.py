@@ -1,0 +1,221 @@
+"""The worker processes of one node for one round: start, log, watch, stop.
+
+Each worker runs in its own process group (so its children are stopped with it) and gets
+SIGKILL if the agent dies (``PR_SET_PDEATHSIG``), so no worker outlives a SIGKILLed agent.
+Exits are reported through a queue by one waiting thread per worker: nothing polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+from efdl._process import die_with_parent
+
+log = logging.getLogger(__name__)
+
+STDOUT, STDERR = 1, 2
+_console_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExit:
+    """A worker process ended (``generation`` tells which group it belonged to)."""
+
+    generation: int
+    local_rank: int
+    rank: int
+    pid: int
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class LogSpec:
+    """Where worker output goes.
+
+    Attributes:
+        log_dir: per-rank files ``<log_dir>/gen<g>/rank<r>.{stdout,stderr}`` when set.
+        redirects: bit 1 stdout, bit 2 stderr: those streams go to the files only.
+    """
+
+    log_dir: Path | None = None
+    redirects: int = 0
+
+
+def _pump(
+    stream: IO[bytes], prefix: bytes, console: IO[bytes] | None, file: IO[bytes] | None
+) -> None:
+    """Copy lines from a worker pipe to the console (prefixed) and/or a file, until EOF."""
+    try:
+        for line in iter(stream.readline, b""):
+            if file is not None:
+                file.write(line)
+                file.flush()
+            if console is not None:
+                with _console_lock:
+                    console.write(prefix + line)
+                    console.flush()
+    except (OSError, ValueError):
+        pass
+    finally:
+        stream.close()
+        if file is not None:
+            file.close()
+
+
+class Worker:
+    """One worker process and the threads that pump its output and wait for its exit."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        local_rank: int,
+        rank: int,
+        generation: int,
+        logs: LogSpec,
+        events: queue.Queue[object],
+    ) -> None:
+        self.local_rank, self.rank, self.generation = local_rank, rank, generation
+        self.error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
+        self.error_file.parent.mkdir(parents=True, exist_ok=True)
+        self.error_file.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            list(args),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            process_group=0,
+            preexec_fn=die_with_parent(),
+        )
+        self.pid = self.proc.pid
+        self._threads = []
+        for bit, pipe, console in (
+            (STDOUT, self.proc.stdout, sys.stdout.buffer),
+            (STDERR, self.proc.stderr, sys.stderr.buffer),
+        ):
+            assert pipe is not None
+            file = None
+            if logs.log_dir is not None:
+                name = "stdout" if bit == STDOUT else "stderr"
+                path = logs.log_dir / f"gen{generation}" / f"rank{rank}.{name}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                file = open(path, "ab")  # noqa: SIM115 (closed by the pump)
+            to_console = None if logs.redirects & bit else console
+            t = threading.Thread(
+                target=_pump,
+                args=(pipe, f"[rank{rank}]: ".encode(), to_console, file),
+                name=f"efdl-log-r{rank}-{bit}",
+                daemon=True,
+            )
+            t.start()
+            self._threads.append(t)
+        waiter = threading.Thread(target=self._wait, args=(events,), daemon=True)
+        waiter.start()
+
+    def _wait(self, events: queue.Queue[object]) -> None:
+        code = self.proc.wait()
+        for t in self._threads:
+            t.join(timeout=5)  # the last lines before the exit are printed before it is reported
+        events.put(WorkerExit(self.generation, self.local_rank, self.rank, self.pid, code))
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def error_summary(self) -> str:
+        """The error the worker recorded (torch's ``@record`` error file), or ''."""
+        try:
+            data = json.loads(self.error_file.read_text())
+        except (OSError, ValueError):
+            return ""
+        message = data.get("message", data)
+        if isinstance(message, dict):
+            text = str(message.get("message", ""))
+            stack = str(message.get("extraInfo", {}).get("py_callstack", ""))
+            return (text + ("\n" + stack if stack else "")).strip()
+        return str(message)
+
+
+class WorkerGroup:
+    """The workers of this node in one generation."""
+
+    def __init__(self, generation: int, workers: list[Worker]) -> None:
+        self.generation = generation
+        self.workers = workers
+        self.exited: dict[int, int] = {}  # local rank -> exit code
+
+    @staticmethod
+    def start(
+        args: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        generation: int,
+        logs: LogSpec,
+        events: queue.Queue[object],
+    ) -> WorkerGroup:
+        workers = [
+            Worker(args, env, local_rank, int(env["RANK"]), generation, logs, events)
+            for local_rank, env in enumerate(envs)
+        ]
+        log.info(
+            "Generation %d: started workers %s (pids %s).",
+            generation,
+            [w.rank for w in workers],
+            [w.pid for w in workers],
+        )
+        return WorkerGroup(generation, workers)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def stop(self, grace_s: float, sig: int = signal.SIGTERM) -> None:
+        """Signal every worker's process group, wait up to ``grace_s``, then SIGKILL them."""
+        alive = self.running()
+        for w in alive:
+            w.signal_group(sig)
+        deadline = time.monotonic() + grace_s
+        for w in alive:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "Worker rank %d (pid %d) ignored signal %d for %.0f s; killing it.",
+                    w.rank,
+                    w.pid,
+                    sig,
+                    grace_s,
+                )
+                w.signal_group(signal.SIGKILL)
+                w.proc.wait()
+        for w in self.workers:  # children the workers left behind in their groups
+            w.signal_group(signal.SIGKILL)
+
+    def kill(self) -> None:
+        self.stop(0.0, signal.SIGKILL)
+
+
+def children_of(pid: int) -> list[int]:
+    """PIDs of all descendants of ``pid`` (for tests and status)."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
