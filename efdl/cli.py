@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
+import shutil
 import sys
 import time
 import uuid
@@ -20,15 +20,18 @@ from typing import Any, TypeVar
 import click
 
 from efdl import __version__
-from efdl.config import EtcdClientConfig, load, read_yaml
-from efdl.errors import EfdlError
-from efdl.rendezvous.agent import RendezvousAgent
+from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
+from efdl.errors import ConfigError, EfdlError
+from efdl.launcher.agent import NodeAgent
+from efdl.launcher.node import default_host, local_node
+from efdl.rendezvous.agent import RendezvousAgent, close_job
 from efdl.rendezvous.api import Compare, EventType, Put
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
-from efdl.rendezvous.model import JobKeys, NodeRecord, RoundStatus
+from efdl.rendezvous.model import JobKeys, NodeRecord, RoundStatus, check_job_id
+from efdl.rendezvous.status import format_status, read_status, status_json
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -208,15 +211,241 @@ def _rendezvous_smoke(store: EtcdStore) -> None:
         store.delete(JobKeys(job).prefix, prefix=True)
 
 
-@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+def _job_option(fn: F) -> F:
+    return click.option("--job-id", required=True, help="The job (its keys: /efdl/<job-id>/).")(fn)
+
+
+@main.command()
+@etcd_options
+@_job_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def status(job_id: str, as_json: bool, config_file: Path | None, **flags: Any) -> None:
+    """Show a job: generation, leader, members with GPUs and ranks, spares, last rescale."""
+    check_job_id(job_id)
+    cfg = _etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        st = read_status(store, job_id)
+    click.echo(status_json(st) if as_json else format_status(st))
+
+
+@main.command()
+@etcd_options
+@_job_option
+@click.option("--reason", default="stopped by efdl stop", help="Shown in the agents' logs.")
+@handle_errors
+def stop(job_id: str, reason: str, config_file: Path | None, **flags: Any) -> None:
+    """End a job cleanly: every agent stops its workers and exits 0."""
+    check_job_id(job_id)
+    cfg = _etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        r = close_job(store, job_id, reason)
+    click.echo(f"job {job_id}: generation {r.generation} is {r.status.value} ({r.reason}).")
+
+
+_RDZV_ETCD = ("etcd", "etcd-v2", "etcd-v3", "efdl")
+_IGNORED = {
+    "node_rank": "ranks are assigned by the rendezvous",
+    "master_addr": "the store lives with rank 0, found through etcd",
+    "monitor_interval": "workers are watched without polling",
+    "start_method": "workers are started with exec",
+}
+
+
+@click.command(
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+)
 @click.version_option(__version__, prog_name="efdl-run")
+@etcd_options
+@click.option("--standalone", is_flag=True, default=None, help="Embedded etcd, this node only.")
+@click.option("--job-id", "--rdzv-id", "--rdzv_id", "job_id", help="The job's id.")
+@click.option("--min", "min_workers", type=int, help="Fewest workers to train with.")
+@click.option("--max", "max_workers", type=int, help="Most workers; more nodes wait as spares.")
+@click.option("--nnodes", help="torchrun's MIN:MAX nodes (times --nproc-per-node workers).")
+@click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    help="Workers here: N, gpu, cpu or auto (default: one per GPU, else 1).",
+)
+@click.option("--node-id", help="This node's id in the job (default: host name + suffix).")
+@click.option(
+    "--host",
+    "--local-addr",
+    "--local_addr",
+    "host",
+    help="Address peers use to reach this node; the store binds to it.",
+)
+@click.option(
+    "--store-port",
+    "--master-port",
+    "--master_port",
+    "store_port",
+    type=int,
+    help="Fixed port for the c10d store (default: any free port).",
+)
+@click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a dead node is noticed.")
+@click.option("--settle", "settle_s", type=float, help="Seconds to batch joins into one round.")
+@click.option(
+    "--join-timeout",
+    "join_timeout_s",
+    type=float,
+    help="Seconds the job may wait below --min before it fails.",
+)
+@click.option(
+    "--max-restarts",
+    "--max_restarts",
+    "max_restarts",
+    type=int,
+    help="Restarts of failed workers on this node before it gives up.",
+)
+@click.option(
+    "--grace-period",
+    "grace_period_s",
+    type=float,
+    help="Seconds from SIGTERM to SIGKILL for workers and for leaving.",
+)
+@click.option(
+    "--log-dir",
+    "--log_dir",
+    "log_dir",
+    type=click.Path(path_type=Path),
+    help="Keep per-rank log files here.",
+)
+@click.option("--tee", "-t", "tee", type=int, help="torchrun's --tee (0-3); output is always teed.")
+@click.option(
+    "--redirects",
+    "-r",
+    "redirects",
+    type=int,
+    help="1 stdout, 2 stderr, 3 both go to --log-dir files only.",
+)
+@click.option("--role", help="ROLE_NAME of the workers.")
+@click.option("-m", "--module", "module", is_flag=True, help="Run SCRIPT as a module (python -m).")
+@click.option(
+    "--no-python",
+    "--no_python",
+    "no_python",
+    is_flag=True,
+    help="SCRIPT is an executable, not a Python file.",
+)
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", hidden=True)
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", hidden=True)
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", hidden=True)
+@click.option("--node-rank", "--node_rank", "node_rank", hidden=True)
+@click.option("--master-addr", "--master_addr", "master_addr", hidden=True)
+@click.option("--monitor-interval", "--monitor_interval", "monitor_interval", hidden=True)
+@click.option("--start-method", "--start_method", "start_method", hidden=True)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def run_main(script_args: tuple[str, ...]) -> None:
-    """The node agent (arrives with the agent issue; see `efdl check` meanwhile)."""
-    setup_logging(bool(os.environ.get("EFDL_VERBOSE")))
-    click.echo(
-        "efdl-run: the node agent is not built yet; `efdl check --standalone` exercises the "
-        "etcd layer it will run on.",
-        err=True,
-    )
-    sys.exit(2)
+@handle_errors
+def run_main(
+    script: str,
+    script_args: tuple[str, ...],
+    config_file: Path | None,
+    module: bool,
+    no_python: bool,
+    verbose: bool,
+    rdzv_backend: str | None,
+    rdzv_endpoint: str | None,
+    rdzv_conf: str | None,
+    **flags: Any,
+) -> None:
+    """Run SCRIPT on this node as part of an elastic job (a drop-in for torchrun).
+
+    \b
+    efdl-run --etcd etcd-1:2379 --job-id resnet --min 2 --max 8 train.py --lr 0.1
+    efdl-run --standalone --nproc-per-node 2 train.py
+    """
+    setup_logging(verbose)
+    for name, why in _IGNORED.items():
+        if flags.pop(name, None) is not None:
+            log.info("Ignoring --%s: %s.", name.replace("_", "-"), why)
+    if rdzv_backend is not None or rdzv_endpoint is not None:
+        if rdzv_backend is not None and rdzv_backend not in _RDZV_ETCD:
+            raise ConfigError(
+                f"--rdzv-backend {rdzv_backend!r} is not efdl's: efdl's rendezvous is etcd v3. "
+                "Pass --etcd host:port (or --rdzv-backend etcd --rdzv-endpoint host:2379), or "
+                "--standalone."
+            )
+        if rdzv_endpoint and not flags.get("etcd"):
+            flags["etcd"] = rdzv_endpoint
+    if rdzv_conf:
+        _apply_rdzv_conf(rdzv_conf, flags)
+    data = read_yaml(config_file) if config_file else {}
+    cfg = load(LaunchConfig, flags, yaml_data=data, yaml_source=str(config_file or ""))
+    args = _worker_command(script, script_args, module, no_python)
+    sys.exit(launch(cfg, args))
+
+
+def _apply_rdzv_conf(text: str, flags: dict[str, Any]) -> None:
+    """torchrun's --rdzv-conf k=v,...: the keys that mean something here."""
+    mapping = {
+        "join_timeout": "join_timeout_s",
+        "timeout": "join_timeout_s",
+        "last_call_timeout": "settle_s",
+        "lease_ttl": "lease_ttl_s",
+    }
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--rdzv-conf item {item!r} is not key=value.")
+        if key in mapping:
+            if flags.get(mapping[key]) is None:  # an explicit efdl flag wins
+                flags[mapping[key]] = value
+        else:
+            log.info("Ignoring --rdzv-conf %s: it has no meaning for efdl.", key)
+
+
+def _worker_command(
+    script: str, script_args: tuple[str, ...], module: bool, no_python: bool
+) -> list[str]:
+    if module:
+        return [sys.executable, "-m", script, *script_args]
+    if no_python:
+        if not shutil.which(script):
+            raise ConfigError(f"The program {script!r} (--no-python) was not found.")
+        return [script, *script_args]
+    if not Path(script).is_file():
+        raise ConfigError(f"The training script {script!r} does not exist.")
+    return [sys.executable, script, *script_args]
+
+
+def launch(cfg: LaunchConfig, args: list[str]) -> int:
+    """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
+    server = EmbeddedEtcd().start() if cfg.standalone else None
+    try:
+        settings = cfg.etcd_settings(str(server.endpoint) if server else None)
+        host = cfg.host or ("127.0.0.1" if cfg.standalone else default_host(settings.endpoints))
+        node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node)
+        policy = _policy(cfg, node.slots)
+        job_id = check_job_id(cfg.job_id or "standalone")
+        with EtcdStore(settings) as store:
+            log.info(
+                "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",
+                __version__,
+                job_id,
+                store.description,
+                policy.min_workers,
+                policy.max_workers,
+                node.node_id,
+                node.slots,
+            )
+            return NodeAgent(cfg, args, store, node, policy, job_id).run()
+    finally:
+        if server:
+            server.stop()
+
+
+def _policy(cfg: LaunchConfig, slots: int) -> Policy:
+    if cfg.min_workers is None and cfg.max_workers is None:
+        if cfg.nnodes:
+            lo, hi = cfg.node_range()
+            low, high = lo * slots, hi * slots
+        else:
+            low = high = slots  # torchrun's default: this node alone
+    else:
+        low = cfg.min_workers or 1
+        high = cfg.max_workers or 1_000_000
+    return Policy(low, high, cfg.settle_s, cfg.join_timeout_s)

@@ -78,6 +78,7 @@ class RendezvousAgent:
         serve_store: called (from the rendezvous thread) when this node holds rank 0 of a new
             active round: start the generation's fresh c10d store and return its port, which
             the agent then publishes in the round. Default: the record's fixed ``store_port``.
+        on_failure: called once if the rendezvous fails on this node (it has left the job).
     """
 
     def __init__(
@@ -91,9 +92,11 @@ class RendezvousAgent:
         on_lease_lost: Callable[[str], None] | None = None,
         on_round: Callable[[Round], None] | None = None,
         serve_store: Callable[[Round], int] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.keys = JobKeys(job_id)
         self._on_round = on_round
+        self._on_failure = on_failure
         if serve_store is None and node.store_port == 0:
             raise RendezvousError(
                 f"Node {node.node_id} has neither a store server nor a fixed store port."
@@ -366,6 +369,8 @@ class RendezvousAgent:
             with self._cond:
                 self._failure = f"The rendezvous of node {self.node_id} failed: {exc}"
                 self._cond.notify_all()
+            if self._on_failure is not None:
+                self._on_failure(self._failure)
         finally:
             for w in watches:
                 w.cancel()

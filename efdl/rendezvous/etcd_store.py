@@ -15,11 +15,15 @@ restarts. This adapter owns those three things:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
+
+# The agent forks workers that exec at once: gRPC's fork handlers only print warnings then.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc
 import grpc._common

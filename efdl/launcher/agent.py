@@ -1,0 +1,335 @@
+"""The node agent: follows the job's rounds and runs this node's workers (restart mode).
+
+Everything that happens reaches the agent as an event on one queue, handled on the main
+thread: a new ready round, a worker exit, a signal, a lost lease, a failed rendezvous.
+On every new round the agent stops its workers and starts them again with the new ranks,
+as torchrun does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from efdl.config import LaunchConfig
+from efdl.errors import EfdlError, StoreError
+from efdl.launcher.env import JobContext, worker_env
+from efdl.launcher.store import StoreServer
+from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
+from efdl.rendezvous.agent import RendezvousAgent, end_job
+from efdl.rendezvous.api import KVStore
+from efdl.rendezvous.decide import Policy
+from efdl.rendezvous.model import NodeRecord, Round, RoundStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _RoundSeen:
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class _Signal:
+    signum: int
+
+
+@dataclass(frozen=True, slots=True)
+class _LeaseLost:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    reason: str
+
+
+class AgentExit(EfdlError):
+    """The agent ends with ``code``; the message says why."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NodeAgent:
+    """Runs ``args`` (the worker command) on this node for job ``job_id``.
+
+    Args:
+        cfg: the launch configuration.
+        args: the worker command line (python, script, script args).
+        store: the etcd store.
+        node: this node's record (slots, GPUs, host).
+        policy: the job's admission rules.
+        job_id: the job.
+    """
+
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        args: Sequence[str],
+        store: KVStore,
+        node: NodeRecord,
+        policy: Policy,
+        job_id: str,
+    ) -> None:
+        self._cfg = cfg
+        self._args = list(args)
+        self._store = store
+        self._node = node
+        self._policy = policy
+        self._job = job_id
+        self._events: queue.Queue[object] = queue.Queue()
+        self._server = StoreServer(node.host, cfg.store_port)
+        self._ctx = JobContext(job_id, node, cfg.max_restarts, cfg.role)
+        self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
+        self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
+        self._group: WorkerGroup | None = None
+        self._acted = 0
+        self._restarts = 0
+        self._finishing = False
+        self._finish_by: float | None = None
+        self._rdzv: RendezvousAgent | None = None
+
+    def _tag(self) -> str:
+        return f"job {self._job} node {self._node.node_id} gen {self._acted}"
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def run(self) -> int:
+        """Join, follow rounds, run workers; returns the exit code. Call from the main thread."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            self._join()
+            while True:
+                wait_s = None if self._finish_by is None else self._finish_by - time.monotonic()
+                try:
+                    event = self._events.get(timeout=None if wait_s is None else max(0.0, wait_s))
+                except queue.Empty:
+                    self._stop_workers()
+                    raise AgentExit(
+                        0,
+                        "The job finished elsewhere and this node's workers did not finish "
+                        f"within the grace period ({self._cfg.grace_period_s:g} s); stopped them.",
+                    ) from None
+                self._handle(event)
+        except AgentExit as done:
+            (log.info if done.code == 0 else log.error)("%s: %s", self._tag(), done)
+            return done.code
+        finally:
+            if self._group is not None:
+                self._group.kill()
+            if self._rdzv is not None:
+                self._rdzv.leave()
+            self._server.close()
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._events.put(_Signal(signum))
+
+    def _join(self) -> None:
+        post: Callable[[object], None] = self._events.put
+        self._rdzv = RendezvousAgent(
+            self._store,
+            self._job,
+            self._node,
+            self._policy,
+            lease_ttl_s=self._cfg.lease_ttl_s,
+            on_round=lambda r: post(_RoundSeen(r)),
+            on_lease_lost=lambda reason: post(_LeaseLost(reason)),
+            serve_store=self._server.serve,
+            on_failure=lambda reason: post(_Failed(reason)),
+        )
+        self._rdzv.join()
+        log.info(
+            "%s: joined with %d worker slot(s) on %s (GPUs: %s).",
+            self._tag(),
+            self._node.slots,
+            self._node.host,
+            ", ".join(f"{g.index}:{g.model}" for g in self._node.gpus) or "none",
+        )
+
+    # ---------------------------------------------------------------- events
+
+    def _handle(self, event: object) -> None:
+        if isinstance(event, _RoundSeen):
+            self._on_round(event.round)
+        elif isinstance(event, WorkerExit):
+            self._on_exit(event)
+        elif isinstance(event, _Signal):
+            self._leave(event.signum)
+        elif isinstance(event, _LeaseLost):
+            self._fenced(event.reason)
+        elif isinstance(event, _Failed):
+            raise AgentExit(1, event.reason)
+
+    def _on_round(self, r: Round) -> None:
+        if r.generation <= self._acted:
+            return
+        self._acted = r.generation
+        if r.status is RoundStatus.CLOSED:
+            self._stop_workers()
+            raise AgentExit(0, f"The job was stopped ({r.reason}).")
+        if r.status is RoundStatus.FAILED:
+            self._stop_workers()
+            raise AgentExit(1, f"The job failed: {r.reason}.")
+        if r.status is RoundStatus.FINISHED:
+            self._finishing = True
+            if self._group is None or not self._group.running():
+                raise AgentExit(0, f"The job finished ({r.reason}).")
+            log.info(
+                "%s: the job finished elsewhere; waiting for this node's workers.", self._tag()
+            )
+            self._finish_by = time.monotonic() + self._cfg.grace_period_s
+            return
+        if r.status is RoundStatus.WAITING:
+            self._stop_workers()
+            log.info("%s: the job waits: %s.", self._tag(), r.reason)
+            return
+        member = r.member(self._node.node_id)
+        self._stop_workers()
+        if member is None:
+            log.info(
+                "%s: this node is a spare (the job has its %d workers).", self._tag(), r.world_size
+            )
+            return
+        self._start_workers(r)
+
+    def _start_workers(self, r: Round) -> None:
+        member = r.member(self._node.node_id)
+        assert member is not None
+        envs = [
+            worker_env(
+                self._base_env(),
+                self._ctx,
+                r,
+                local,
+                self._restarts,
+                self._run_dir
+                / f"gen{r.generation}"
+                / f"error-rank{member.first_rank + local}.json",
+            )
+            for local in range(member.workers)
+        ]
+        self._group = WorkerGroup.start(self._args, envs, r.generation, self._logs, self._events)
+        log.info(
+            "%s: round %d: ranks %d-%d of %d (%s).",
+            self._tag(),
+            r.generation,
+            member.first_rank,
+            member.first_rank + member.workers - 1,
+            r.world_size,
+            r.reason,
+        )
+
+    @staticmethod
+    def _base_env() -> dict[str, str]:
+        return dict(os.environ)
+
+    def _stop_workers(self, grace_s: float | None = None) -> None:
+        if self._group is not None:
+            self._group.stop(self._cfg.grace_period_s if grace_s is None else grace_s)
+            self._group = None
+
+    def _on_exit(self, ev: WorkerExit) -> None:
+        group = self._group
+        if group is None or ev.generation != group.generation:
+            return  # a worker of a group we stopped on purpose
+        group.exited[ev.local_rank] = ev.code
+        if ev.code != 0:
+            self._worker_failed(group, ev)
+        elif len(group.exited) == len(group.workers):
+            self._group = None
+            if self._finishing:
+                raise AgentExit(0, "This node's workers finished; the job is done.")
+            end_job(
+                self._store,
+                self._job,
+                RoundStatus.FINISHED,
+                f"the workers of node {self._node.node_id} finished",
+            )
+            raise AgentExit(0, "This node's workers finished; the job is done.")
+
+    def _worker_failed(self, group: WorkerGroup, ev: WorkerExit) -> None:
+        worker = next(w for w in group.workers if w.local_rank == ev.local_rank)
+        how = f"signal {signal.Signals(-ev.code).name}" if ev.code < 0 else f"exit code {ev.code}"
+        error = worker.error_summary()
+        log.error(
+            "%s: worker rank %d (local rank %d, pid %d) failed with %s.%s",
+            self._tag(),
+            ev.rank,
+            ev.local_rank,
+            ev.pid,
+            how,
+            f"\n{error}" if error else "",
+        )
+        self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
+        if self._finishing:
+            raise AgentExit(1, f"Worker rank {ev.rank} failed with {how} after the job finished.")
+        if self._restarts >= self._cfg.max_restarts:
+            first_line = error.splitlines()[0] if error else ""
+            raise AgentExit(
+                1,
+                f"Worker rank {ev.rank} failed with {how}"
+                f"{': ' + first_line if first_line else ''}; this node has used all "
+                f"{self._cfg.max_restarts} restarts (--max-restarts), so it leaves the job.",
+            )
+        self._restarts += 1
+        log.warning(
+            "%s: restarting the workers (restart %d of %d).",
+            self._tag(),
+            self._restarts,
+            self._cfg.max_restarts,
+        )
+        assert self._rdzv is not None
+        self._rdzv.request_restart()
+
+    def _leave(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        log.info(
+            "%s: %s: leaving gracefully (grace period %.0f s).",
+            self._tag(),
+            name,
+            self._cfg.grace_period_s,
+        )
+        self._stop_workers()
+        if self._rdzv is not None:
+            self._rdzv.leave()
+            self._rdzv = None
+        raise AgentExit(0 if signum == signal.SIGTERM else 128 + signum, f"Left the job on {name}.")
+
+    def _fenced(self, reason: str) -> None:
+        """Our lease is gone: the others may already train without us. Kill the workers at
+        once (no grace: two generations must never train together), then join again as a new
+        member."""
+        log.error("%s: fenced: %s Killing the workers and joining again.", self._tag(), reason)
+        if self._group is not None:
+            self._group.kill()
+            self._group = None
+        if self._rdzv is not None:
+            self._rdzv.abandon()
+        deadline = time.monotonic() + self._cfg.join_timeout_s
+        while True:
+            try:
+                self._join()
+                return
+            except StoreError as exc:
+                if time.monotonic() > deadline:
+                    raise AgentExit(
+                        1, f"Could not join the job again after being fenced: {exc}"
+                    ) from None
+                log.warning("%s: cannot join again yet (%s); retrying.", self._tag(), exc)
+                time.sleep(1.0)

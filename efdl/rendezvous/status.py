@@ -1,0 +1,97 @@
+"""What ``efdl status`` shows: a job as its etcd keys describe it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import asdict, dataclass
+
+from efdl.rendezvous.agent import parse_nodes, parse_round
+from efdl.rendezvous.api import KVStore
+from efdl.rendezvous.decide import NodeView
+from efdl.rendezvous.model import JobKeys, Round
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    job_id: str
+    round: Round | None
+    nodes: dict[str, NodeView]
+    steps: dict[str, int]
+    leader: str | None
+
+    @property
+    def spares(self) -> list[str]:
+        """Live nodes that are not in the current round (waiting beyond --max, or new)."""
+        members = {m.node_id for m in self.round.members} if self.round else set()
+        return sorted(
+            (n for n in self.nodes if n not in members), key=lambda n: self.nodes[n].joined_revision
+        )
+
+
+def read_status(store: KVStore, job_id: str) -> JobStatus:
+    """One consistent read of the job's keys (a single range request)."""
+    keys = JobKeys(job_id)
+    snap = store.get_prefix(keys.prefix)
+    nodes = parse_nodes(tuple(kv for kv in snap.kvs if kv.key.startswith(keys.nodes)), keys)
+    steps = {}
+    for kv in snap.kvs:
+        if kv.key.startswith(keys.steps) and kv.value.decode(errors="replace").isdigit():
+            steps[keys.node_id_of(kv.key)] = int(kv.value)
+    round_kv = next((kv for kv in snap.kvs if kv.key == keys.round), None)
+    leader = min(nodes, key=lambda n: nodes[n].joined_revision) if nodes else None
+    return JobStatus(job_id, parse_round(round_kv, keys), nodes, steps, leader)
+
+
+def _when(ts: float) -> str:
+    if not ts:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_status(st: JobStatus) -> str:
+    r = st.round
+    lines = [f"job {st.job_id}"]
+    if r is None:
+        lines.append("  no round yet" + (" (nodes are joining)" if st.nodes else " (no nodes)"))
+    else:
+        lines.append(
+            f"  generation {r.generation}, {r.status.value}, world size {r.world_size}, "
+            f"leader {st.leader or '-'}"
+        )
+        lines.append(f"  last rescale {_when(r.created)}: {r.reason or '-'}")
+        if r.store_port:
+            lines.append(f"  c10d store {r.store_host}:{r.store_port}")
+    members = r.members if r else ()
+    if members:
+        lines.append("  members:")
+    for m in members:
+        view = st.nodes.get(m.node_id)
+        gpus = ", ".join(f"{g.index}:{g.model}" for g in view.record.gpus) if view else ""
+        state = "" if view else "  (gone)"
+        step = st.steps.get(m.node_id)
+        lines.append(
+            f"    {m.node_id:<24} {m.host:<16} ranks {m.first_rank}-{m.first_rank + m.workers - 1}"
+            f"  gpus [{gpus or 'cpu'}]" + (f"  step {step}" if step is not None else "") + state
+        )
+    spares = st.spares
+    if spares:
+        lines.append(
+            "  spares: " + ", ".join(f"{n} ({st.nodes[n].record.slots} slots)" for n in spares)
+        )
+    return "\n".join(lines)
+
+
+def status_json(st: JobStatus) -> str:
+    return json.dumps(
+        {
+            "job_id": st.job_id,
+            "round": json.loads(st.round.to_json()) if st.round else None,
+            "leader": st.leader,
+            "nodes": {n: asdict(v.record) for n, v in st.nodes.items()},
+            "steps": st.steps,
+            "spares": st.spares,
+        },
+        indent=2,
+        sort_keys=True,
+    )

@@ -1,0 +1,100 @@
+"""Classify scikit-learn's 8x8 digits with DDP: a plain torchrun script (no efdl import).
+
+    torchrun --standalone --nproc-per-node 2 examples/digits/train_torchrun.py
+    efdl-run --standalone --nproc-per-node 2 examples/digits/train_torchrun.py
+
+It checkpoints every epoch and resumes from the checkpoint when restarted, which is what
+makes a torchrun script elastic by restart. One JSON line per epoch on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from sklearn.datasets import load_digits
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def data() -> tuple[TensorDataset, TensorDataset]:
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(x), generator=g)
+    test, train = order[:360], order[360:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=32, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--checkpoint", default="/tmp/digits-checkpoint.pt")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    start_epoch = 0
+    if os.path.exists(args.checkpoint):
+        snapshot = torch.load(args.checkpoint, weights_only=True)
+        model.load_state_dict(snapshot["model"])
+        optimizer.load_state_dict(snapshot["optimizer"])
+        start_epoch = snapshot["epoch"] + 1
+    ddp = DDP(model)
+    train, test = data()
+    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
+
+    for epoch in range(start_epoch, args.epochs):
+        t0 = time.time()
+        sampler.set_epoch(epoch)
+        ddp.train()
+        total, count = 0.0, 0
+        for x, y in loader:
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total, count = total + loss.item() * len(y), count + len(y)
+        if rank == 0:
+            with torch.no_grad():
+                accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean()
+            tmp = args.checkpoint + ".tmp"
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
+                tmp,
+            )
+            os.replace(tmp, args.checkpoint)
+            print(
+                json.dumps(
+                    {
+                        "epoch": epoch,
+                        "world": world,
+                        "loss": round(total / count, 4),
+                        "accuracy": round(accuracy.item(), 4),
+                        "seconds": round(time.time() - t0, 2),
+                    }
+                ),
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Real efdl-run processes on 127.0.0.1, and the JSON lines their workers write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+SCRIPTS = Path(__file__).parent / "scripts"
+EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+
+
+class Agent:
+    """One ``efdl-run`` process; its output goes to a file; stopped by PID."""
+
+    def __init__(self, name: str, args: list[str], out_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = out_dir / f"agent-{name}.log"
+        self._file = open(self.log, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*EFDL_RUN, *args],
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env, "OUT_DIR": str(out_dir)},
+        )
+        self.pid = self.proc.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def worker_pids(self) -> list[int]:
+        try:
+            return [p.pid for p in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout_s: float = 60) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._file.close()
+
+
+class Job:
+    """Agents of one job and the events their workers wrote."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        etcd: str,
+        job_id: str,
+        common: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.out = out_dir
+        self.etcd = etcd
+        self.job_id = job_id
+        self.common = common
+        self.env = env or {}
+        self.agents: dict[str, Agent] = {}
+
+    def start(self, name: str, *extra: str, script: str = "steps.py") -> Agent:
+        args = [
+            "--etcd",
+            self.etcd,
+            "--job-id",
+            self.job_id,
+            "--node-id",
+            name,
+            "--host",
+            "127.0.0.1",
+            *self.common,
+            *extra,
+            str(SCRIPTS / script),
+        ]
+        agent = Agent(name, args, self.out, self.env)
+        self.agents[name] = agent
+        return agent
+
+    def events(self) -> list[dict[str, object]]:
+        path = self.out / "events.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+        return rows
+
+    def wait_for(
+        self, what: str, pred: Callable[[list[dict[str, object]]], bool], timeout_s: float = 90
+    ) -> list[dict[str, object]]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            rows = self.events()
+            if pred(rows):
+                return rows
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {n}\n{a.output()[-3000:]}" for n, a in self.agents.items())
+        raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            a.stop()
+
+
+def steps_at_world(world: int, since_gen: int = 0) -> Callable[[list[dict[str, object]]], bool]:
+    """True once every rank of a ``world``-sized generation (after ``since_gen``) made 3 steps."""
+
+    def pred(rows: list[dict[str, object]]) -> bool:
+        by_gen: dict[int, dict[int, int]] = {}
+        for r in rows:
+            gen = int(r["gen"])  # type: ignore[call-overload]
+            if r["world"] == world and gen > since_gen:
+                ranks = by_gen.setdefault(gen, {})
+                rank = int(r["rank"])  # type: ignore[call-overload]
+                ranks[rank] = ranks.get(rank, 0) + 1
+        return any(len(v) == world and min(v.values()) >= 3 for v in by_gen.values())
+
+    return pred
+
+
+def latest_gen(rows: list[dict[str, object]]) -> int:
+    return max((int(r["gen"]) for r in rows), default=0)  # type: ignore[call-overload]
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -1,0 +1,227 @@
+"""efdl-run as users run it: real agent processes, real etcd, real torch.distributed (gloo)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from tests.e2e.harness import EFDL_RUN, Job, alive, latest_gen, steps_at_world
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture()
+def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
+    j = Job(
+        tmp_path,
+        etcd_server.endpoint.target,
+        f"e2e-{uuid.uuid4().hex[:8]}",
+        ["--lease-ttl", "3", "--settle", "0.5", "--grace-period", "5"],
+        env={"STEP_SECONDS": "0.1"},
+    )
+    yield j
+    j.stop()
+
+
+def efdl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "efdl", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_join_grow_crash_leave_and_status(job: Job) -> None:
+    common = ("--min", "1", "--max", "4", "--nproc-per-node", "1")
+    job.start("a", *common)
+    job.start("b", *common)
+    rows = job.wait_for("two nodes training", steps_at_world(2))
+    g2 = latest_gen(rows)
+    assert {r["node"] for r in rows if r["world"] == 2} == {"a", "b"}
+
+    # A third node joins: every worker restarts at world size 3.
+    job.start("c", *common)
+    rows = job.wait_for("three nodes training", steps_at_world(3, g2))
+    g3 = latest_gen(rows)
+    first = {r["rank"]: r["node"] for r in rows if r["gen"] == g3}
+    assert first == {0: "a", 1: "b", 2: "c"}  # survivors keep their ranks, newcomer appended
+    steps_before = max(int(r["step"]) for r in rows)
+
+    status = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
+    assert status.returncode == 0, status.stderr
+    assert f"generation {g3}, active, world size 3" in status.stdout
+    assert "leader a" in status.stdout and "ranks 2-2" in status.stdout
+
+    # SIGKILL c's agent: its worker dies with it; a and b go on at world size 2.
+    c_workers = job.agents["c"].worker_pids()
+    assert c_workers
+    job.agents["c"].signal(signal.SIGKILL)
+    job.agents["c"].wait()
+    deadline = time.monotonic() + 10
+    while alive(c_workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(c_workers), "a worker outlived its SIGKILLed agent"
+    rows = job.wait_for("back to two nodes", steps_at_world(2, g3))
+    g4 = latest_gen(rows)
+    # Training resumed from the checkpoint, not from scratch.
+    assert min(int(r["step"]) for r in rows if r["gen"] == g4) >= steps_before - 5
+
+    # SIGTERM b: it leaves gracefully (exit 0); a trains alone.
+    job.agents["b"].signal(signal.SIGTERM)
+    assert job.agents["b"].wait(30) == 0
+    assert "Left the job on SIGTERM" in job.agents["b"].output()
+    job.wait_for("one node training", steps_at_world(1, g4))
+
+    stop = efdl("stop", "--etcd", job.etcd, "--job-id", job.job_id)
+    assert stop.returncode == 0, stop.stderr
+    assert job.agents["a"].wait(30) == 0
+    assert "The job was stopped" in job.agents["a"].output()
+
+
+def test_a_worker_crash_is_restarted(job: Job) -> None:
+    job.env.update(FAIL_AT="1:5", STEPS="12")
+    agent = job.start("a", "--nproc-per-node", "2", "--max-restarts", "2")
+    assert agent.wait(120) == 0, agent.output()[-3000:]
+    rows = job.events()
+    assert {r["restart"] for r in rows} == {0, 1}
+    assert max(int(r["step"]) for r in rows) == 11
+    out = agent.output()
+    assert "worker rank 1 (local rank 1" in out and "failed with exit code 3" in out
+    assert "restarting the workers (restart 1 of 2)" in out
+
+
+def test_max_restarts_exhausted_ends_with_a_clear_message(job: Job) -> None:
+    job.env.update(FAIL_AT="0:2")
+    agent = job.start("a", "--nproc-per-node", "1", "--max-restarts", "0")
+    assert agent.wait(120) == 1
+    assert "used all 0 restarts (--max-restarts)" in agent.output()
+
+
+def test_a_spare_replaces_a_dead_member(job: Job) -> None:
+    common = ("--min", "1", "--max", "1", "--nproc-per-node", "1")
+    job.start("a", *common)
+    rows = job.wait_for("a training", steps_at_world(1))
+    job.start("s", *common)
+    time.sleep(3)
+    assert {r["node"] for r in job.events()} == {"a"}  # s waits as a spare
+    assert "this node is a spare" in job.agents["s"].output()
+    job.agents["a"].signal(signal.SIGKILL)
+    job.agents["a"].wait()
+    rows = job.wait_for(
+        "the spare training", lambda rs: any(r["node"] == "s" for r in rs) and steps_at_world(1)(rs)
+    )
+    assert min(int(r["step"]) for r in rows if r["node"] == "s") > 0  # resumed, not restarted
+
+
+def test_the_digits_example_trains_under_standalone(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "examples" / "digits" / "train_torchrun.py"
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(example),
+            "--epochs",
+            "3",
+            "--checkpoint",
+            str(tmp_path / "ckpt.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    epochs = [line for line in result.stdout.splitlines() if line.startswith("[rank0]: {")]
+    assert len(epochs) == 3 and '"world": 2' in epochs[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--standalone", "missing.py"], "The training script 'missing.py' does not exist"),
+        (
+            ["--standalone", "--min", "3", "--max", "2", "x.py"],
+            r"--min \(3\) must not be greater than --max \(2\)",
+        ),
+        (["--standalone", "--min", "0", "x.py"], r"--min \(0\) must be at least 1"),
+        (["--etcd", "127.0.0.1:9", "--job-id", "a/b", "x.py"], "The job id 'a/b' is not allowed"),
+        (["--job-id", "j", "x.py"], "No etcd endpoints were given"),
+        (["--standalone", "--nproc-per-node", "many", "x.py"], "expected a positive number"),
+        (
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "x.py"],
+            "is not efdl's: efdl's rendezvous is etcd v3",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_error(args: list[str], message: str, tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    result = subprocess.run(
+        [*EFDL_RUN, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    import re
+
+    assert re.search(message, result.stderr), result.stderr
+
+
+def test_bad_config_files_and_unreachable_etcd(tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    for text, message in [
+        ("min: [1,\n", "is not valid YAML at line"),
+        ("mni: 2\n", "Unknown key 'mni'"),
+    ]:
+        (tmp_path / "c.yaml").write_text(text)
+        r = subprocess.run(
+            [*EFDL_RUN, "--config", "c.yaml", "--standalone", "x.py"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--etcd",
+            "127.0.0.1:9,127.0.0.1:10",
+            "--etcd-timeout",
+            "1",
+            "--job-id",
+            "j",
+            "x.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and "Cannot reach etcd" in r.stderr
+    assert "127.0.0.1:9" in r.stderr and "127.0.0.1:10" in r.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_store_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run(
+            [*EFDL_RUN, "--standalone", "--store-port", str(port), "x.py"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+        )
+    assert r.returncode == 2 and f"Cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
