@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[etcd,dev]"
+"$PY" -m pip install -q -e ".[etcd,examples,dev]"
 
 echo "== ruff"; "$PY" -m ruff check efdl tests
 echo "== mypy"; "$PY" -m mypy

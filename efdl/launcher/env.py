@@ -9,6 +9,7 @@ from pathlib import Path
 from efdl.rendezvous.model import NodeRecord, Round
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+SECRET_VARIABLES = frozenset({"EFDL_ETCD_PASSWORD"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ def worker_env(
         raise ValueError(f"Node {ctx.node.node_id} is not in round {rnd.generation}.")
     group_rank = [m.node_id for m in rnd.members].index(member.node_id)
     rank = member.first_rank + local_rank
-    env = dict(base)
+    env = {k: v for k, v in base.items() if k not in SECRET_VARIABLES}  # workers never see etcd
     env.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),

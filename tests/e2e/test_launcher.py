@@ -43,20 +43,22 @@ def test_join_grow_crash_leave_and_status(job: Job) -> None:
     job.start("b", *common)
     rows = job.wait_for("two nodes training", steps_at_world(2))
     g2 = latest_gen(rows)
-    assert {r["node"] for r in rows if r["world"] == 2} == {"a", "b"}
+    ranks2 = {r["rank"]: r["node"] for r in rows if r["gen"] == g2}
+    assert sorted(ranks2.values()) == ["a", "b"]  # in join order: a and b start together
 
     # A third node joins: every worker restarts at world size 3.
     job.start("c", *common)
     rows = job.wait_for("three nodes training", steps_at_world(3, g2))
     g3 = latest_gen(rows)
-    first = {r["rank"]: r["node"] for r in rows if r["gen"] == g3}
-    assert first == {0: "a", 1: "b", 2: "c"}  # survivors keep their ranks, newcomer appended
+    ranks3 = {r["rank"]: r["node"] for r in rows if r["gen"] == g3}
+    assert ranks3 == {**ranks2, 2: "c"}  # survivors keep their ranks, the newcomer is appended
     steps_before = max(int(r["step"]) for r in rows)
 
     status = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
     assert status.returncode == 0, status.stderr
     assert f"generation {g3}, active, world size 3" in status.stdout
-    assert "leader a" in status.stdout and "ranks 2-2" in status.stdout
+    # The first to join leads (the oldest node record).
+    assert f"leader {ranks2[0]}" in status.stdout and "ranks 2-2" in status.stdout
 
     # SIGKILL c's agent: its worker dies with it; a and b go on at world size 2.
     c_workers = job.agents["c"].worker_pids()
@@ -225,3 +227,99 @@ def test_a_store_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
             cwd=tmp_path,
         )
     assert r.returncode == 2 and f"Cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "scripts" / "steps.py"
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "logs",
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--redirects",
+            "1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **__import__("os").environ,
+            "OUT_DIR": str(tmp_path),
+            "STEPS": "3",
+            "EFDL_ETCD_PASSWORD": "do-not-leak",
+        },
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "[rank" not in result.stdout  # stdout went to the files only
+    files = sorted(p.relative_to(tmp_path / "logs") for p in (tmp_path / "logs").rglob("rank*"))
+    assert [str(f) for f in files] == [
+        "logs/gen1/rank0.stderr",
+        "logs/gen1/rank0.stdout",
+        "logs/gen1/rank1.stderr",
+        "logs/gen1/rank1.stdout",
+    ]
+    rows = [line for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert len(rows) == 6
+
+
+def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    script.write_text(
+        "import json, os\n"
+        "keys = ['RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','GROUP_RANK',"
+        "'GROUP_WORLD_SIZE','ROLE_RANK','ROLE_WORLD_SIZE','ROLE_NAME','MASTER_ADDR',"
+        "'MASTER_PORT','TORCHELASTIC_RUN_ID','TORCHELASTIC_RESTART_COUNT',"
+        "'TORCHELASTIC_MAX_RESTARTS','TORCHELASTIC_USE_AGENT_STORE','TORCHELASTIC_ERROR_FILE',"
+        "'OMP_NUM_THREADS','EFDL_GENERATION','EFDL_ETCD_PASSWORD']\n"
+        "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
+    )
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "envjob",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "7",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "EFDL_ETCD_PASSWORD": "secret"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    envs = sorted(
+        (
+            json.loads(line.split(": ", 1)[1])
+            for line in result.stdout.splitlines()
+            if line.startswith("[rank")
+        ),
+        key=lambda e: e["RANK"],
+    )
+    assert [e["RANK"] for e in envs] == ["0", "1"] and [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
+    for e in envs:
+        assert e["WORLD_SIZE"] == e["ROLE_WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "2"
+        assert (
+            e["GROUP_RANK"] == "0" and e["GROUP_WORLD_SIZE"] == "1" and e["ROLE_NAME"] == "default"
+        )
+        assert e["MASTER_ADDR"] == "127.0.0.1" and int(e["MASTER_PORT"]) > 0
+        assert e["TORCHELASTIC_RUN_ID"] == "envjob" and e["TORCHELASTIC_MAX_RESTARTS"] == "7"
+        assert (
+            e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        )
+        assert e["TORCHELASTIC_ERROR_FILE"].endswith(f"error-rank{e['RANK']}.json")
+        cores = len(__import__("os").sched_getaffinity(0))
+        expected = __import__("os").environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
+        assert e["OMP_NUM_THREADS"] == expected and e["EFDL_GENERATION"] == "1"
+        assert e["EFDL_ETCD_PASSWORD"] is None
