@@ -323,3 +323,33 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         expected = __import__("os").environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
         assert e["OMP_NUM_THREADS"] == expected and e["EFDL_GENERATION"] == "1"
         assert e["EFDL_ETCD_PASSWORD"] is None
+
+
+def test_the_failing_ranks_recorded_error_is_reported(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text(
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    raise ValueError('the learning rate 42 is too large')\n"
+        "main()\n"
+    )
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "boom",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "0",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "worker rank 0 (local rank 0" in result.stderr
+    assert "failed with exit code 1: ValueError: the learning rate 42 is too large" in result.stderr

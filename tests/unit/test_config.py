@@ -138,3 +138,21 @@ def test_settings_validation(tmp_path: Path) -> None:
         EtcdSettings(ep, request_timeout_s=0)
     assert EtcdSettings(ep, ca_file=None).tls is False
     assert EtcdSettings((Endpoint("h", 1, tls=True),)).tls is True
+
+
+def test_launch_config_maps_torchrun_nnodes_to_workers() -> None:
+    from efdl.cli import _policy
+    from efdl.config import LaunchConfig
+
+    cfg = load(LaunchConfig, {"standalone": True, "nnodes": "2:4"}, env={})
+    assert cfg.node_range() == (2, 4)
+    p = _policy(cfg, slots=8)
+    assert (p.min_workers, p.max_workers) == (16, 32)
+    only_min = _policy(load(LaunchConfig, {"standalone": True, "min_workers": 3}, env={}), 1)
+    assert only_min.min_workers == 3 and only_min.max_workers >= 1_000_000
+    alone = _policy(load(LaunchConfig, {"standalone": True}, env={}), 2)
+    assert (alone.min_workers, alone.max_workers) == (2, 2)  # torchrun's default: this node
+    with pytest.raises(ConfigError, match="expected N or MIN:MAX"):
+        load(LaunchConfig, {"standalone": True, "nnodes": "two"}, env={})
+    with pytest.raises(ConfigError, match="No job id was given"):
+        load(LaunchConfig, {"etcd": "h:1"}, env={})
