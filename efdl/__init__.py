@@ -1,7 +1,23 @@
-"""efdl: an elastic, fault-tolerant launcher for PyTorch distributed training."""
+"""efdl: an elastic, fault-tolerant launcher for PyTorch distributed training.
+
+The worker-side API (``efdl.init_process_group``, ``efdl.elastic_state``, ``efdl.elastic``,
+``efdl.ElasticSampler``) imports torch on first use, so the agent and tools stay light.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_STATE_API = {"ElasticSampler", "ElasticState", "elastic", "elastic_state", "init_process_group"}
+
+__all__ = ["__version__", *sorted(_STATE_API)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _STATE_API:
+        import efdl.state
+
+        return getattr(efdl.state, name)
+    raise AttributeError(f"module 'efdl' has no attribute {name!r}")

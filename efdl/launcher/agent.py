@@ -29,6 +29,7 @@ from efdl.rendezvous.agent import RendezvousAgent, end_job
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.model import NodeRecord, Round, RoundStatus
+from efdl.state.channel import SOCKET_ENV, ChannelServer, Placement
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,14 @@ class _LeaseLost:
 @dataclass(frozen=True, slots=True)
 class _Failed:
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Hello:
+    """A worker announced that it rebuilds in place."""
+
+    local_rank: int
+    pid: int
 
 
 class AgentExit(EfdlError):
@@ -98,6 +107,12 @@ class NodeAgent:
         self._restarts = 0
         self._finishing = False
         self._finish_by: float | None = None
+        self._in_place: set[int] = set()  # pids of workers that rebuild in place
+        self._leaving: set[int] = set()  # pids told to leave at the next step boundary
+        self._channel = ChannelServer(
+            self._run_dir / "agent.sock",
+            lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
+        )
         self._rdzv: RendezvousAgent | None = None
 
     def _tag(self) -> str:
@@ -133,6 +148,7 @@ class NodeAgent:
             if self._rdzv is not None:
                 self._rdzv.leave()
             self._server.close()
+            self._channel.close()
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -175,6 +191,8 @@ class NodeAgent:
             self._fenced(event.reason)
         elif isinstance(event, _Failed):
             raise AgentExit(1, event.reason)
+        elif isinstance(event, _Hello):
+            self._in_place.add(event.pid)
 
     def _on_round(self, r: Round) -> None:
         if r.generation <= self._acted:
@@ -196,23 +214,80 @@ class NodeAgent:
             self._finish_by = time.monotonic() + self._cfg.grace_period_s
             return
         if r.status is RoundStatus.WAITING:
-            self._stop_workers()
+            if not self._rebuilds_in_place():
+                self._stop_workers()
             log.info("%s: the job waits: %s.", self._tag(), r.reason)
-            return
+            return  # in-place workers wait for the next round with their state in memory
         member = r.member(self._node.node_id)
+        if self._rebuilds_in_place():
+            self._rebuild_in_place(r)
+            return
         self._stop_workers()
         if member is None:
             log.info(
                 "%s: this node is a spare (the job has its %d workers).", self._tag(), r.world_size
             )
             return
-        self._start_workers(r)
+        self._start_workers(r, range(member.workers))
 
-    def _start_workers(self, r: Round) -> None:
+    def _rebuilds_in_place(self) -> bool:
+        """Whether this node's workers are efdl-aware and all alive to be told of a round."""
+        group = self._group
+        if group is None:
+            return False
+        running = group.running()
+        return bool(running) and all(w.pid in self._in_place for w in running)
+
+    def _rebuild_in_place(self, r: Round) -> None:
+        """Tell the running workers their new place; start missing local ranks; send the ones
+        not needed any more away at the next step boundary."""
+        group = self._group
+        assert group is not None
+        member = r.member(self._node.node_id)
+        wanted = member.workers if member else 0
+        group_rank = [m.node_id for m in r.members].index(member.node_id) if member else 0
+        kept = set()
+        for w in group.running():
+            if w.pid in self._leaving:
+                continue
+            if w.local_rank < wanted and member is not None:
+                kept.add(w.local_rank)
+                self._channel.send_round(
+                    w.pid,
+                    Placement(
+                        r.generation,
+                        member.first_rank + w.local_rank,
+                        r.world_size,
+                        w.local_rank,
+                        wanted,
+                        group_rank,
+                        len(r.members),
+                        r.store_host,
+                        r.store_port,
+                    ),
+                )
+            else:
+                self._leaving.add(w.pid)
+                self._channel.send(w.pid, {"type": "leave"})
+        group.generation = r.generation
+        missing = [lr for lr in range(wanted) if lr not in kept]
+        if missing:
+            self._start_workers(r, missing)
+        log.info(
+            "%s: round %d in place: %s (kept local ranks %s, started %s, world size %d).",
+            self._tag(),
+            r.generation,
+            r.reason,
+            sorted(kept),
+            missing,
+            r.world_size,
+        )
+
+    def _start_workers(self, r: Round, local_ranks: range | list[int]) -> None:
         member = r.member(self._node.node_id)
         assert member is not None
-        envs = [
-            worker_env(
+        envs = {
+            local: worker_env(
                 self._base_env(),
                 self._ctx,
                 r,
@@ -222,9 +297,13 @@ class NodeAgent:
                 / f"gen{r.generation}"
                 / f"error-rank{member.first_rank + local}.json",
             )
-            for local in range(member.workers)
-        ]
-        self._group = WorkerGroup.start(self._args, envs, r.generation, self._logs, self._events)
+            for local in local_ranks
+        }
+        for env in envs.values():
+            env[SOCKET_ENV] = str(self._channel.path)
+        if self._group is None:
+            self._group = WorkerGroup(r.generation, [])
+        self._group.spawn(self._args, envs, r.generation, self._logs, self._events)
         log.info(
             "%s: round %d: ranks %d-%d of %d (%s).",
             self._tag(),
@@ -246,12 +325,20 @@ class NodeAgent:
 
     def _on_exit(self, ev: WorkerExit) -> None:
         group = self._group
-        if group is None or ev.generation != group.generation:
+        if group is None or ev.pid not in group.pids:
             return  # a worker of a group we stopped on purpose
+        if ev.pid in self._leaving:  # it left at a step boundary, as asked
+            self._leaving.discard(ev.pid)
+            group.remove(ev.pid)
+            if not group.workers:
+                self._group = None
+            return
         group.exited[ev.local_rank] = ev.code
         if ev.code != 0:
             self._worker_failed(group, ev)
-        elif len(group.exited) == len(group.workers):
+        elif all(w.proc.poll() is not None for w in group.workers) and all(
+            c == 0 for c in group.exited.values()
+        ):
             self._group = None
             if self._finishing:
                 raise AgentExit(0, "This node's workers finished; the job is done.")
@@ -276,7 +363,13 @@ class NodeAgent:
             how,
             f"\n{error}" if error else "",
         )
-        self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
+        in_place = ev.pid in self._in_place and any(
+            w.pid in self._in_place for w in group.running()
+        )
+        if in_place:  # the others roll back and wait; only this one is replaced
+            group.remove(ev.pid)
+        else:
+            self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
         if self._finishing:
             raise AgentExit(1, f"Worker rank {ev.rank} failed with {how} after the job finished.")
         if self._restarts >= self._cfg.max_restarts:
@@ -289,8 +382,9 @@ class NodeAgent:
             )
         self._restarts += 1
         log.warning(
-            "%s: restarting the workers (restart %d of %d).",
+            "%s: %s (restart %d of %d).",
             self._tag(),
+            "replacing the failed worker" if in_place else "restarting the workers",
             self._restarts,
             self._cfg.max_restarts,
         )
@@ -305,6 +399,12 @@ class NodeAgent:
             name,
             self._cfg.grace_period_s,
         )
+        if self._rebuilds_in_place():
+            assert self._group is not None
+            for w in self._group.running():  # pause with everyone, commit, exit
+                self._leaving.add(w.pid)
+                self._channel.send(w.pid, {"type": "leave"})
+            self._group.wait(self._cfg.grace_period_s)
         self._stop_workers()
         if self._rdzv is not None:
             self._rdzv.leave()

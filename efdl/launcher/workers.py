@@ -160,25 +160,40 @@ class WorkerGroup:
         self.workers = workers
         self.exited: dict[int, int] = {}  # local rank -> exit code
 
-    @staticmethod
-    def start(
+    def spawn(
+        self,
         args: Sequence[str],
-        envs: Sequence[Mapping[str, str]],
+        envs: Mapping[int, Mapping[str, str]],
         generation: int,
         logs: LogSpec,
         events: queue.Queue[object],
-    ) -> WorkerGroup:
-        workers = [
+    ) -> None:
+        """Start workers for these local ranks (local rank -> environment)."""
+        new = [
             Worker(args, env, local_rank, int(env["RANK"]), generation, logs, events)
-            for local_rank, env in enumerate(envs)
+            for local_rank, env in envs.items()
         ]
+        self.workers.extend(new)
+        for w in new:
+            self.exited.pop(w.local_rank, None)
         log.info(
             "Generation %d: started workers %s (pids %s).",
             generation,
-            [w.rank for w in workers],
-            [w.pid for w in workers],
+            [w.rank for w in new],
+            [w.pid for w in new],
         )
-        return WorkerGroup(generation, workers)
+
+    def remove(self, pid: int) -> None:
+        self.workers = [w for w in self.workers if w.pid != pid]
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every worker to exit by itself."""
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return
 
     @property
     def pids(self) -> list[int]:

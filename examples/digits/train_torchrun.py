@@ -5,6 +5,7 @@
 
 It checkpoints every epoch and resumes from the checkpoint when restarted, which is what
 makes a torchrun script elastic by restart. One JSON line per epoch on rank 0.
+train_efdl.py is the same script with the efdl change (in-place elasticity).
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ import time
 import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def data() -> tuple[TensorDataset, TensorDataset]:
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
-    g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(x), generator=g)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     test, train = order[:360], order[360:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
@@ -40,7 +39,6 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256),
@@ -56,43 +54,43 @@ def main() -> None:
         model.load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
         start_epoch = snapshot["epoch"] + 1
-    ddp = DDP(model)
-    train, test = data()
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
+    train_set, test_set = data()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    sampler = torch.utils.data.DistributedSampler(train_set, shuffle=True, seed=0)
+    loader = DataLoader(train_set, batch_size=args.batch, sampler=sampler)
 
-    for epoch in range(start_epoch, args.epochs):
-        t0 = time.time()
-        sampler.set_epoch(epoch)
-        ddp.train()
-        total, count = 0.0, 0
-        for x, y in loader:
-            loss = torch.nn.functional.cross_entropy(ddp(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            total, count = total + loss.item() * len(y), count + len(y)
-        if rank == 0:
-            with torch.no_grad():
-                accuracy = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean()
-            tmp = args.checkpoint + ".tmp"
-            torch.save(
-                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
-                tmp,
-            )
-            os.replace(tmp, args.checkpoint)
-            print(
-                json.dumps(
-                    {
-                        "epoch": epoch,
-                        "world": world,
-                        "loss": round(total / count, 4),
-                        "accuracy": round(accuracy.item(), 4),
-                        "seconds": round(time.time() - t0, 2),
-                    }
-                ),
-                flush=True,
-            )
+    def train(start_epoch: int) -> None:
+        for epoch in range(start_epoch, args.epochs):
+            sampler.set_epoch(epoch)
+            rank, world, t0 = dist.get_rank(), dist.get_world_size(), time.time()
+            total, count = 0.0, 0
+            for x, y in loader:
+                loss = torch.nn.functional.cross_entropy(ddp(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                total, count = total + loss.item() * len(y), count + len(y)
+            if rank == 0:
+                with torch.no_grad():
+                    hits = model(test_set.tensors[0]).argmax(1) == test_set.tensors[1]
+                tmp = args.checkpoint + ".tmp"
+                snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                torch.save({**snapshot, "epoch": epoch}, tmp)
+                os.replace(tmp, args.checkpoint)
+                print(
+                    json.dumps(
+                        {
+                            "epoch": epoch,
+                            "world": world,
+                            "loss": round(total / count, 4),
+                            "accuracy": round(hits.float().mean().item(), 4),
+                            "seconds": round(time.time() - t0, 2),
+                        }
+                    ),
+                    flush=True,
+                )
+
+    train(start_epoch)
     dist.destroy_process_group()
 
 

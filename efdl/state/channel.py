@@ -1,0 +1,189 @@
+"""The local channel between a node agent and its workers: JSON lines on a Unix socket.
+
+A worker that can rebuild in place says so (``hello``); from then on the agent tells it about
+new rounds (``round``) instead of restarting it, or asks it to leave at the next step boundary
+(``leave``). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV = "EFDL_AGENT_SOCKET"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a worker stands in one generation."""
+
+    generation: int
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+
+    @staticmethod
+    def from_env(env: dict[str, str] | None = None) -> Placement:
+        e = dict(os.environ) if env is None else env
+        return Placement(
+            int(e.get("EFDL_GENERATION", "0")),
+            int(e["RANK"]),
+            int(e["WORLD_SIZE"]),
+            int(e.get("LOCAL_RANK", "0")),
+            int(e.get("LOCAL_WORLD_SIZE", "1")),
+            int(e.get("GROUP_RANK", "0")),
+            int(e.get("GROUP_WORLD_SIZE", "1")),
+            e["MASTER_ADDR"],
+            int(e["MASTER_PORT"]),
+        )
+
+
+def _send(sock: socket.socket, message: dict[str, Any], lock: threading.Lock) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    with lock:
+        sock.sendall(data)
+
+
+def _lines(sock: socket.socket) -> Any:
+    with sock.makefile("rb") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                log.error("Ignoring a bad message on the agent channel: %r", line[:200])
+
+
+class ChannelServer:
+    """The agent's end: accepts workers, reports their hellos, sends them rounds.
+
+    Args:
+        path: the socket path (in the agent's private run directory).
+        on_hello: called (from a channel thread) with (local rank, pid) when a worker announces
+            that it rebuilds in place.
+    """
+
+    def __init__(self, path: Path, on_hello: Callable[[int, int], None]) -> None:
+        self.path = path
+        self._on_hello = on_hello
+        self._lock = threading.Lock()
+        self._conns: dict[int, tuple[socket.socket, threading.Lock]] = {}  # pid -> connection
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        os.chmod(path, 0o600)
+        self._server.listen(64)
+        threading.Thread(target=self._accept, name="efdl-channel", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pid = None
+        try:
+            for msg in _lines(conn):
+                if msg.get("type") == "hello" and isinstance(msg.get("pid"), int):
+                    pid = int(msg["pid"])
+                    with self._lock:
+                        self._conns[pid] = (conn, threading.Lock())
+                    self._on_hello(int(msg.get("local_rank", -1)), pid)
+        except OSError:
+            pass
+        finally:
+            if pid is not None:
+                with self._lock:
+                    self._conns.pop(pid, None)
+            conn.close()
+
+    def send(self, pid: int, message: dict[str, Any]) -> bool:
+        """Send to the worker with ``pid``; False if it is not connected."""
+        with self._lock:
+            entry = self._conns.get(pid)
+        if entry is None:
+            return False
+        try:
+            _send(entry[0], message, entry[1])
+            return True
+        except OSError:
+            return False
+
+    def send_round(self, pid: int, placement: Placement) -> bool:
+        return self.send(pid, {"type": "round", **asdict(placement)})
+
+    def close(self) -> None:
+        self._server.close()
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn, _ in conns:
+            conn.close()
+
+
+class AgentChannel:
+    """The worker's end: announces in-place support, then receives rounds and leave requests."""
+
+    def __init__(self, path: str, local_rank: int) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._latest: Placement | None = None
+        self.leave_requested = False
+        self.closed = False
+        _send(
+            self._sock, {"type": "hello", "pid": os.getpid(), "local_rank": local_rank}, self._lock
+        )
+        threading.Thread(target=self._read, name="efdl-agent-channel", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for msg in _lines(self._sock):
+                with self._cond:
+                    if msg.get("type") == "round":
+                        fields = {k: msg[k] for k in Placement.__dataclass_fields__}
+                        self._latest = Placement(**fields)
+                    elif msg.get("type") == "leave":
+                        self.leave_requested = True
+                    self._cond.notify_all()
+        except (OSError, KeyError, TypeError):
+            pass
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def pending(self, generation: int) -> bool:
+        """Whether the agent asked for something beyond ``generation`` (a round or a leave)."""
+        latest = self._latest
+        return self.leave_requested or (latest is not None and latest.generation > generation)
+
+    def wait(self, generation: int, timeout_s: float | None = None) -> Placement | None:
+        """The next placement after ``generation``; None if asked to leave (or the agent is
+        gone, or the timeout passed)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    self.leave_requested
+                    or self.closed
+                    or (self._latest is not None and self._latest.generation > generation)
+                ),
+                timeout=timeout_s,
+            )
+            if self.leave_requested or self._latest is None:
+                return None
+            return self._latest if self._latest.generation > generation else None
