@@ -2,7 +2,8 @@
 
 One JSON line per committed step to $OUT_DIR/events.jsonl: node, pid, rank, world, generation,
 step, epoch, a digest of the parameters, and the sample indices this rank trained on.
-Faults: FAIL_AT="rank:step" makes that rank exit 3 at that step (first process only).
+Knobs as steps.py (STEP_SECONDS, MODEL_WIDTH, BATCH) plus SNAPSHOT_EVERY and DIGEST=0 (skip
+the parameter digest). Faults: FAIL_AT="rank:step" exits 3 at that step (first process only).
 """
 
 import json
@@ -23,13 +24,24 @@ fail_at = os.environ.get("FAIL_AT", "")
 
 efdl.init_process_group("gloo", timeout_s=15)
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
-model = torch.nn.Linear(4, 1)
+width = int(os.environ.get("MODEL_WIDTH", "0"))
+if width:
+    layers = [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)]
+    model: torch.nn.Module = torch.nn.Sequential(
+        *layers, torch.nn.ReLU(), torch.nn.Linear(width, 1)
+    )
+else:
+    model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 n = int(os.environ.get("SAMPLES", "96"))
-data = TensorDataset(torch.arange(n, dtype=torch.float32).repeat(4, 1).T / n, torch.arange(n))
-sampler = efdl.ElasticSampler(data, batch_size=2, seed=1)
-loader = DataLoader(data, batch_size=2, sampler=sampler)
-state = efdl.elastic_state(model, optimizer, sampler, epoch=0)
+batch = int(os.environ.get("BATCH", "2"))
+features = torch.randn(n, width or 4) if width else torch.arange(n).float().repeat(4, 1).T / n
+data = TensorDataset(features, torch.arange(n))
+sampler = efdl.ElasticSampler(data, batch_size=batch, seed=1)
+loader = DataLoader(data, batch_size=batch, sampler=sampler)
+snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "1"))
+state = efdl.elastic_state(model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0)
+digests = os.environ.get("DIGEST", "1") != "0"
 spawned = os.environ.get("EFDL_GENERATION")
 
 
@@ -44,7 +56,8 @@ def train(state: efdl.ElasticState) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            digest = float(sum(p.detach().double().sum() for p in model.parameters()))
+            params = model.parameters()
+            digest = float(sum(p.detach().double().sum() for p in params)) if digests else 0.0
             # Logged before commit(): the commit where all ranks pause leaves train() at once.
             row = {
                 "node": os.environ["EFDL_NODE_ID"],
@@ -61,7 +74,8 @@ def train(state: efdl.ElasticState) -> None:
             }
             with open(out / "events.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-            time.sleep(delay)
+            if delay:
+                time.sleep(delay)
             state.commit()
 
 
