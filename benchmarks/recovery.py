@@ -173,10 +173,19 @@ class Run:
             return []
 
     def stop(self) -> None:
+        """Kill every agent and every process under it, by PID. torchrun starts its workers
+        in sessions of their own and they do not die with a killed agent: collect them first."""
+        pids: list[int] = []
+        for p in self.procs.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                pids += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
         for p in self.procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def at_world(
