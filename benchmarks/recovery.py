@@ -183,9 +183,11 @@ class Run:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        logged = {int(r["pid"]) for r in self.rows()}  # type: ignore[call-overload]
+        for pid in set(pids) | logged:  # workers whose agent died earlier are orphans now
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                if "steps.py" in " ".join(psutil.Process(pid).cmdline()):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def at_world(
