@@ -338,6 +338,8 @@ def main() -> None:
                 f"{fmt(results['tuned'])} | {ratio} |",
                 flush=True,
             )
+    if args.steady_repeat < 1:
+        return
     print(
         "\nSteady state: median step time of 2 workers, 3-layer MLP width 512, batch 64, "
         f"median of {args.steady_repeat} runs; efdl commits every step, snapshot every "
