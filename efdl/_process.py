@@ -51,13 +51,3 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import psutil
-
 from efdl._process import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -226,11 +224,3 @@ class WorkerGroup:
 
     def kill(self) -> None:
         self.stop(0.0, signal.SIGKILL)
-
-
-def children_of(pid: int) -> list[int]:
-    """PIDs of all descendants of ``pid`` (for tests and status)."""
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []

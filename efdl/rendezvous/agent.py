@@ -119,7 +119,6 @@ class RendezvousAgent:
         self._session: LeaseSession | None = None
         self._my_revision = 0
         self._thread: threading.Thread | None = None
-        self.requests = 0  # etcd requests this agent made (for the benchmark)
 
     # ---------------------------------------------------------------- public
 
@@ -159,7 +158,6 @@ class RendezvousAgent:
             [Put(key, self._node.to_json(), self._session.lease_id)],
             [Get(key)],
         )
-        self.requests += 2
         if not result.succeeded:
             self._session.close()
             (existing,) = result.gets[0] or (None,)
@@ -217,7 +215,6 @@ class RendezvousAgent:
         self._store.put(
             self.keys.step(self.node_id), str(step).encode(), lease=self._session.lease_id
         )
-        self.requests += 1
 
     def request_restart(self) -> None:
         """Ask for a new round with the same members (this node restarted its workers)."""
@@ -228,7 +225,6 @@ class RendezvousAgent:
             [Compare.create_revision_is(key, self._my_revision)],
             [Put(key, self._node.to_json(), self._session.lease_id)],
         ).succeeded
-        self.requests += 1
         if not ok:
             raise LeaseLostError(f"The node record of {self.node_id} is gone; it left the job.")
 
@@ -238,7 +234,6 @@ class RendezvousAgent:
         self._stop()
         if self._session is not None:
             self._session.close(revoke=True)
-            self.requests += 1
         log.info("Job %s: node %s left.", self.keys.job_id, self.node_id)
 
     def abandon(self) -> None:
@@ -327,7 +322,6 @@ class RendezvousAgent:
             [Compare.mod_revision_is(self.keys.round, mod_revision)],
             [Put(self.keys.round, done.to_json())],
         )
-        self.requests += 1
         if result.succeeded:
             self._set_round(KeyValue(self.keys.round, done.to_json(), 0, result.revision))
         else:
@@ -348,7 +342,6 @@ class RendezvousAgent:
         watches: list[Watch] = []
         try:
             snap = self._store.get_prefix(self.keys.prefix)
-            self.requests += 1
             round_kv = next((kv for kv in snap.kvs if kv.key == self.keys.round), None)
             self._set_round(round_kv)
             start = snap.revision + 1
@@ -356,7 +349,6 @@ class RendezvousAgent:
                 self._store.watch(self.keys.round, start_revision=start, sink=self._sink("round"))
             )
             node_kvs = tuple(kv for kv in snap.kvs if kv.key.startswith(self.keys.nodes))
-            self.requests += 1
             self._loop(node_kvs, start)
         except LeaseLostError:
             pass
@@ -381,7 +373,6 @@ class RendezvousAgent:
         if not older:
             return True, None
         pred = max(older, key=lambda kv: kv.create_revision)
-        self.requests += 1
         return False, self._store.watch(pred.key, start_revision=start, sink=self._sink("pred"))
 
     def _loop(self, node_kvs: tuple[KeyValue, ...], start: int) -> None:
@@ -417,7 +408,6 @@ class RendezvousAgent:
                     if pred_watch is not None:
                         pred_watch.cancel()
                     snap = self._store.get_prefix(self.keys.nodes)
-                    self.requests += 1
                     leads, pred_watch = self._follow(snap.kvs, snap.revision + 1)
                     if leads:
                         nodes_watch, nodes = self._lead(snap.kvs, snap.revision + 1)
@@ -453,7 +443,6 @@ class RendezvousAgent:
         watch = self._store.watch(
             self.keys.nodes, prefix=True, start_revision=start, sink=self._sink("nodes")
         )
-        self.requests += 1
         self._inbox.put(("wake", None))
         return watch, parse_nodes(node_kvs, self.keys)
 
@@ -482,7 +471,6 @@ class RendezvousAgent:
             [Put(self.keys.round, new.to_json())],
             [Get(self.keys.round), Get(self.keys.node(self.node_id))],
         )
-        self.requests += 1
         if result.succeeded:
             kv = KeyValue(self.keys.round, new.to_json(), 0, result.revision)
             self._set_round(kv)
@@ -502,7 +490,6 @@ class RendezvousAgent:
 
     def _read_steps(self) -> dict[str, int]:
         snap = self._store.get_prefix(self.keys.steps)
-        self.requests += 1
         steps = {}
         for kv in snap.kvs:
             try:

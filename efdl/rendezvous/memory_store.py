@@ -143,9 +143,7 @@ class MemoryStore(KVStore):
             actual = kv.value
             expected: int | bytes = c.value if isinstance(c.value, bytes) else str(c.value).encode()
         else:
-            attr = {"create_revision": "create_revision", "mod_revision": "mod_revision"}
-            name = attr.get(c.target.value, "version")
-            actual = getattr(kv, name) if kv else 0
+            actual = getattr(kv, c.target.value) if kv else 0  # the values are the field names
             expected = int(c.value)
         if c.op is CompareOp.EQUAL:
             return actual == expected

@@ -182,19 +182,19 @@ class ElasticState:
         self.step += 1
         if self.sampler is not None:
             self.sampler.advance()
-        if self.step % self.snapshot_every == 0:
-            self._snapshot = self._save()
         rt = _runtime
-        if not rt.elastic:
-            return
         pause = False
-        if self._pause_work is not None:
+        if rt.elastic and self._pause_work is not None:
             self._pause_work.wait()
             pause = bool(self._pause_flag.item())
+        if pause or self.step % self.snapshot_every == 0:
+            # At a pause the state at this boundary is the committed state: one copy either way.
+            self._snapshot = self._save()
+        if not rt.elastic:
+            return
         assert rt.channel is not None and rt.placement is not None
         if pause:
             self._pause_work = None
-            self._snapshot = self._save()  # the state at this boundary is the committed state
             raise _Rescale()
         self._pause_flag.fill_(int(rt.channel.pending(rt.placement.generation)))
         self._pause_work = dist.all_reduce(

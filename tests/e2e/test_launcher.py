@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -249,7 +250,7 @@ def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(tmp_path
         text=True,
         timeout=120,
         env={
-            **__import__("os").environ,
+            **os.environ,
             "OUT_DIR": str(tmp_path),
             "STEPS": "3",
             "EFDL_ETCD_PASSWORD": "do-not-leak",
@@ -294,7 +295,7 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**__import__("os").environ, "EFDL_ETCD_PASSWORD": "secret"},
+        env={**os.environ, "EFDL_ETCD_PASSWORD": "secret"},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     import json
@@ -319,8 +320,8 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
             e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         )
         assert e["TORCHELASTIC_ERROR_FILE"].endswith(f"error-rank{e['RANK']}.json")
-        cores = len(__import__("os").sched_getaffinity(0))
-        expected = __import__("os").environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
+        cores = len(os.sched_getaffinity(0))
+        expected = os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
         assert e["OMP_NUM_THREADS"] == expected and e["EFDL_GENERATION"] == "1"
         assert e["EFDL_ETCD_PASSWORD"] is None
 
