@@ -204,7 +204,12 @@ def at_world(
     return first
 
 
-def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> float | str:
+Result = tuple[float, float] | str  # (event to first step at the new size, stall) or why not
+
+
+def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Result:
+    """One run: (seconds from the event to the first step at the new world size, seconds
+    training stood still: the last step before that one to it), or why it did not recover."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     launcher = launcher_for()
     run = Run(launcher, out, {"STEP_SECONDS": "0.05"})
@@ -237,7 +242,8 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> floa
             return "did not recover in 60 s"
         value = first(rows)
         assert value is not None
-        return value - t0
+        before = max(float(r["t"]) for r in rows if float(r["t"]) < value)  # type: ignore[arg-type]
+        return value - t0, value - before
     finally:
         run.stop()
 
@@ -297,6 +303,16 @@ def fmt(values: list[float | str]) -> str:
     return text + (f", {fails} of {len(values)} did not recover" if fails else "")
 
 
+def column(results: list[Result], part: int) -> list[float | str]:
+    return [r if isinstance(r, str) else r[part] for r in results]
+
+
+def ratio(results: dict[str, list[Result]], part: int) -> str:
+    e = [v for v in column(results["efdl"], part) if isinstance(v, float)]
+    t = [v for v in column(results["tuned"], part) if isinstance(v, float)]
+    return f"{statistics.median(t) / statistics.median(e):.1f}x" if e and t else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -308,11 +324,10 @@ def main() -> None:
         f"Recovery: median of {args.repeat} runs (min-max), seconds from the event to the "
         "first step at the new world size; 2 nodes x 1 worker on 127.0.0.1, gloo.\n"
     )
-    print("| event | efdl (in place) | torchrun default | torchrun tuned | tuned / efdl |")
-    print("|---|---:|---:|---:|---:|")
+    table: dict[str, dict[str, list[Result]]] = {}
     with EmbeddedEtcd() as etcd:
         for event in args.events.split(","):
-            results: dict[str, list[float | str]] = {"efdl": [], "default": [], "tuned": []}
+            results: dict[str, list[Result]] = {"efdl": [], "default": [], "tuned": []}
             for _ in range(args.repeat):  # interleaved, so noise hits all alike
                 job = f"bench-{uuid.uuid4().hex[:6]}"
                 results["efdl"].append(
@@ -330,14 +345,21 @@ def main() -> None:
                         lambda port=port, job=job: torchrun_launcher(port, job, True), event, tmp
                     )
                 )
-            e = [v for v in results["efdl"] if isinstance(v, float)]
-            t = [v for v in results["tuned"] if isinstance(v, float)]
-            ratio = f"{statistics.median(t) / statistics.median(e):.1f}x" if e and t else "-"
+            table[event] = results
+    for part, title in (
+        (0, "Event to the first step at the new world size (s)"),
+        (1, "Training stood still: last step before to first step at the new size (s)"),
+    ):
+        print(f"{title}:\n")
+        print("| event | efdl (in place) | torchrun default | torchrun tuned | tuned / efdl |")
+        print("|---|---:|---:|---:|---:|")
+        for event, results in table.items():
             print(
-                f"| {event} | {fmt(results['efdl'])} | {fmt(results['default'])} | "
-                f"{fmt(results['tuned'])} | {ratio} |",
-                flush=True,
+                f"| {event} | {fmt(column(results['efdl'], part))} | "
+                f"{fmt(column(results['default'], part))} | "
+                f"{fmt(column(results['tuned'], part))} | {ratio(results, part)} |"
             )
+        print(flush=True)
     if args.steady_repeat < 1:
         return
     print(

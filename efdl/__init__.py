@@ -6,6 +6,7 @@ The worker-side API (``efdl.init_process_group``, ``efdl.elastic_state``, ``efdl
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -17,7 +18,6 @@ __all__ = ["__version__", *sorted(_STATE_API)]
 
 def __getattr__(name: str) -> Any:
     if name in _STATE_API:
-        import efdl.state
-
-        return getattr(efdl.state, name)
+        module = "efdl.state.sampler" if name == "ElasticSampler" else "efdl.state.elastic"
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'efdl' has no attribute {name!r}")

@@ -41,7 +41,7 @@ log = logging.getLogger("efdl")
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        format="[efdl %(asctime)s %(levelname)s] %(message)s",
+        format="[efdl %(asctime)s.%(msecs)03d %(levelname)s] %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
@@ -321,6 +321,20 @@ _IGNORED = {
     help="1 stdout, 2 stderr, 3 both go to --log-dir files only.",
 )
 @click.option("--role", help="ROLE_NAME of the workers.")
+@click.option(
+    "--cache-url",
+    help="Persist committed state here (directory or fsspec URL, e.g. s3://bucket/job).",
+)
+@click.option(
+    "--cache-every-steps", type=int, help="Persist every N commits (default 0: not by count)."
+)
+@click.option(
+    "--cache-every",
+    "cache_every_s",
+    type=float,
+    help="Persist when this many seconds passed since the last (default 60; 0: not by time).",
+)
+@click.option("--cache-keep", type=int, help="Complete snapshots to keep (default 2).")
 @click.option("-m", "--module", "module", is_flag=True, help="Run SCRIPT as a module (python -m).")
 @click.option(
     "--no-python",

@@ -270,6 +270,11 @@ class LaunchConfig(EtcdClientConfig):
         tee: torchrun's ``--tee``: accepted; logs always go to the console unless redirected.
         redirects: torchrun's ``--redirects``: 1 stdout, 2 stderr, 3 both go to files only.
         role: torchrun's ``--role`` (ROLE_NAME).
+        cache_url: where committed state is persisted (any fsspec URL or a directory);
+            default with ``--standalone``: ``<log_dir>/<job>/cache`` when ``log_dir`` is set.
+        cache_every_steps: persist every this many commits (0: not by count).
+        cache_every_s: persist when this many seconds passed since the last (0: not by time).
+        cache_keep: complete snapshots kept in the cache.
     """
 
     standalone: bool = False
@@ -290,6 +295,10 @@ class LaunchConfig(EtcdClientConfig):
     tee: int = 0
     redirects: int = 0
     role: str = "default"
+    cache_url: str | None = None
+    cache_every_steps: int = 0
+    cache_every_s: float = 60.0
+    cache_keep: int = 2
 
     def __post_init__(self) -> None:
         word = self.nproc_per_node.strip().lower()
@@ -329,6 +338,15 @@ class LaunchConfig(EtcdClientConfig):
                     f"--{name} is {getattr(self, name)}; expected 0 (none), 1 (stdout), "
                     "2 (stderr) or 3 (both)."
                 )
+        if self.cache_every_steps < 0 or self.cache_every_s < 0:
+            raise ConfigError(
+                f"--cache-every-steps ({self.cache_every_steps}) and --cache-every "
+                f"({self.cache_every_s} s) must not be negative."
+            )
+        if self.cache_keep < 1:
+            raise ConfigError(f"--cache-keep ({self.cache_keep}) must be at least 1.")
+        if self.cache_url is not None and not self.cache_url.strip():
+            raise ConfigError("--cache-url is empty; expected a directory or an fsspec URL.")
         if not self.standalone and not self.etcd:
             raise ConfigError(
                 "No etcd endpoints were given: pass --etcd host:port[,host:port...] "
@@ -336,6 +354,15 @@ class LaunchConfig(EtcdClientConfig):
             )
         if not self.standalone and not self.job_id:
             raise ConfigError("No job id was given: pass --job-id (torchrun: --rdzv-id).")
+
+    def cache_for(self, job_id: str) -> str | None:
+        """The cache URL of ``job_id``: --cache-url, or with --standalone and --log-dir a
+        directory under the job's log dir; None: nothing is persisted."""
+        if self.cache_url:
+            return self.cache_url
+        if self.standalone and self.log_dir is not None:
+            return str(self.log_dir / job_id / "cache")
+        return None
 
     def node_range(self) -> tuple[int, int]:
         """``--nnodes`` as (min, max) nodes."""

@@ -28,7 +28,8 @@ from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
 from efdl.rendezvous.agent import RendezvousAgent, end_job
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
-from efdl.rendezvous.model import NodeRecord, Round, RoundStatus
+from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
+from efdl.state.cache import CacheSettings, SnapshotStore
 from efdl.state.channel import SOCKET_ENV, ChannelServer, Placement
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,15 @@ class _LeaseLost:
 @dataclass(frozen=True, slots=True)
 class _Failed:
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Persisted:
+    """Rank 0 wrote a complete snapshot of ``step`` to the remote cache."""
+
+    step: int
+    epoch: int | None
+    world_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +119,25 @@ class NodeAgent:
         self._finish_by: float | None = None
         self._in_place: set[int] = set()  # pids of workers that rebuild in place
         self._leaving: set[int] = set()  # pids told to leave at the next step boundary
+        url = cfg.cache_for(job_id)
+        self._cache = (
+            CacheSettings(url, cfg.cache_every_steps, cfg.cache_every_s, cfg.cache_keep)
+            if url
+            else None
+        )
+        if self._cache is not None:
+            SnapshotStore(self._cache.url)  # a bad URL or a missing fsspec backend: fail now
         self._channel = ChannelServer(
             self._run_dir / "agent.sock",
             lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
+            self._on_worker_message,
         )
         self._rdzv: RendezvousAgent | None = None
+
+    def _on_worker_message(self, pid: int, msg: dict[str, object]) -> None:
+        step, epoch, world = msg.get("step"), msg.get("epoch"), msg.get("world_size")
+        if msg.get("type") == "persisted" and isinstance(step, int) and isinstance(world, int):
+            self._events.put(_Persisted(step, epoch if isinstance(epoch, int) else None, world))
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._acted}"
@@ -170,6 +194,7 @@ class NodeAgent:
             on_failure=lambda reason: post(_Failed(reason)),
         )
         self._rdzv.join()
+        self._log_cache()
         log.info(
             "%s: joined with %d worker slot(s) on %s (GPUs: %s).",
             self._tag(),
@@ -193,6 +218,45 @@ class NodeAgent:
             raise AgentExit(1, event.reason)
         elif isinstance(event, _Hello):
             self._in_place.add(event.pid)
+        elif isinstance(event, _Persisted):
+            self._publish_cache(event)
+
+    def _log_cache(self) -> None:
+        """Say whether this job starts cold or resumes from its cache."""
+        if self._cache is None:
+            return
+        keys = JobKeys(self._job)
+        kv = self._store.get(keys.cache)
+        record = None
+        if kv is not None:
+            try:
+                record = CacheRecord.from_json(kv.value, keys.cache)
+            except RecordError as exc:
+                log.error("%s: ignoring a bad cache record: %s", self._tag(), exc)
+        if record is None:
+            log.info(
+                "%s: no snapshot published for this job yet (cache %s).",
+                self._tag(),
+                self._cache.url,
+            )
+        else:
+            log.info(
+                "%s: the job's newest snapshot is step %d (epoch %s, world size %d) in %s; "
+                "a job with no live member resumes from it.",
+                self._tag(),
+                record.step,
+                record.epoch,
+                record.world_size,
+                record.url,
+            )
+
+    def _publish_cache(self, ev: _Persisted) -> None:
+        assert self._cache is not None
+        record = CacheRecord(ev.step, ev.epoch, ev.world_size, self._cache.url, time.time())
+        try:
+            self._store.put(JobKeys(self._job).cache, record.to_json())
+        except StoreError as exc:
+            log.warning("%s: could not publish the cached step %d: %s", self._tag(), ev.step, exc)
 
     def _on_round(self, r: Round) -> None:
         if r.generation <= self._acted:
@@ -301,6 +365,8 @@ class NodeAgent:
         }
         for env in envs.values():
             env[SOCKET_ENV] = str(self._channel.path)
+            if self._cache is not None:
+                env.update(self._cache.to_env())
         if self._group is None:
             self._group = WorkerGroup(r.generation, [])
         self._group.spawn(self._args, envs, r.generation, self._logs, self._events)
@@ -404,12 +470,19 @@ class NodeAgent:
             for w in self._group.running():  # pause with everyone, commit, exit
                 self._leaving.add(w.pid)
                 self._channel.send(w.pid, {"type": "leave"})
+            # Leave the rendezvous at once: the others' new round makes them pause at the
+            # same step boundary as ours (the pause agreement takes the max of all flags),
+            # so nobody waits for our workers' interpreters to exit.
+            self._leave_rendezvous()
             self._group.wait(self._cfg.grace_period_s)
         self._stop_workers()
+        self._leave_rendezvous()
+        raise AgentExit(0 if signum == signal.SIGTERM else 128 + signum, f"Left the job on {name}.")
+
+    def _leave_rendezvous(self) -> None:
         if self._rdzv is not None:
             self._rdzv.leave()
             self._rdzv = None
-        raise AgentExit(0 if signum == signal.SIGTERM else 128 + signum, f"Left the job on {name}.")
 
     def _fenced(self, reason: str) -> None:
         """Our lease is gone: the others may already train without us. Kill the workers at

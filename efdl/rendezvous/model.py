@@ -77,6 +77,11 @@ class JobKeys:
     def step(self, node_id: str) -> str:
         return self.steps + node_id
 
+    @property
+    def cache(self) -> str:
+        """The newest persisted snapshot (not bound to a lease: it outlives every node)."""
+        return self.prefix + "cache"
+
     def node_id_of(self, key: str) -> str:
         """The node id at the end of a ``nodes/`` or ``steps/`` key."""
         return key.rsplit("/", 1)[-1]
@@ -202,6 +207,41 @@ class NodeRecord:
         if not NODE_ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
         return record
+
+
+# ---------------------------------------------------------------- the remote cache
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRecord:
+    """The job's newest complete snapshot in its remote cache, under ``cache``.
+
+    Tells a resume from a cold start (and ``efdl status`` shows it).
+    """
+
+    step: int
+    epoch: int | None
+    world_size: int
+    url: str
+    time: float
+
+    def to_json(self) -> bytes:
+        return _dump(asdict(self))
+
+    @staticmethod
+    def from_json(raw: bytes, key: str) -> CacheRecord:
+        where = f"The cache record at {key}"
+        data = _load(raw, where)
+        epoch = data.get("epoch")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+            raise RecordError(f"{where} field 'epoch' is {epoch!r}; expected an integer or null.")
+        return CacheRecord(
+            step=_count(data, "step", where, 0, 1 << 62),
+            epoch=epoch,
+            world_size=_count(data, "world_size", where, 1, 1 << 20),
+            url=_text(data, "url", where, 4096),
+            time=float(_field(data, "time", (int, float), where)),
+        )
 
 
 # ---------------------------------------------------------------- rounds

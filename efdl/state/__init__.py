@@ -1,6 +1,5 @@
-"""The worker side: in-process elasticity for efdl-aware training scripts."""
+"""The worker side: in-process elasticity for efdl-aware training scripts.
 
-from efdl.state.elastic import ElasticState, elastic, elastic_state, init_process_group
-from efdl.state.sampler import ElasticSampler
-
-__all__ = ["ElasticSampler", "ElasticState", "elastic", "elastic_state", "init_process_group"]
+Its API is reached through ``efdl`` (``efdl.init_process_group``...), imported on first use:
+it needs torch, and the agent reads ``efdl.state.cache`` and ``efdl.state.channel`` without.
+"""

@@ -74,11 +74,19 @@ class ChannelServer:
         path: the socket path (in the agent's private run directory).
         on_hello: called (from a channel thread) with (local rank, pid) when a worker announces
             that it rebuilds in place.
+        on_message: called (from a channel thread) with (pid, message) for any other message
+            of a worker that said hello (e.g. ``persisted``).
     """
 
-    def __init__(self, path: Path, on_hello: Callable[[int, int], None]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        on_hello: Callable[[int, int], None],
+        on_message: Callable[[int, dict[str, Any]], None] | None = None,
+    ) -> None:
         self.path = path
         self._on_hello = on_hello
+        self._on_message = on_message
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[socket.socket, threading.Lock]] = {}  # pid -> connection
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -104,6 +112,8 @@ class ChannelServer:
                     with self._lock:
                         self._conns[pid] = (conn, threading.Lock())
                     self._on_hello(int(msg.get("local_rank", -1)), pid)
+                elif pid is not None and self._on_message is not None and isinstance(msg, dict):
+                    self._on_message(pid, msg)
         except OSError:
             pass
         finally:
@@ -136,14 +146,25 @@ class ChannelServer:
 
 
 class AgentChannel:
-    """The worker's end: announces in-place support, then receives rounds and leave requests."""
+    """The worker's end: announces in-place support, then receives rounds and leave requests.
 
-    def __init__(self, path: str, local_rank: int) -> None:
+    Args:
+        path: the agent's socket.
+        local_rank: this worker's local rank.
+        on_round: called (on the channel's thread) with each new placement; whoever handles
+            it calls :meth:`open` when the whole new generation is ready to start.
+    """
+
+    def __init__(
+        self, path: str, local_rank: int, on_round: Callable[[Placement], None] | None = None
+    ) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._latest: Placement | None = None
+        self._opened = 0  # the newest generation every rank is ready for
+        self._on_round = on_round
         self.leave_requested = False
         self.closed = False
         _send(
@@ -158,6 +179,10 @@ class AgentChannel:
                     if msg.get("type") == "round":
                         fields = {k: msg[k] for k in Placement.__dataclass_fields__}
                         self._latest = Placement(**fields)
+                        if self._on_round is None:
+                            self._opened = self._latest.generation
+                        else:
+                            self._on_round(self._latest)
                     elif msg.get("type") == "leave":
                         self.leave_requested = True
                     self._cond.notify_all()
@@ -167,10 +192,32 @@ class AgentChannel:
             self.closed = True
             self._cond.notify_all()
 
-    def pending(self, generation: int) -> bool:
-        """Whether the agent asked for something beyond ``generation`` (a round or a leave)."""
+    def notify(self, message: dict[str, Any]) -> None:
+        """Tell the agent something (e.g. a persisted step); lost if the agent is gone."""
+        try:
+            _send(self._sock, message, self._lock)
+        except OSError as exc:
+            log.debug("Could not tell the agent %s: %s", message.get("type"), exc)
+
+    def open(self, generation: int) -> None:
+        """Every rank of ``generation`` is ready: pausing for it will not leave anyone idle."""
+        with self._cond:
+            self._opened = max(self._opened, generation)
+
+    def superseded(self, generation: int) -> bool:
+        """Whether a placement newer than ``generation`` has come."""
         latest = self._latest
-        return self.leave_requested or (latest is not None and latest.generation > generation)
+        return latest is not None and latest.generation > generation
+
+    def pending(self, generation: int) -> bool:
+        """Whether to pause after ``generation``: the agent asked this worker to leave, or
+        sent a newer placement that every rank of the new generation is ready for."""
+        latest = self._latest
+        return self.leave_requested or (
+            latest is not None
+            and latest.generation > generation
+            and self._opened >= latest.generation
+        )
 
     def wait(self, generation: int, timeout_s: float | None = None) -> Placement | None:
         """The next placement after ``generation``; None if asked to leave (or the agent is

@@ -32,8 +32,11 @@ import copy
 import datetime
 import functools
 import io
+import json
 import logging
 import os
+import random
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,7 +44,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from efdl.state import ready
+from efdl.state.cache import CacheSettings, FileInfo, Manifest, SnapshotError, rank_file
 from efdl.state.channel import SOCKET_ENV, AgentChannel, Placement
+from efdl.state.persist import Persister
 from efdl.state.sampler import ElasticSampler
 
 log = logging.getLogger(__name__)
@@ -64,15 +70,16 @@ class _Runtime:
             seconds=float(os.environ.get("EFDL_COLLECTIVE_TIMEOUT", "30"))
         )
         self.side: Any = None  # the CPU (gloo) group for the pause agreement
+        self.gate = ready.ReadinessGate(self.timeout)
 
     @property
     def elastic(self) -> bool:
         return self.channel is not None
 
     def init_group(self, p: Placement) -> None:
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            p.master_addr, p.master_port, p.world_size, False, self.timeout
-        )
+        store = ready.connect(p, self.timeout)
+        if self.elastic:
+            self.gate.declare(p, store)
         dist.init_process_group(
             self.backend, store=store, rank=p.rank, world_size=p.world_size, timeout=self.timeout
         )
@@ -81,7 +88,34 @@ class _Runtime:
         if self.backend == "nccl":
             torch.cuda.set_device(0)
 
+    def join(self, p: Placement) -> Placement | None:
+        """Join ``p``'s group. If that fails because a newer generation replaced ``p`` (its
+        store is closed when the next one is served: a node joined or left meanwhile), join
+        the newer one. Returns the placement joined; None if asked to leave meanwhile."""
+        while True:
+            try:
+                self.init_group(p)
+                return p
+            except RuntimeError as exc:  # dist.DistError too
+                if self.channel is None:
+                    raise
+                self.destroy_group()
+                newer = self.channel.wait(p.generation, self.timeout.total_seconds())
+                if newer is None:
+                    if self.channel.leave_requested:
+                        return None
+                    raise
+                log.warning(
+                    "Joining generation %d failed (%s); generation %d replaced it: joining that.",
+                    p.generation,
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                    newer.generation,
+                )
+                p = newer
+
     def destroy_group(self) -> None:
+        if not dist.is_initialized():
+            return
         try:
             dist.destroy_process_group()
         except Exception as exc:  # a group broken by a dead peer may not shut down cleanly
@@ -90,6 +124,24 @@ class _Runtime:
 
 
 _runtime = _Runtime()
+
+
+def _warm_up() -> None:
+    """Import what the first optimizer of any script imports lazily (``torch._dynamo``, over a
+    second here), so that a newcomer does it before the survivors pause for it, not after."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # only an optimisation
+        log.debug("Warm-up import failed: %s", exc)
+
+
+def _on_round(p: Placement) -> None:
+    """A new placement came: count this rank in, and open the pause once every rank is."""
+    channel = _runtime.channel
+    assert channel is not None
+    _runtime.gate.watch(
+        p, lambda: channel.superseded(p.generation), lambda: channel.open(p.generation)
+    )
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float | None = None) -> None:
@@ -110,9 +162,13 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # error out, don't kill
     path = os.environ.get(SOCKET_ENV)
     placement = Placement.from_env()
+    rt.gate = ready.ReadinessGate(rt.timeout)
+    if path and placement.generation > 1:
+        _warm_up()  # a newcomer: get the slow first-use imports done before counting in
     if path:
-        rt.channel = AgentChannel(path, placement.local_rank)
-    rt.init_group(placement)
+        rt.channel = AgentChannel(path, placement.local_rank, on_round=_on_round)
+    if rt.join(placement) is None:
+        raise SystemExit(0)  # the agent sent this worker away before it ever trained
 
 
 class ElasticState:
@@ -150,9 +206,16 @@ class ElasticState:
         self.ddp: DistributedDataParallel | torch.nn.Module = model
         self.generation = 0
         self._snapshot: dict[str, Any] | None = None
-        self._pause_flag = torch.zeros(1, dtype=torch.int64)
-        self._pause_work: Any = None
+        # [news from the agent, rank 0 says persist, some rank's writer is busy]: agreed on
+        # by one all-reduce (max) per commit, so every rank decides the same.
+        self._flags = torch.zeros(3, dtype=torch.int64)
+        self._agree_work: Any = None
         self.rescales = 0
+        settings = CacheSettings.from_env()
+        self._persister = Persister(settings) if settings is not None else None
+        if self._persister is not None and optimizer is not None:
+            persister = self._persister
+            optimizer.register_step_pre_hook(lambda *_: persister.fence())
 
     # user values as attributes
     def __getattr__(self, name: str) -> Any:
@@ -183,23 +246,68 @@ class ElasticState:
         if self.sampler is not None:
             self.sampler.advance()
         rt = _runtime
-        pause = False
-        if rt.elastic and self._pause_work is not None:
-            self._pause_work.wait()
-            pause = bool(self._pause_flag.item())
+        pause = persist = False
+        if self._agree_work is not None:
+            self._agree_work.wait()
+            pause, persist = bool(self._flags[0]), bool(self._flags[1]) and not self._flags[2]
+            self._agree_work = None
         if pause or self.step % self.snapshot_every == 0:
             # At a pause the state at this boundary is the committed state: one copy either way.
             self._snapshot = self._save()
-        if not rt.elastic:
-            return
-        assert rt.channel is not None and rt.placement is not None
+        if persist:
+            self._persist()
         if pause:
-            self._pause_work = None
             raise _Rescale()
-        self._pause_flag.fill_(int(rt.channel.pending(rt.placement.generation)))
-        self._pause_work = dist.all_reduce(
-            self._pause_flag, op=dist.ReduceOp.MAX, group=rt.side, async_op=True
+        if not (rt.elastic or self._persister is not None) or rt.side is None:
+            return
+        if rt.channel is not None and rt.placement is not None:
+            self._flags[0] = int(rt.channel.pending(rt.placement.generation))
+        if self._persister is not None:
+            self._flags[1] = int(dist.get_rank() == 0 and self._persister.due(self.step))
+            self._flags[2] = int(self._persister.busy)
+        self._agree_work = dist.all_reduce(
+            self._flags, op=dist.ReduceOp.MAX, group=rt.side, async_op=True
         )
+
+    # ---------------------------------------------------------------- the remote cache
+
+    def fence(self) -> None:
+        """Wait until the snapshot being persisted has copied the parameters; call before
+        changing parameters in place outside ``optimizer.step()`` (which waits by itself)."""
+        if self._persister is not None:
+            self._persister.fence()
+
+    def _persist(self, collect_timeout_s: float = 10.0) -> None:
+        """Hand this commit's state to the background writer (see efdl.state.persist)."""
+        p = self._persister
+        assert p is not None
+        rt = _runtime
+        rank, world = dist.get_rank(), dist.get_world_size()
+        epoch = object.__getattribute__(self, "_values").get("epoch")
+        placement = rt.placement or Placement.from_env()
+        p.start(
+            self.step,
+            epoch if isinstance(epoch, int) else None,
+            world,
+            rank,
+            self._state_dict() if rank == 0 else None,
+            {f"/model/{name}" for name, _ in self.model.named_buffers()},
+            {"rng": _rng_state()},
+            _collector(placement, rt.timeout.total_seconds(), collect_timeout_s),
+            _published,
+        )
+
+    def persist_now(self, timeout_s: float) -> bool:
+        """Persist the state at this boundary and wait for it (a graceful leave: the job may
+        be preempted everywhere); True if it is on storage."""
+        p = self._persister
+        if p is None:
+            return True
+        if not p.flush(timeout_s):
+            return False
+        if p.last_persisted != self.step:
+            self._persist(collect_timeout_s=3.0)
+        return p.flush(timeout_s)
 
     def _state_dict(self) -> dict[str, Any]:
         return {
@@ -228,6 +336,37 @@ class ElasticState:
         self.step = int(data["step"])
         object.__getattribute__(self, "_values").update(copy.deepcopy(data["values"]))
 
+    def _restore_from_cache(self) -> dict[str, Any] | None:
+        """Rank 0: load the newest intact cached snapshot; the snapshot to broadcast."""
+        assert self._persister is not None
+        found = self._persister.store.newest()
+        if found is None:
+            log.info("No snapshot in %s: a cold start.", self._persister.settings.url)
+            return None
+        m, data = found
+        log.warning(
+            "No rank holds committed state: resuming from step %d (epoch %s) in %s.",
+            m.step,
+            m.epoch,
+            self._persister.settings.url,
+        )
+        self._load(data)
+        self._snapshot = self._save()
+        self._cached = m
+        return self._snapshot
+
+    def _restore_own(self) -> None:
+        """This rank's own part (RNG) of the snapshot just restored, if it wrote one."""
+        p = self._persister
+        assert p is not None
+        try:
+            m = p.store.manifest(self.step)
+            name = rank_file(dist.get_rank())
+            if name in m.files:
+                _set_rng_state(p.store.read(m, name)["rng"])
+        except (SnapshotError, KeyError, TypeError, RuntimeError) as exc:
+            log.warning("Not restoring this rank's RNG state: %s", exc)
+
     def restore(self) -> None:
         """Roll back to the last snapshot (after a failure inside a step)."""
         if self._snapshot is not None:
@@ -246,24 +385,37 @@ class ElasticState:
         dist.all_reduce(key, op=dist.ReduceOp.MAX)
         src = world - int(key.item()) % (1 << 20)
         best_step = int(key.item()) >> 20
-        if best_step >= 0:
+        snapshot = self._snapshot
+        restored: int | None = None
+        if best_step < 0 and self._persister is not None:
+            # Nobody holds committed state: the newest intact snapshot in the cache, if any.
+            src = 0
+            if rank == 0:
+                snapshot = self._restore_from_cache()
+                restored = self.step if snapshot is not None else None
+        if best_step >= 0 or self._persister is not None:
             # Over the CPU side group (gloo), whatever the training backend.
             side = _runtime.side
             blob = b""
-            if rank == src and self._snapshot is not None:
+            if rank == src and snapshot is not None:
                 buffer = io.BytesIO()
-                torch.save(_to_cpu(self._snapshot), buffer)
+                torch.save(_to_cpu(snapshot), buffer)
                 blob = buffer.getvalue()
             size = torch.tensor([len(blob)], dtype=torch.int64)
             dist.broadcast(size, src, group=side)
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-            if rank == src:
+            if rank == src and blob:
                 data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-            dist.broadcast(data, src, group=side)
-            if rank != src:
+            if data.numel():
+                dist.broadcast(data, src, group=side)
+            if rank != src and data.numel():
                 received = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
                 self._load(received)
                 self._snapshot = self._save()
+                if best_step < 0:
+                    self._restore_own()
+        if restored is not None:
+            self._restore_own()
         if self.sampler is not None:
             self.sampler.set_world(rank, world)
         self.ddp = (
@@ -271,7 +423,63 @@ class ElasticState:
         )
         rt = _runtime
         self.generation = rt.placement.generation if rt.placement else 0
-        self._pause_work = None
+        self._agree_work = None
+
+
+def _rng_state() -> dict[str, Any]:
+    """This rank's random number generators (the part of a snapshot that is its own)."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    python = state.get("python")
+    if isinstance(python, tuple) and len(python) == 3:
+        random.setstate((python[0], tuple(python[1]), python[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _collector(
+    p: Placement, connect_s: float, wait_s: float
+) -> Callable[[int, str, FileInfo], dict[str, FileInfo]]:
+    """Ranks report their shard on the generation's store; rank 0 gathers what came within
+    ``wait_s`` (a rank that left or died just leaves its RNG state out of the snapshot)."""
+
+    def collect(step: int, name: str, info: FileInfo) -> dict[str, FileInfo]:
+        store = ready.connect(p, datetime.timedelta(seconds=connect_s))
+        prefix = f"efdl/persist/{step}/"
+        store.set(f"{prefix}{p.rank}", json.dumps([name, info.size, info.sha256]))
+        if p.rank != 0:
+            return {}
+        keys = [f"{prefix}{r}" for r in range(1, p.world_size)]
+        deadline = time.monotonic() + wait_s
+        while keys and not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        files = {}
+        for key in keys:
+            if store.check([key]):
+                other, size, sha = json.loads(store.get(key))
+                files[str(other)] = FileInfo(int(size), str(sha))
+        return files
+
+    return collect
+
+
+def _published(m: Manifest) -> None:
+    """Rank 0 wrote a snapshot: tell the agent, which publishes its step in etcd."""
+    log.info("Persisted step %d (world size %d).", m.step, m.world_size)
+    channel = _runtime.channel
+    if channel is not None:
+        channel.notify(
+            {"type": "persisted", "step": m.step, "epoch": m.epoch, "world_size": m.world_size}
+        )
 
 
 def _clone(obj: Any) -> Any:
@@ -314,9 +522,8 @@ def _rebuild(state: ElasticState, failed: bool) -> bool:
         state.restore()
     placement = rt.channel.wait(rt.placement.generation)
     rt.destroy_group()
-    if placement is None:
+    if placement is None or rt.join(placement) is None:
         return False
-    rt.init_group(placement)
     state.rescales += 1
     return True
 
@@ -332,9 +539,9 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
     def wrap(fn: Callable[..., R]) -> Callable[..., R | None]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> R | None:
-            state.sync()
             while True:
                 try:
+                    state.sync()  # a peer may die in here too
                     return fn(*args, **kwargs)
                 except _Rescale:
                     failed = False
@@ -349,7 +556,6 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                     failed = True
                 if not _rebuild(state, failed):
                     return None
-                state.sync()
 
         return run
 

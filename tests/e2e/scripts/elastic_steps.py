@@ -4,6 +4,8 @@ One JSON line per committed step to $OUT_DIR/events.jsonl: node, pid, rank, worl
 step, epoch, a digest of the parameters, and the sample indices this rank trained on.
 Knobs as steps.py (STEP_SECONDS, MODEL_WIDTH, BATCH) plus SNAPSHOT_EVERY and DIGEST=0 (skip
 the parameter digest). Faults: FAIL_AT="rank:step" exits 3 at that step (first process only).
+PAUSE_SKEW="rank:s" makes the agent's news reach that rank (of the first generation) s seconds
+late; each row says whether this rank itself had seen news at the commit before it ("news").
 """
 
 import json
@@ -16,12 +18,31 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import efdl
+import efdl.state.channel
 
 out = Path(os.environ["OUT_DIR"])
 epochs = int(os.environ.get("EPOCHS", "1000"))
 delay = float(os.environ.get("STEP_SECONDS", "0.1"))
 fail_at = os.environ.get("FAIL_AT", "")
 
+news = [False]
+_pending = efdl.state.channel.AgentChannel.pending
+
+
+def pending(self: efdl.state.channel.AgentChannel, generation: int) -> bool:
+    """The agent's news as this rank sees it: late on the PAUSE_SKEW rank."""
+    value = _pending(self, generation)
+    lag_rank, _, lag = os.environ.get("PAUSE_SKEW", "").partition(":")
+    if value and lag_rank == os.environ.get("RANK") and spawned == "1":
+        first = seen.setdefault(generation, time.monotonic())
+        value = time.monotonic() - first >= float(lag)
+    news[0] = value
+    return value
+
+
+seen: dict[int, float] = {}
+spawned = os.environ.get("EFDL_GENERATION")
+efdl.state.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
 efdl.init_process_group("gloo", timeout_s=15)
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
@@ -42,11 +63,32 @@ loader = DataLoader(data, batch_size=batch, sampler=sampler)
 snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "1"))
 state = efdl.elastic_state(model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0)
 digests = os.environ.get("DIGEST", "1") != "0"
-spawned = os.environ.get("EFDL_GENERATION")
+
+
+def opt_digest() -> float:
+    """A digest of the optimizer state (momentum buffers)."""
+    total = 0.0
+    for st in optimizer.state.values():
+        buf = st.get("momentum_buffer")
+        if buf is not None:
+            total += float(buf.double().sum())
+    return total
 
 
 @efdl.elastic(state)
 def train(state: efdl.ElasticState) -> None:
+    # Each (re)entry: the state this rank resumes from, to $OUT_DIR/enter.jsonl.
+    entry = {
+        "pid": os.getpid(),
+        "rank": dist.get_rank(),
+        "step": state.step,
+        "epoch": state.epoch,
+        "digest": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "opt": opt_digest(),
+        "t": time.time(),
+    }
+    with open(out / "enter.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
     for state.epoch in range(state.epoch, epochs):
         for x, idx in loader:
             rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,9 +110,11 @@ def train(state: efdl.ElasticState) -> None:
                 "step": state.step + 1,
                 "epoch": state.epoch,
                 "digest": digest,
+                "opt": opt_digest() if digests else 0.0,
                 "samples": idx.tolist(),
                 "t": time.time(),
                 "rescales": state.rescales,
+                "news": news[0],
             }
             with open(out / "events.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")

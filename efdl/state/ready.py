@@ -1,0 +1,87 @@
+"""Start a new generation only when every one of its ranks can join it.
+
+A node that joins takes seconds to start its worker processes (importing torch alone takes
+several). The survivors are told of the new generation at once; if they paused at once they
+would sit idle in ``init_process_group`` until the newcomers arrive. Instead each rank
+*declares* itself on the new generation's store (a counter): survivors as soon as they are
+told, newcomers when they reach ``init_process_group``. The rank whose declaration completes
+the count sets a "go" key; survivors keep training until they see it, then all pause at one
+step boundary (the pause agreement), so the job stalls only for the rebuild itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from efdl.state.channel import Placement
+
+log = logging.getLogger(__name__)
+
+READY_KEY = "efdl/ready"
+GO_KEY = "efdl/go"
+_FOREVER = datetime.timedelta(days=1)
+
+
+def connect(p: Placement, timeout: datetime.timedelta) -> Any:
+    """A client of generation ``p``'s store."""
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        p.master_addr, p.master_port, p.world_size, False, timeout
+    )
+
+
+class ReadinessGate:
+    """This worker's declarations, and which generations every rank has declared for.
+
+    Args:
+        timeout: bound on connecting to a generation's store.
+    """
+
+    def __init__(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._declared: set[int] = set()
+
+    def declare(self, p: Placement, store: Any = None) -> Any:
+        """Count this rank in for generation ``p`` (once per generation); returns the store
+        client used, or None if this rank had already declared."""
+        with self._lock:
+            if p.generation in self._declared:
+                return None
+            store = store if store is not None else connect(p, self._timeout)
+            if int(store.add(READY_KEY, 1)) >= p.world_size:
+                store.set(GO_KEY, "1")
+            self._declared.add(p.generation)
+            return store
+
+    def watch(
+        self, p: Placement, superseded: Callable[[], bool], on_go: Callable[[], None]
+    ) -> None:
+        """In the background: declare for ``p``, wait until every rank has, call ``on_go``.
+        Gives up quietly when ``superseded()`` (a newer generation came and this one's store
+        went away); calls ``on_go`` at once if the store cannot be reached otherwise."""
+
+        def run() -> None:
+            try:
+                store = self.declare(p) or connect(p, self._timeout)
+                # No timeout of our own: a superseded generation's store is closed when the
+                # next one is served, which ends the wait (c10d logs every wait timeout).
+                store.wait([GO_KEY], _FOREVER)
+            except Exception as exc:  # the store is gone, or unreachable: pause now
+                if superseded():
+                    return
+                log.warning(
+                    "Cannot count ranks in on generation %d's store at %s:%d (%s); pausing now.",
+                    p.generation,
+                    p.master_addr,
+                    p.master_port,
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                )
+            on_go()
+
+        threading.Thread(target=run, name=f"efdl-ready-{p.generation}", daemon=True).start()
