@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from efdl._process import free_port
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -44,3 +49,54 @@ def store(request: pytest.FixtureRequest) -> Iterator[KVStore]:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, str]]:
+    """A local S3-compatible server (moto's server mode) on 127.0.0.1, stopped by PID.
+
+    Yields the environment that points s3fs (and any boto client) at it.
+    """
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.1)
+        yield {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+            "FSSPEC_S3_ENDPOINT_URL": endpoint,  # fsspec's per-protocol config from env
+        }
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture()
+def s3_bucket(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the local S3 server, this process configured for it; its URL."""
+    import fsspec  # type: ignore[import-untyped]
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_server["AWS_ENDPOINT_URL"]})
+    bucket = f"efdl-{uuid.uuid4().hex[:12]}"
+    fs = fsspec.filesystem(
+        "s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"], skip_instance_cache=True
+    )
+    fs.mkdir(bucket)
+    return f"s3://{bucket}"

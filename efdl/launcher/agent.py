@@ -30,7 +30,7 @@ from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
 from efdl.state.cache import CacheSettings, SnapshotStore
-from efdl.state.channel import SOCKET_ENV, ChannelServer, Placement
+from efdl.state.channel import GRACE_ENV, SOCKET_ENV, ChannelServer, Placement
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +365,7 @@ class NodeAgent:
         }
         for env in envs.values():
             env[SOCKET_ENV] = str(self._channel.path)
+            env[GRACE_ENV] = f"{self._cfg.grace_period_s:g}"
             if self._cache is not None:
                 env.update(self._cache.to_env())
         if self._group is None:

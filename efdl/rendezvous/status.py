@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from dataclasses import asdict, dataclass
 
 from efdl.rendezvous.agent import parse_nodes, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
-from efdl.rendezvous.model import JobKeys, Round
+from efdl.rendezvous.model import CacheRecord, JobKeys, RecordError, Round
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +22,7 @@ class JobStatus:
     nodes: dict[str, NodeView]
     steps: dict[str, int]
     leader: str | None
+    cache: CacheRecord | None = None
 
     @property
     def spares(self) -> list[str]:
@@ -40,7 +44,14 @@ def read_status(store: KVStore, job_id: str) -> JobStatus:
             steps[keys.node_id_of(kv.key)] = int(kv.value)
     round_kv = next((kv for kv in snap.kvs if kv.key == keys.round), None)
     leader = min(nodes, key=lambda n: nodes[n].joined_revision) if nodes else None
-    return JobStatus(job_id, parse_round(round_kv, keys), nodes, steps, leader)
+    cache = None
+    cache_kv = next((kv for kv in snap.kvs if kv.key == keys.cache), None)
+    if cache_kv is not None:
+        try:
+            cache = CacheRecord.from_json(cache_kv.value, keys.cache)
+        except RecordError as exc:
+            log.error("Ignoring a bad cache record: %s", exc)
+    return JobStatus(job_id, parse_round(round_kv, keys), nodes, steps, leader, cache)
 
 
 def _when(ts: float) -> str:
@@ -74,6 +85,12 @@ def format_status(st: JobStatus) -> str:
             f"    {m.node_id:<24} {m.host:<16} ranks {m.first_rank}-{m.first_rank + m.workers - 1}"
             f"  gpus [{gpus or 'cpu'}]" + (f"  step {step}" if step is not None else "") + state
         )
+    if st.cache is not None:
+        c = st.cache
+        lines.append(
+            f"  cache: step {c.step} (epoch {c.epoch}, world size {c.world_size}) persisted "
+            f"{_when(c.time)} in {c.url}"
+        )
     spares = st.spares
     if spares:
         lines.append(
@@ -91,6 +108,7 @@ def status_json(st: JobStatus) -> str:
             "nodes": {n: asdict(v.record) for n, v in st.nodes.items()},
             "steps": st.steps,
             "spares": st.spares,
+            "cache": asdict(st.cache) if st.cache else None,
         },
         indent=2,
         sort_keys=True,

@@ -198,6 +198,7 @@ class SnapshotStore:
 
     def steps(self) -> list[int]:
         """Steps that have a snapshot directory (complete or not), newest first."""
+        self.fs.invalidate_cache()  # s3fs and others cache listings
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -223,21 +224,28 @@ class SnapshotStore:
     def read(self, m: Manifest, name: str) -> Any:
         """File ``name`` of snapshot ``m``, checked against the manifest, loaded safely."""
         where = self.path(m.step, name)
+        data = self._bytes(m, name)
+        try:
+            return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:  # a valid checksum of a file that was bad when written
+            raise SnapshotError(f"{where} cannot be loaded: {exc}") from None
+
+    def _bytes(self, m: Manifest, name: str) -> bytes:
+        """File ``name`` of snapshot ``m``, checked against the manifest (in memory: the
+        restore needs about twice the file's size)."""
+        where = self.path(m.step, name)
         info = m.files.get(name)
         if info is None:
             raise SnapshotError(f"{where} is not in its manifest.")
         try:
-            data = self.fs.cat_file(where)
+            data = bytes(self.fs.cat_file(where))
         except FileNotFoundError:
             raise SnapshotError(f"{where} is missing.") from None
         if len(data) != info.size:
             raise SnapshotError(f"{where} has {len(data)} bytes; its manifest says {info.size}.")
         if hashlib.sha256(data).hexdigest() != info.sha256:
             raise SnapshotError(f"{where} does not match the sha256 in its manifest.")
-        try:
-            return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:  # a valid checksum of a file that was bad when written
-            raise SnapshotError(f"{where} cannot be loaded: {exc}") from None
+        return data
 
     def newest(self) -> tuple[Manifest, dict[str, Any]] | None:
         """The newest snapshot that is complete and intact, with its state; older ones are
@@ -246,6 +254,9 @@ class SnapshotStore:
             try:
                 m = self.manifest(step)
                 state = self.read(m, STATE)
+                for name in m.files:
+                    if name != STATE:
+                        self._bytes(m, name)  # every rank's file is there and intact
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", step, exc)
                 continue

@@ -20,6 +20,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 SOCKET_ENV = "EFDL_AGENT_SOCKET"
+GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may take
 
 
 @dataclass(frozen=True, slots=True)

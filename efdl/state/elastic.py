@@ -44,9 +44,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from efdl._process import free_port
 from efdl.state import ready
 from efdl.state.cache import CacheSettings, FileInfo, Manifest, SnapshotError, rank_file
-from efdl.state.channel import SOCKET_ENV, AgentChannel, Placement
+from efdl.state.channel import GRACE_ENV, SOCKET_ENV, AgentChannel, Placement
 from efdl.state.persist import Persister
 from efdl.state.sampler import ElasticSampler
 
@@ -77,13 +78,19 @@ class _Runtime:
         return self.channel is not None
 
     def init_group(self, p: Placement) -> None:
-        store = ready.connect(p, self.timeout)
+        if self.elastic or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = ready.connect(p, self.timeout)  # the agent serves it
+        else:  # no launcher's store (plain env://): rank 0 serves it, as torch does
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                p.master_addr, p.master_port, p.world_size, p.rank == 0, self.timeout
+            )
         if self.elastic:
             self.gate.declare(p, store)
         dist.init_process_group(
             self.backend, store=store, rank=p.rank, world_size=p.world_size, timeout=self.timeout
         )
-        self.side = dist.new_group(backend="gloo") if self.backend != "gloo" else dist.new_group()
+        # Bounded like the rest: an agreement that waits on a dead peer must fail, not hang.
+        self.side = dist.new_group(backend="gloo", timeout=self.timeout)
         self.placement = p
         if self.backend == "nccl":
             torch.cuda.set_device(0)
@@ -99,7 +106,7 @@ class _Runtime:
             except RuntimeError as exc:  # dist.DistError too
                 if self.channel is None:
                     raise
-                self.destroy_group()
+                self.destroy_group(abort=True)
                 newer = self.channel.wait(p.generation, self.timeout.total_seconds())
                 if newer is None:
                     if self.channel.leave_requested:
@@ -113,11 +120,17 @@ class _Runtime:
                 )
                 p = newer
 
-    def destroy_group(self) -> None:
+    def destroy_group(self, abort: bool = False) -> None:
+        """Leave the current groups. ``abort``: they broke (a peer died); an operation may
+        still wait on the dead peer, and a plain destroy would wait for it (gloo joins its
+        threads), so abort them (NCCL: abort the communicators)."""
         if not dist.is_initialized():
             return
         try:
-            dist.destroy_process_group()
+            if abort:
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
         except Exception as exc:  # a group broken by a dead peer may not shut down cleanly
             log.warning("Destroying the old process group failed (%s); going on.", exc)
         self.side = None
@@ -161,6 +174,10 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
     if backend == "nccl":
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # error out, don't kill
     path = os.environ.get(SOCKET_ENV)
+    if "RANK" not in os.environ and path is None:  # plain `python train.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     placement = Placement.from_env()
     rt.gate = ready.ReadinessGate(rt.timeout)
     if path and placement.generation > 1:
@@ -521,7 +538,13 @@ def _rebuild(state: ElasticState, failed: bool) -> bool:
     if failed:
         state.restore()
     placement = rt.channel.wait(rt.placement.generation)
-    rt.destroy_group()
+    if placement is None and rt.channel.leave_requested:
+        # Leaving at a step boundary, maybe with every other node (preemption): put the state
+        # on storage first, within the agent's grace period.
+        grace = float(os.environ.get(GRACE_ENV, "30"))
+        if not state.persist_now(timeout_s=max(1.0, grace - 2.0)):
+            log.warning("Leaving before step %d was persisted (grace period).", state.step)
+    rt.destroy_group(abort=failed)
     if placement is None or rt.join(placement) is None:
         return False
     state.rescales += 1

@@ -48,8 +48,10 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._last_step = 0
         self._last_time = time.monotonic()
+        self._started = 0.0
         self.last_persisted: int | None = None
         self.blocked_s = 0.0  # time the training loop spent waiting for copies (for benchmarks)
+        self.durations: list[float] = []  # start to manifest, per snapshot (for benchmarks)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be persisted (by count or time), the writer being free."""
@@ -95,6 +97,7 @@ class Persister:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         cpu_tree = self._stage(tree, "", sync_paths, pairs) if tree is not None else None
         self._copied.clear()
+        self._started = time.perf_counter()
         self._thread = threading.Thread(
             target=self._write,
             args=(step, epoch, world, rank, cpu_tree, pairs, own, collect, on_done),
@@ -163,6 +166,7 @@ class Persister:
             manifest = Manifest(step, epoch, world, files)
             self.store.commit(manifest)
             self.last_persisted = step
+            self.durations.append(time.perf_counter() - self._started)
             self.store.prune(self.settings.keep)
             on_done(manifest)
         except Exception as exc:  # storage trouble must not stop training

@@ -1,0 +1,140 @@
+"""Commit and persist cost of the remote cache, against the raw write speed of the same place.
+
+For each model size, a one-rank job (efdl.init_process_group, gloo) runs
+``optimizer.step(); state.commit()`` with SGD+momentum (so model + optimizer state are twice
+the parameter bytes) and the cache persisting as often as the writer is free. Per persisted
+commit it records: how long ``commit()`` blocked the loop, how long the next
+``optimizer.step()`` waited for the background copy (the step pre-hook), and how long the
+snapshot took to be complete on storage (copy + write + manifest). The raw speed is a plain
+``write`` + ``fsync`` of the same number of bytes into the same directory.
+
+Usage: python -m benchmarks.cache [--sizes 10,100,500] [--snapshots 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+class Flat(torch.nn.Module):
+    """``millions`` million parameters in tensors of 10M."""
+
+    def __init__(self, millions: int) -> None:
+        super().__init__()
+        chunks = [10_000_000] * (millions // 10) + (
+            [millions % 10 * 1_000_000] if millions % 10 else []
+        )
+        self.params = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(n)) for n in chunks)
+
+
+def raw_write(directory: Path, nbytes: int) -> float:
+    """Seconds to write and fsync ``nbytes`` with plain file writes (64 MiB chunks)."""
+    chunk = os.urandom(1 << 20) * 64
+    path = directory / "raw.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, len(chunk))
+            f.write(chunk[:n] if n < len(chunk) else chunk)
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t0
+    path.unlink()
+    return elapsed
+
+
+def run(millions: int, snapshots: int, directory: Path) -> dict[str, float]:
+    import efdl
+    from efdl.state import elastic as el
+
+    url = directory / f"cache-{millions}m"
+    os.environ.update(
+        EFDL_CACHE_URL=str(url),
+        EFDL_CACHE_EVERY_STEPS="1",
+        EFDL_CACHE_EVERY="0",
+        EFDL_CACHE_KEEP="1",
+    )
+    model = Flat(millions)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt.step()  # momentum buffers exist from now on
+    state = efdl.elastic_state(model, opt, snapshot_every=1_000_000)
+    persister = state._persister
+    assert persister is not None
+    commits: list[float] = []
+    fences: list[float] = []
+    started = False
+    while len(persister.durations) < snapshots:
+        before = persister.blocked_s
+        opt.step()  # waits for the background copy of the snapshot started just before, if any
+        if started:
+            fences.append(persister.blocked_s - before)
+        thread = persister._thread
+        t0 = time.perf_counter()
+        state.commit()
+        elapsed = time.perf_counter() - t0
+        started = persister._thread is not thread
+        if started:
+            commits.append(elapsed)
+    persister.flush(600)
+    m = persister.store.manifest(persister.store.steps()[0])
+    nbytes = sum(f.size for f in m.files.values())
+    raw = statistics.median(raw_write(directory, nbytes) for _ in range(3))
+    shutil.rmtree(url, ignore_errors=True)
+    el._runtime.destroy_group()
+    return {
+        "bytes": nbytes,
+        "commit": statistics.median(commits),
+        "fence": statistics.median(fences),
+        "write": statistics.median(persister.durations),
+        "raw": raw,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,100,500", help="model sizes, millions of params")
+    parser.add_argument("--snapshots", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="efdl-cache-bench-", dir=args.dir))
+    print(
+        f"Remote cache on a local directory ({directory.parent}); SGD+momentum; median of "
+        f"{args.snapshots} snapshots per size.\n"
+    )
+    print(
+        "| params | snapshot MB | commit() blocks (ms) | next step waits (ms) | loop blocked / "
+        "write time | persist MB/s | raw write MB/s | persist / raw |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    import efdl
+
+    efdl.init_process_group("gloo")
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            r = run(size, args.snapshots, directory)
+            mb = r["bytes"] / 1e6
+            blocked = r["commit"] + r["fence"]
+            print(
+                f"| {size}M | {mb:.0f} | {r['commit'] * 1000:.1f} | {r['fence'] * 1000:.1f} | "
+                f"{blocked / r['write'] * 100:.2f}% | {mb / r['write']:.0f} | "
+                f"{mb / r['raw']:.0f} | {r['raw'] / r['write'] * 100:.0f}% |",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The remote cache with real efdl-run agents: a job that lost every node resumes where it was."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.state.cache import STATE, SnapshotStore
+from tests.e2e.harness import Job
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_job(etcd: EmbeddedEtcd, tmp: Path, url: str, env: dict[str, str]) -> Job:
+    return Job(
+        tmp,
+        etcd.endpoint.target,
+        f"cache-{uuid.uuid4().hex[:8]}",
+        [
+            "--lease-ttl",
+            "3",
+            "--settle",
+            "0.5",
+            "--grace-period",
+            "20",
+            "--min",
+            "2",
+            "--max",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--cache-url",
+            url,
+            "--cache-every-steps",
+            "5",
+            "--cache-every",
+            "0",
+        ],
+        env={"STEP_SECONDS": "0.05", **env},
+    )
+
+
+@pytest.fixture()
+def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
+    j = make_job(etcd_server, tmp_path, str(tmp_path / "cache"), {})
+    yield j
+    j.stop()
+
+
+def entries(job: Job) -> list[dict[str, object]]:
+    """What each rank resumed from, each time it entered the training function."""
+    path = job.out / "enter.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_persisted(job: Job, store: SnapshotStore, at_least: int = 2) -> None:
+    deadline = time.monotonic() + 90
+    while len([s for s in store.steps() if _complete(store, s)]) < at_least:
+        assert time.monotonic() < deadline, job.agents["a"].output()[-3000:]
+        time.sleep(0.2)
+
+
+def _complete(store: SnapshotStore, step: int) -> bool:
+    try:
+        store.manifest(step)
+        return True
+    except Exception:
+        return False
+
+
+def restart_and_resume(job: Job, old_pids: set[object]) -> list[dict[str, object]]:
+    """Start two new agents (new node ids) for the job; the entries of their workers."""
+    job.start("a2", script="elastic_steps.py")
+    job.start("b2", script="elastic_steps.py")
+    deadline = time.monotonic() + 120
+    while True:
+        new = [e for e in entries(job) if e["pid"] not in old_pids]
+        if len(new) >= 2:
+            return new
+        assert time.monotonic() < deadline, job.agents["a2"].output()[-3000:]
+        time.sleep(0.2)
+
+
+def reference(rows: list[dict[str, object]], step: int) -> tuple[object, object]:
+    """Parameters and optimizer state (digests) right after step ``step``, before the loss."""
+    row = next(r for r in rows if r["step"] == step and r["rank"] == 0)
+    return row["digest"], row["opt"]
+
+
+def kill_all(job: Job) -> set[object]:
+    for name in ("a", "b"):
+        job.agents[name].signal(signal.SIGKILL)
+    for name in ("a", "b"):
+        job.agents[name].wait()
+    return {r["pid"] for r in job.events()}
+
+
+def run_and_kill(job: Job, url: str) -> tuple[SnapshotStore, list[dict[str, object]], set[object]]:
+    store = SnapshotStore(url)
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    wait_persisted(job, store)
+    pids = kill_all(job)
+    return store, job.events(), pids
+
+
+def check_resumed(new: list[dict[str, object]], rows: list[dict[str, object]], step: int) -> None:
+    digest, opt = reference(rows, step)
+    for e in new:
+        assert e["step"] == step, (e, step)
+        assert e["digest"] == digest and e["opt"] == opt, (e, digest, opt)
+
+
+def test_every_agent_killed_then_the_job_resumes_from_the_cache(job: Job) -> None:
+    store, rows, pids = run_and_kill(job, str(job.out / "cache"))
+    newest = next(s for s in store.steps() if _complete(store, s))
+    new = restart_and_resume(job, pids)
+    check_resumed(new, rows, newest)
+    assert "resuming from step" in job.agents["a2"].output() + job.agents["b2"].output()
+    status = subprocess.run(
+        [sys.executable, "-m", "efdl", "status", "--etcd", job.etcd, "--job-id", job.job_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "cache: step" in status.stdout, status.stdout
+
+
+def test_a_corrupt_newest_snapshot_is_skipped_for_the_one_before(job: Job) -> None:
+    store, rows, pids = run_and_kill(job, str(job.out / "cache"))
+    complete = [s for s in store.steps() if _complete(store, s)]
+    newest, previous = complete[0], complete[1]
+    path = Path(store.path(newest, STATE))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    new = restart_and_resume(job, pids)
+    check_resumed(new, rows, previous)
+    output = job.agents["a2"].output() + job.agents["b2"].output()
+    assert str(path) in output and "sha256" in output
+
+
+def test_preemption_sigterm_everywhere_loses_nothing_committed(job: Job) -> None:
+    store = SnapshotStore(str(job.out / "cache"))
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    wait_persisted(job, store, at_least=1)
+    for name in ("a", "b"):
+        job.agents[name].signal(signal.SIGTERM)
+    for name in ("a", "b"):
+        assert job.agents[name].wait(60) == 0, job.agents[name].output()[-3000:]
+    rows = job.events()
+    last = max(int(r["step"]) for r in rows)  # type: ignore[call-overload]
+    assert (
+        _complete(store, last) and store.steps()[0] == last
+    )  # the step they paused at went to storage on the way out
+    new = restart_and_resume(job, {r["pid"] for r in rows})
+    check_resumed(new, rows, last)
+
+
+def test_the_cache_on_s3(etcd_server: EmbeddedEtcd, tmp_path: Path, s3_bucket: str) -> None:
+    import os
+
+    env = {
+        k: os.environ[k]
+        for k in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+            "FSSPEC_S3_ENDPOINT_URL",
+        )
+    }
+    url = f"{s3_bucket}/jobs/x"
+    job = make_job(etcd_server, tmp_path, url, env)
+    try:
+        store, rows, pids = run_and_kill(job, url)
+        newest = next(s for s in store.steps() if _complete(store, s))
+        new = restart_and_resume(job, pids)
+        check_resumed(new, rows, newest)
+    finally:
+        job.stop()
