@@ -17,6 +17,7 @@ then takes the one before, with a warning naming the file. Files are read with
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import io
@@ -129,22 +130,36 @@ class Manifest:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes and counts what passes through it."""
+    """A write-only file that hashes and counts what passes through it. A large write is
+    hashed on a helper thread while it goes to the file (hashlib and file writes release the
+    GIL), so hashing and writing overlap instead of adding up."""
+
+    _PARALLEL = 1 << 20
 
     def __init__(self, f: Any) -> None:
         self._f = f
         self.sha = hashlib.sha256()
         self.size = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="efdl-sha256")
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        self.sha.update(view)
-        self._f.write(view)
+        if len(view) < self._PARALLEL:
+            self.sha.update(view)
+            self._f.write(view)
+        else:  # the caller may reuse its buffer once we return: both finish before that
+            hashed = self._pool.submit(self.sha.update, view)
+            self._f.write(view)
+            hashed.result()
         self.size += len(view)
         return len(view)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        super().close()
 
 
 class SnapshotStore:
@@ -175,9 +190,8 @@ class SnapshotStore:
         """``torch.save`` ``obj`` as file ``name`` of snapshot ``step``; its size and sha256."""
         if self.local:
             self.fs.makedirs(self.path(step), exist_ok=True)
-        with self.fs.open(self.path(step, name), "wb") as f:
-            writer = _HashingWriter(f)
-            _torch().save(obj, io.BufferedWriter(writer, buffer_size=8 << 20))
+        with self.fs.open(self.path(step, name), "wb") as f, _HashingWriter(f) as writer:
+            _torch().save(obj, writer)  # storages arrive as single large writes
             if self.local:
                 f.flush()
                 os.fsync(f.fileno())

@@ -3,7 +3,7 @@
 At most one snapshot is in flight. While one is being written, later commits are not queued
 (there is nothing to replace: the next due commit after it is the newest), so memory stays
 bounded: one CPU copy of the model and optimizer state, whose buffers are reused from one
-snapshot to the next, plus an 8 MB write buffer.
+snapshot to the next.
 
 What the training loop waits for: small values (step, sampler, user values, scheduler) and
 the model's buffers (BatchNorm statistics change in the forward pass) are copied at the

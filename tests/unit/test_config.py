@@ -156,3 +156,44 @@ def test_launch_config_maps_torchrun_nnodes_to_workers() -> None:
         load(LaunchConfig, {"standalone": True, "nnodes": "two"}, env={})
     with pytest.raises(ConfigError, match="No job id was given"):
         load(LaunchConfig, {"etcd": "h:1"}, env={})
+
+
+def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) -> None:
+    from efdl.config import LaunchConfig
+    from efdl.state.cache import CacheSettings
+
+    cfg = load(
+        LaunchConfig,
+        {"standalone": True, "cache_every_steps": 5},
+        env={"EFDL_CACHE_KEEP": "3"},
+        yaml_data={"cache-url": "s3://b/job", "cache_every": 0},
+    )
+    assert (cfg.cache_url, cfg.cache_every_steps, cfg.cache_every_s, cfg.cache_keep) == (
+        "s3://b/job",
+        5,
+        0.0,
+        3,
+    )
+    assert cfg.cache_for("j") == "s3://b/job"
+    settings = CacheSettings("s3://b/job", 5, 0.0, 3)
+    assert CacheSettings.from_env(settings.to_env()) == settings  # what the workers get
+    assert CacheSettings.from_env({}) is None
+    # --standalone keeps its cache under the job's log dir; a multi-node job needs a URL.
+    logs = load(LaunchConfig, {"standalone": True, "log_dir": tmp_path}, env={})
+    assert logs.cache_for("j") == str(tmp_path / "j" / "cache")
+    assert load(LaunchConfig, {"standalone": True}, env={}).cache_for("j") is None
+    assert (
+        load(LaunchConfig, {"etcd": "h:1", "job_id": "j", "log_dir": tmp_path}, env={}).cache_for(
+            "j"
+        )
+        is None
+    )
+    for flags, message in (
+        ({"cache_keep": 0}, r"--cache-keep \(0\) must be at least 1"),
+        ({"cache_every_steps": -1}, r"--cache-every-steps \(-1\)"),
+        ({"cache_url": " "}, "--cache-url is empty"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load(LaunchConfig, {"standalone": True, **flags}, env={})
+    with pytest.raises(ConfigError, match="EFDL_CACHE"):
+        CacheSettings.from_env({"EFDL_CACHE_URL": "/x", "EFDL_CACHE_KEEP": "many"})

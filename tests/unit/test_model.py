@@ -90,3 +90,23 @@ def test_job_keys_stay_under_the_job_prefix() -> None:
     assert all(
         x.startswith(k.prefix) for x in (k.nodes, k.steps, k.round, k.node("n1"), k.step("n1"))
     )
+
+
+def test_cache_record_roundtrip_and_hostile_values() -> None:
+    from efdl.rendezvous.model import CacheRecord
+
+    good = CacheRecord(120, 3, 4, "s3://b/j", 1.5)
+    assert CacheRecord.from_json(good.to_json(), "/efdl/j/cache") == good
+    for patch, message in (
+        ({"step": -1}, "'step'"),
+        ({"step": True}, "expected a number"),
+        ({"epoch": "3"}, "'epoch'"),
+        ({"world_size": 0}, "'world_size'"),
+        ({"url": 7}, "'url'"),
+    ):
+        data = json.loads(good.to_json())
+        data.update(patch)
+        with pytest.raises(RecordError, match=message):
+            CacheRecord.from_json(json.dumps(data).encode(), "/efdl/j/cache")
+    with pytest.raises(RecordError, match="not valid JSON"):
+        CacheRecord.from_json(b"{", "/efdl/j/cache")
