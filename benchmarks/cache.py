@@ -64,6 +64,7 @@ def sha256_speed(nbytes: int = 256 << 20) -> float:
 
 def run(millions: int, snapshots: int, directory: Path) -> dict[str, float]:
     import efdl
+
     url = directory / f"cache-{millions}m"
     os.environ.update(
         EFDL_CACHE_URL=str(url),

@@ -62,7 +62,7 @@ class Launcher:
     rebuilds_in_place: bool
 
 
-def efdl_launcher(etcd: str, job: str) -> Launcher:
+def efdl_launcher(etcd: str, job: str, settle: float = 0.5) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         return [
             sys.executable,
@@ -85,7 +85,7 @@ def efdl_launcher(etcd: str, job: str) -> Launcher:
             "--lease-ttl",
             "3",
             "--settle",
-            "0.5",
+            str(settle),
             "--grace-period",
             "10",
             str(ELASTIC),
