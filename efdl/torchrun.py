@@ -216,9 +216,10 @@ class EfdlRendezvousHandler(RendezvousHandler):
         would make it fail instead of wait. None if a newer round came first (a dead member's
         lease expired, or a node joined), or ``r``'s store went away with it."""
         assert self._agent is not None
-        timeout = datetime.timedelta(seconds=max(60.0, self._policy.join_timeout_s))
         try:
-            client = TCPStore(r.store_host, r.store_port, None, False, timeout)
+            client = self._connect(r, deadline)
+            if client is None:
+                return None
             store = PrefixStore(f"efdl/{r.generation}/", client)
             store.set(f"arrived/{self._node.node_id}", "1")
             keys = [f"arrived/{m.node_id}" for m in r.members]
@@ -238,6 +239,28 @@ class EfdlRendezvousHandler(RendezvousHandler):
             )
             return None
         return self._info(r, store)
+
+    def _connect(self, r: Round, deadline: float) -> TCPStore | None:
+        """A client of round ``r``'s store; None if a newer round came first (a superseded
+        round's store is closed, and a client would retry a refused connection for its
+        whole timeout)."""
+        assert self._agent is not None
+        while True:
+            try:
+                client = TCPStore(
+                    r.store_host, r.store_port, None, False, datetime.timedelta(seconds=2)
+                )
+                # torchrun's rank assignment waits on this store for the other nodes.
+                client.set_timeout(
+                    datetime.timedelta(seconds=max(60.0, self._policy.join_timeout_s))
+                )
+                return client
+            except RuntimeError:
+                newer = self._agent.current_round
+                if newer is not None and newer.generation > r.generation:
+                    return None
+                if time.monotonic() > deadline:
+                    raise
 
     def _info(self, r: Round, store: Store) -> RendezvousInfo:
         self._returned = r

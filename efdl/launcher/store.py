@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
+import threading
 from typing import Any
 
 from efdl.errors import ConfigError
 from efdl.rendezvous.model import Round
 
 log = logging.getLogger(__name__)
+
+
+def preload() -> None:
+    """Import torch's c10d in the background now: the agent needs it only when it serves a
+    store, but that is on the path to the first step (over a second to import here), and
+    the agent has time to spare while it joins and the settle window runs."""
+
+    def load() -> None:
+        try:
+            import torch.distributed  # noqa: F401
+        except Exception as exc:  # the import is retried (and its error raised) when needed
+            log.debug("Preloading torch.distributed failed: %s", exc)
+
+    threading.Thread(target=load, name="efdl-preload-torch", daemon=True).start()
 
 
 class StoreServer:
@@ -30,6 +46,7 @@ class StoreServer:
         self._host = host
         self._port = port
         self._store: Any = None
+        self._starting: threading.Thread | None = None
         self.generation = 0
         if port:
             self._listen().close()  # fail at start, not at the first round, if it is taken
@@ -50,27 +67,48 @@ class StoreServer:
         return sock
 
     def serve(self, rnd: Round) -> int:
-        """Replace the store with a fresh one for ``rnd``; returns its port."""
-        # The agent needs torch only when it serves a store.
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        """Replace the store with a fresh one for ``rnd``; returns its port at once.
 
+        The port is bound and listening now; the TCPStore that answers on it is created on a
+        helper thread (the agent imports torch only for it, over a second here), so the round
+        goes out and the workers start meanwhile. A client that connects early is held in
+        the listen backlog until the store answers, within the client's timeout.
+        """
         self.close()
         sock = self._listen()
         port = int(sock.getsockname()[1])
-        self._store = TCPStore(
-            self._host,
-            port,
-            None,
-            True,
-            datetime.timedelta(seconds=60),
-            wait_for_workers=False,
-            master_listen_fd=sock.detach(),
-        )
+        fd = sock.detach()
         self.generation = rnd.generation
-        log.info(
-            "Serving the c10d store of generation %d on %s:%d.", rnd.generation, self._host, port
-        )
+
+        def start() -> None:
+            try:
+                from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+                self._store = TCPStore(
+                    self._host,
+                    port,
+                    None,
+                    True,
+                    datetime.timedelta(seconds=60),
+                    wait_for_workers=False,
+                    master_listen_fd=fd,
+                )
+                log.info(
+                    "Serving the c10d store of generation %d on %s:%d.",
+                    rnd.generation,
+                    self._host,
+                    port,
+                )
+            except Exception as exc:
+                os.close(fd)
+                log.error("Could not serve the c10d store on %s:%d: %s", self._host, port, exc)
+
+        self._starting = threading.Thread(target=start, name="efdl-store", daemon=True)
+        self._starting.start()
         return port
 
     def close(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
         self._store = None  # the store's daemon stops with the object

@@ -78,8 +78,11 @@ class _Runtime:
         return self.channel is not None
 
     def init_group(self, p: Placement) -> None:
-        if self.elastic or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            store = ready.connect(p, self.timeout)  # the agent serves it
+        if self.channel is not None:  # the agent serves it; a newer round may replace it
+            channel = self.channel
+            store = ready.connect(p, self.timeout, lambda: channel.superseded(p.generation))
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = ready.connect(p, self.timeout)
         else:  # no launcher's store (plain env://): rank 0 serves it, as torch does
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 p.master_addr, p.master_port, p.world_size, p.rank == 0, self.timeout

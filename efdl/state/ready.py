@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +29,31 @@ GO_KEY = "efdl/go"
 _FOREVER = datetime.timedelta(days=1)
 
 
-def connect(p: Placement, timeout: datetime.timedelta) -> Any:
-    """A client of generation ``p``'s store."""
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        p.master_addr, p.master_port, p.world_size, False, timeout
-    )
+def connect(
+    p: Placement, timeout: datetime.timedelta, superseded: Callable[[], bool] | None = None
+) -> Any:
+    """A client of generation ``p``'s store, waiting up to ``timeout`` for it to answer.
+
+    A superseded generation's store is closed, and a client would retry the refused
+    connection for its whole timeout: with ``superseded``, connecting gives up as soon as it
+    says so (raising the last connection error).
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        attempt = min(timeout.total_seconds(), 2.0) if superseded else timeout.total_seconds()
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                p.master_addr,
+                p.master_port,
+                p.world_size,
+                False,
+                datetime.timedelta(seconds=attempt),
+            )
+            store.set_timeout(timeout)
+            return store
+        except RuntimeError:
+            if superseded is None or superseded() or time.monotonic() > deadline:
+                raise
 
 
 class ReadinessGate:
