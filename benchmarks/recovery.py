@@ -248,6 +248,24 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Resu
         run.stop()
 
 
+def standalone_argv(launcher: str, nproc: int) -> list[str]:
+    """``--standalone`` with ``nproc`` workers: efdl on the efdl-aware script, torchrun on the
+    plain one."""
+    if launcher == "efdl":
+        job = f"standalone-{uuid.uuid4().hex[:6]}"
+        run = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+        return [*run, "--standalone", "--job-id", job, "--nproc-per-node", str(nproc), str(ELASTIC)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(PLAIN),
+    ]
+
+
 def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> float:
     """Median step time (s) of two workers on one node, no sleep."""
     out = Path(tempfile.mkdtemp(dir=tmp))
@@ -263,28 +281,7 @@ def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> floa
         "DIGEST": "0",
         "SNAPSHOT_EVERY": os.environ.get("SNAPSHOT_EVERY", "10"),
     }
-    if launcher == "efdl":
-        argv = [
-            sys.executable,
-            "-c",
-            "from efdl.cli import run_main; run_main()",
-            "--standalone",
-            "--job-id",
-            f"steady-{uuid.uuid4().hex[:6]}",
-            "--nproc-per-node",
-            "2",
-            str(ELASTIC),
-        ]
-    else:
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(PLAIN),
-        ]
+    argv = standalone_argv(launcher, 2)
     subprocess.run(
         argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=True
     )

@@ -15,23 +15,22 @@ Usage: python -m benchmarks.startup [--repeat 3]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
 from benchmarks.recovery import (
-    ELASTIC,
-    PLAIN,
     Launcher,
     Run,
     efdl_launcher,
     fmt,
     free_port,
+    standalone_argv,
     torchrun_launcher,
 )
 from efdl.rendezvous.embedded import EmbeddedEtcd
@@ -62,28 +61,7 @@ def standalone(which: str, tmp: Path) -> float | str:
         "EPOCHS": "1",
         "SAMPLES": "12",
     }
-    if which == "efdl":
-        argv = [
-            sys.executable,
-            "-c",
-            "from efdl.cli import run_main; run_main()",
-            "--standalone",
-            "--job-id",
-            f"start-{uuid.uuid4().hex[:6]}",
-            "--nproc-per-node",
-            "2",
-            str(ELASTIC),
-        ]
-    else:
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(PLAIN),
-        ]
+    argv = standalone_argv(which, 2)
     t0 = time.time()
     done = subprocess.run(
         argv,
@@ -96,8 +74,6 @@ def standalone(which: str, tmp: Path) -> float | str:
     path = out / "events.jsonl"
     if done.returncode != 0 or not path.exists():
         return f"failed (exit {done.returncode})"
-    import json
-
     first = min(json.loads(line)["t"] for line in path.read_text().splitlines())
     return float(first) - t0
 
