@@ -62,7 +62,7 @@ class Launcher:
     rebuilds_in_place: bool
 
 
-def efdl_launcher(etcd: str, job: str, settle: float = 0.5) -> Launcher:
+def efdl_launcher(etcd: str, job: str, settle: float = 0.5, max_nodes: int = 3) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         return [
             sys.executable,
@@ -79,7 +79,7 @@ def efdl_launcher(etcd: str, job: str, settle: float = 0.5) -> Launcher:
             "--min",
             "1",
             "--max",
-            "3",
+            str(max_nodes),
             "--nproc-per-node",
             "1",
             "--lease-ttl",
@@ -94,14 +94,14 @@ def efdl_launcher(etcd: str, job: str, settle: float = 0.5) -> Launcher:
     return Launcher("efdl (in place)", cmd, {}, True)
 
 
-def torchrun_launcher(port: int, job: str, tuned: bool) -> Launcher:
+def torchrun_launcher(port: int, job: str, tuned: bool, max_nodes: int = 3) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         argv = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nnodes",
-            "1:3",
+            f"1:{max_nodes}",
             "--nproc-per-node",
             "1",
             "--rdzv-backend",
@@ -172,6 +172,17 @@ class Run:
         except psutil.NoSuchProcess:
             return []
 
+    def kill_node(self, node: str) -> None:
+        """SIGKILL a node's agent and every process under it (workers of torchrun live in
+        sessions of their own and would outlive their agent)."""
+        pids = [self.procs[node].pid]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            pids += [c.pid for c in psutil.Process(pids[0]).children(recursive=True)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.procs[node].wait()
+
     def stop(self) -> None:
         """Kill every agent and every process under it, by PID. torchrun starts its workers
         in sessions of their own and they do not die with a killed agent: collect them first."""
@@ -204,7 +215,8 @@ def at_world(
     return first
 
 
-Result = tuple[float, float] | str  # (event to first step at the new size, stall) or why not
+# (event to first step at the new size, stall, steps trained again) or why it did not recover
+Result = tuple[float, float, float] | str
 
 
 def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Result:
@@ -217,6 +229,10 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Resu
         run.start("a")
         run.start("b")
         rows = run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= 10)
+        if event == "spare":  # a third node waits beyond --max 2
+            run.start("c")
+            time.sleep(3)
+            rows = run.rows()
         before_pids = {r["pid"] for r in rows}
         gen0 = max(int(r["gen"]) for r in rows)  # type: ignore[call-overload]
         if launcher.rebuilds_in_place:
@@ -230,6 +246,12 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Resu
             t0 = time.time()
             run.procs["b"].send_signal(signal.SIGTERM)
             target = 1
+        elif event in ("node", "spare"):  # node b dies: its agent and its workers
+            t0 = time.time()
+            run.kill_node("b")
+            target = 1 if event == "node" else 2
+            if event == "spare":  # the spare's worker takes b's place
+                new = lambda r: r["pid"] not in before_pids  # noqa: E731
         else:
             victims = run.workers_of("b")
             t0 = time.time()
@@ -242,8 +264,15 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Resu
             return "did not recover in 60 s"
         value = first(rows)
         assert value is not None
-        before = max(float(r["t"]) for r in rows if float(r["t"]) < value)  # type: ignore[arg-type]
-        return value - t0, value - before
+        earlier = [r for r in rows if float(r["t"]) < value]  # type: ignore[arg-type]
+        before = max(float(r["t"]) for r in earlier)  # type: ignore[arg-type]
+        last_step = max(int(r["step"]) for r in earlier)  # type: ignore[call-overload]
+        resumed = min(
+            int(r["step"])  # type: ignore[call-overload]
+            for r in rows
+            if r["world"] == target and float(r["t"]) >= value and new(r)  # type: ignore[arg-type]
+        )
+        return value - t0, value - before, float(max(0, last_step - resumed + 1))
     finally:
         run.stop()
 
@@ -307,13 +336,15 @@ def column(results: list[Result], part: int) -> list[float | str]:
 def ratio(results: dict[str, list[Result]], part: int) -> str:
     e = [v for v in column(results["efdl"], part) if isinstance(v, float)]
     t = [v for v in column(results["tuned"], part) if isinstance(v, float)]
-    return f"{statistics.median(t) / statistics.median(e):.1f}x" if e and t else "-"
+    if not e or not t or statistics.median(e) == 0:
+        return "-"
+    return f"{statistics.median(t) / statistics.median(e):.1f}x"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--events", default="join,leave,kill")
+    parser.add_argument("--events", default="join,leave,kill,node,spare")
     parser.add_argument("--steady-repeat", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="efdl-bench-"))
@@ -327,25 +358,30 @@ def main() -> None:
             results: dict[str, list[Result]] = {"efdl": [], "default": [], "tuned": []}
             for _ in range(args.repeat):  # interleaved, so noise hits all alike
                 job = f"bench-{uuid.uuid4().hex[:6]}"
+                most = 2 if event == "spare" else 3
                 results["efdl"].append(
-                    measure(lambda job=job: efdl_launcher(etcd.endpoint.target, job), event, tmp)
-                )
-                port = free_port()
-                results["default"].append(
                     measure(
-                        lambda port=port, job=job: torchrun_launcher(port, job, False), event, tmp
+                        lambda job=job, most=most: efdl_launcher(
+                            etcd.endpoint.target, job, max_nodes=most
+                        ),
+                        event,
+                        tmp,
                     )
                 )
-                port = free_port()
-                results["tuned"].append(
-                    measure(
-                        lambda port=port, job=job: torchrun_launcher(port, job, True), event, tmp
+                for name, tuned in (("default", False), ("tuned", True)):
+                    port = free_port()
+                    results[name].append(
+                        measure(
+                            lambda p=port, j=job, t=tuned, m=most: torchrun_launcher(p, j, t, m),
+                            event,
+                            tmp,
+                        )
                     )
-                )
             table[event] = results
     for part, title in (
         (0, "Event to the first step at the new world size (s)"),
         (1, "Training stood still: last step before to first step at the new size (s)"),
+        (2, "Work lost: steps trained again after the event (from the step counters)"),
     ):
         print(f"{title}:\n")
         print("| event | efdl (in place) | torchrun default | torchrun tuned | tuned / efdl |")
