@@ -11,7 +11,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[etcd,examples,dev]"
 
-echo "== ruff"; "$PY" -m ruff check efdl tests
+echo "== ruff"; "$PY" -m ruff check efdl tests benchmarks
 echo "== mypy"; "$PY" -m mypy
 echo "== pytest"
 exec "$PY" -m pytest "$@"
