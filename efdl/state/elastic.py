@@ -372,7 +372,6 @@ class ElasticState:
         )
         self._load(data)
         self._snapshot = self._save()
-        self._cached = m
         return self._snapshot
 
     def _restore_own(self) -> None:
