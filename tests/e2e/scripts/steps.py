@@ -72,8 +72,10 @@ for step in range(start, steps):
     }
     with open(out / "events.jsonl", "a") as f:
         f.write(json.dumps(event) + "\n")
-    if rank == 0:
-        state.write_text(json.dumps({"step": step}))
+    if rank == 0:  # atomically: a worker killed mid-write must not leave an empty file
+        tmp = state.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"step": step}))
+        os.replace(tmp, state)
     if delay:
         time.sleep(delay)
 dist.destroy_process_group()
