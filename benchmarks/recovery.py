@@ -1,20 +1,13 @@
-"""Recovery and steady state: efdl in place vs torchrun restart, side by side in one run.
+"""Recovery, startup and steady state: efdl in place vs torchrun restart, side by side.
 
-Recovery: a job of two nodes (one worker each, gloo on CPU, the same model) meets an event;
-the time is from the event to the first training step at the new world size:
-- join: a third node's agent is started (the time includes its start);
-- leave: one agent gets SIGTERM;
-- worker kill: one worker process is SIGKILLed (world size unchanged: to the first step of a
-  new generation / new processes).
-efdl runs tests/e2e/scripts/elastic_steps.py (the efdl change: rebuild in place); torchrun 2.13
-runs tests/e2e/scripts/steps.py (restart, resuming from its checkpoint), with c10d rendezvous
-at its defaults and tuned (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, --rdzv-conf
-last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5).
+Recovery: a job of two nodes meets an event (join, leave, worker kill, node kill, spare
+replacing a dead node); the time is from the event to the first training step at the new
+world size (the full description is printed with the tables: DESCRIPTION). Startup of the
+same two-node jobs comes from the same runs. Steady state: two workers on one node, a small
+and a medium MLP, median step time of efdl in place vs plain torchrun DDP.
 
-Steady state: two workers on one node, no sleep, a 3-layer MLP; median step time of efdl in
-place vs plain torchrun DDP.
-
-Usage: python -m benchmarks.recovery [--repeat 3] [--events join,leave,kill]
+Usage: python -m benchmarks.recovery [--repeat 3] [--default-repeat N] [--events join,...]
+       [--steady-repeat 3]
 """
 
 from __future__ import annotations
@@ -38,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.report import pyplot, save, spread, verdict
 from efdl.rendezvous.embedded import EmbeddedEtcd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +40,22 @@ ELASTIC = ROOT / "tests" / "e2e" / "scripts" / "elastic_steps.py"
 TUNED_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 Rows = list[dict[str, object]]
+DESCRIPTION = (
+    "A job of two nodes (one worker each, gloo on CPU, 0.05 s of sleep per step) meets an event; "
+    "the time is from the event to the first training step at the new world size. Events: "
+    "`join` (a third node's agent is started: its start is included), `leave` (SIGTERM to one "
+    "agent), `kill` (one worker process SIGKILLed: world size unchanged, to the first step of "
+    "new processes or a new generation), `node` (one node's agent and workers SIGKILLed), "
+    "`spare` (`--max 2`: a third node waits as a spare; node b is SIGKILLed and the spare takes "
+    "its place). efdl runs tests/e2e/scripts/elastic_steps.py (rebuild in place, commit every "
+    "step); torchrun 2.13 runs tests/e2e/scripts/steps.py (restart; resumes its step counter "
+    "from a checkpoint written every step) with c10d rendezvous, at its defaults and tuned "
+    "(`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, `--rdzv-conf " + TUNED_CONF + "`). Runs are "
+    "interleaved (efdl, default, tuned, efdl, ...) so machine noise hits all three; medians of "
+    "{repeat} runs (default torchrun: {default_repeat}, each costs its 30 s last-call window "
+    "at start plus up to 60 s) with (min-max). A run with no step at the new size within 60 s "
+    'counts as "did not recover".\n'
+)
 
 
 def free_port() -> int:
@@ -60,9 +70,17 @@ class Launcher:
     command: Callable[[str, int], list[str]]  # (node name, index) -> argv
     env: dict[str, str]
     rebuilds_in_place: bool
+    script: Path
 
 
-def efdl_launcher(etcd: str, job: str, settle: float = 0.5, max_nodes: int = 3) -> Launcher:
+def efdl_launcher(
+    etcd: str,
+    job: str,
+    settle: float = 1.0,  # efdl's default
+    max_nodes: int = 3,
+    min_nodes: int = 1,
+    script: Path = ELASTIC,
+) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         return [
             sys.executable,
@@ -77,7 +95,7 @@ def efdl_launcher(etcd: str, job: str, settle: float = 0.5, max_nodes: int = 3) 
             "--host",
             "127.0.0.1",
             "--min",
-            "1",
+            str(min_nodes),
             "--max",
             str(max_nodes),
             "--nproc-per-node",
@@ -88,10 +106,10 @@ def efdl_launcher(etcd: str, job: str, settle: float = 0.5, max_nodes: int = 3) 
             str(settle),
             "--grace-period",
             "10",
-            str(ELASTIC),
+            str(script),
         ]
 
-    return Launcher("efdl (in place)", cmd, {}, True)
+    return Launcher("efdl (in place)", cmd, {}, True, script)
 
 
 def torchrun_launcher(port: int, job: str, tuned: bool, max_nodes: int = 3) -> Launcher:
@@ -120,7 +138,7 @@ def torchrun_launcher(port: int, job: str, tuned: bool, max_nodes: int = 3) -> L
         return [*argv, str(PLAIN)]
 
     name = "torchrun tuned" if tuned else "torchrun default"
-    return Launcher(name, cmd, TUNED_ENV if tuned else {}, False)
+    return Launcher(name, cmd, TUNED_ENV if tuned else {}, False, PLAIN)
 
 
 class Run:
@@ -167,7 +185,7 @@ class Run:
             return [
                 p.pid
                 for p in psutil.Process(self.procs[node].pid).children(recursive=True)
-                if "steps.py" in " ".join(p.cmdline())
+                if self.launcher.script.name in " ".join(p.cmdline())
             ]
         except psutil.NoSuchProcess:
             return []
@@ -197,7 +215,7 @@ class Run:
         logged = {int(r["pid"]) for r in self.rows()}  # type: ignore[call-overload]
         for pid in set(pids) | logged:  # workers whose agent died earlier are orphans now
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                if "steps.py" in " ".join(psutil.Process(pid).cmdline()):
+                if self.launcher.script.name in " ".join(psutil.Process(pid).cmdline()):
                     os.kill(pid, signal.SIGKILL)
 
 
@@ -219,16 +237,18 @@ def at_world(
 Result = tuple[float, float, float] | str
 
 
-def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Result:
+def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> tuple[Result, float]:
     """One run: (seconds from the event to the first step at the new world size, seconds
-    training stood still: the last step before that one to it), or why it did not recover."""
+    training stood still: the last step before that one to it, steps trained again), or why
+    it did not recover; and the seconds from starting both agents to the first step."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     launcher = launcher_for()
     run = Run(launcher, out, {"STEP_SECONDS": "0.05"})
     try:
-        run.start("a")
+        launched = run.start("a")
         run.start("b")
         rows = run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= 10)
+        startup = min(float(r["t"]) for r in rows if r["world"] == 2) - launched  # type: ignore[arg-type]
         if event == "spare":  # a third node waits beyond --max 2
             run.start("c")
             time.sleep(3)
@@ -261,7 +281,7 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Resu
         try:
             rows = run.wait(first, timeout_s=60)
         except TimeoutError:
-            return "did not recover in 60 s"
+            return "did not recover in 60 s", startup
         value = first(rows)
         assert value is not None
         earlier = [r for r in rows if float(r["t"]) < value]  # type: ignore[arg-type]
@@ -272,18 +292,18 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> Resu
             for r in rows
             if r["world"] == target and float(r["t"]) >= value and new(r)  # type: ignore[arg-type]
         )
-        return value - t0, value - before, float(max(0, last_step - resumed + 1))
+        return (value - t0, value - before, float(max(0, last_step - resumed + 1))), startup
     finally:
         run.stop()
 
 
-def standalone_argv(launcher: str, nproc: int) -> list[str]:
+def standalone_argv(launcher: str, nproc: int, script: Path = ELASTIC) -> list[str]:
     """``--standalone`` with ``nproc`` workers: efdl on the efdl-aware script, torchrun on the
     plain one."""
     if launcher == "efdl":
         job = f"standalone-{uuid.uuid4().hex[:6]}"
         run = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
-        return [*run, "--standalone", "--job-id", job, "--nproc-per-node", str(nproc), str(ELASTIC)]
+        return [*run, "--standalone", "--job-id", job, "--nproc-per-node", str(nproc), str(script)]
     return [
         sys.executable,
         "-m",
@@ -341,77 +361,220 @@ def ratio(results: dict[str, list[Result]], part: int) -> str:
     return f"{statistics.median(t) / statistics.median(e):.1f}x"
 
 
+MODELS = {"small": (512, 300), "medium": (2048, 150)}  # MLP width, steps
+
+
+def recovery_table(table: dict[str, dict[str, list[Result]]], part: int, title: str) -> None:
+    print(f"{title}:\n")
+    print("| event | efdl (in place) | torchrun default | torchrun tuned | tuned / efdl |")
+    print("|---|---:|---:|---:|---:|")
+    for event, results in table.items():
+        print(
+            f"| {event} | {fmt(column(results['efdl'], part))} | "
+            f"{fmt(column(results['default'], part))} | "
+            f"{fmt(column(results['tuned'], part))} | {ratio(results, part)} |"
+        )
+    print(flush=True)
+
+
+def median_of(results: list[Result], part: int) -> float | None:
+    nums = [v for v in column(results, part) if isinstance(v, float)]
+    return statistics.median(nums) if nums else None
+
+
+def plot_recovery(table: dict[str, dict[str, list[Result]]]) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    names = {"efdl": "efdl (in place)", "tuned": "torchrun tuned", "default": "torchrun default"}
+    events = list(table)
+    for i, (key, label) in enumerate(names.items()):
+        xs, ys, lo, hi, failed = [], [], [], [], []
+        for j, event in enumerate(events):
+            nums = [v for v in column(table[event][key], 0) if isinstance(v, float)]
+            if nums:
+                m = statistics.median(nums)
+                xs.append(j + (i - 1) * 0.27)
+                ys.append(m)
+                lo.append(m - min(nums))
+                hi.append(max(nums) - m)
+            else:
+                failed.append(j + (i - 1) * 0.27)
+        bars = ax.bar(xs, ys, 0.27, yerr=[lo, hi], capsize=3, label=label)
+        for x in failed:
+            ax.bar(
+                [x],
+                [60],
+                0.27,
+                color=bars.patches[0].get_facecolor() if bars.patches else None,
+                alpha=0.25,
+                hatch="//",
+            )
+            ax.annotate("none in 60 s", (x, 61), ha="center", fontsize=7, rotation=90)
+    ax.set_xticks(range(len(events)), events)
+    ax.set(ylabel="event to first step at the new size (s)", yscale="log")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    ax.set_title("recovery, 2 nodes x 1 worker: median and min-max")
+    return save(fig, "recovery.png", "recovery time per event, efdl vs torchrun")
+
+
+def steady_section(repeat: int, tmp: Path) -> None:
+    print(
+        f"Steady state: 2 workers on one node, no sleep, batch 64 per worker, a 3-layer MLP "
+        f"(small: width {MODELS['small'][0]}, medium: width {MODELS['medium'][0]}); median step "
+        f"time of rank 0 (the first 20 steps skipped), median of {repeat} runs, launchers "
+        "interleaved; efdl commits every step and keeps a rollback copy every "
+        f"{os.environ.get('SNAPSHOT_EVERY', '10')} commits.\n"
+    )
+    print(
+        "| model | params | torchrun step (ms) | efdl step (ms) | torchrun samples/s "
+        "| efdl samples/s | efdl / torchrun (time) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    worst = 0.0
+    for name, (width, steps) in MODELS.items():
+        plain, elastic = [], []
+        for _ in range(repeat):
+            plain.append(steady("torchrun", tmp, steps, width))
+            elastic.append(steady("efdl", tmp, steps, width))
+        p, e = statistics.median(plain), statistics.median(elastic)
+        worst = max(worst, e / p)
+        params = 2 * (width * width + width) + width + 1
+        print(
+            f"| {name} | {params / 1e6:.1f}M | {spread(plain, 2, 1000)} | "
+            f"{spread(elastic, 2, 1000)} | {2 * 64 / p:.0f} | {2 * 64 / e:.0f} | {e / p:.3f} |"
+        )
+    print(
+        f"\nGoal: steady-state overhead under 1%: {verdict(worst <= 1.01)} (largest "
+        f"efdl / torchrun step-time ratio {worst:.3f}; run-to-run spread on this shared machine "
+        "is of the same order, see the ranges).\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--default-repeat", type=int, default=0, help="0: as --repeat")
     parser.add_argument("--events", default="join,leave,kill,node,spare")
     parser.add_argument("--steady-repeat", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="efdl-bench-"))
-    print(
-        f"Recovery: median of {args.repeat} runs (min-max), seconds from the event to the "
-        "first step at the new world size; 2 nodes x 1 worker on 127.0.0.1, gloo.\n"
-    )
+    default_repeat = args.default_repeat or args.repeat
+    print(DESCRIPTION.format(repeat=args.repeat, default_repeat=default_repeat))
     table: dict[str, dict[str, list[Result]]] = {}
+    startups: dict[str, list[float | str]] = {"efdl": [], "default": [], "tuned": []}
     with EmbeddedEtcd() as etcd:
         for event in args.events.split(","):
             results: dict[str, list[Result]] = {"efdl": [], "default": [], "tuned": []}
-            for _ in range(args.repeat):  # interleaved, so noise hits all alike
+            for i in range(args.repeat):  # interleaved, so noise hits all alike
                 job = f"bench-{uuid.uuid4().hex[:6]}"
                 most = 2 if event == "spare" else 3
-                results["efdl"].append(
-                    measure(
-                        lambda job=job, most=most: efdl_launcher(
-                            etcd.endpoint.target, job, max_nodes=most
-                        ),
-                        event,
-                        tmp,
+                runs: list[tuple[str, Callable[[], Launcher]]] = [
+                    (
+                        "efdl",
+                        lambda j=job, m=most: efdl_launcher(etcd.endpoint.target, j, max_nodes=m),
                     )
-                )
+                ]
                 for name, tuned in (("default", False), ("tuned", True)):
-                    port = free_port()
-                    results[name].append(
-                        measure(
-                            lambda p=port, j=job, t=tuned, m=most: torchrun_launcher(p, j, t, m),
-                            event,
-                            tmp,
+                    if name == "default" and i >= default_repeat:
+                        continue
+                    runs.append(
+                        (
+                            name,
+                            lambda p=free_port(), j=job, t=tuned, m=most: torchrun_launcher(  # noqa: B008
+                                p, j, t, m
+                            ),
                         )
                     )
+                for name, launcher_for in runs:
+                    result, startup = measure(launcher_for, event, tmp)
+                    results[name].append(result)
+                    if most == 3:
+                        startups[name].append(startup)
             table[event] = results
     for part, title in (
         (0, "Event to the first step at the new world size (s)"),
         (1, "Training stood still: last step before to first step at the new size (s)"),
         (2, "Work lost: steps trained again after the event (from the step counters)"),
     ):
-        print(f"{title}:\n")
-        print("| event | efdl (in place) | torchrun default | torchrun tuned | tuned / efdl |")
-        print("|---|---:|---:|---:|---:|")
-        for event, results in table.items():
-            print(
-                f"| {event} | {fmt(column(results['efdl'], part))} | "
-                f"{fmt(column(results['default'], part))} | "
-                f"{fmt(column(results['tuned'], part))} | {ratio(results, part)} |"
-            )
-        print(flush=True)
-    if args.steady_repeat < 1:
-        return
+        recovery_table(table, part, title)
+    print(plot_recovery(table) + "\n")
+    verdicts(table)
     print(
-        "\nSteady state: median step time of 2 workers, 3-layer MLP width 512, batch 64, "
-        f"median of {args.steady_repeat} runs; efdl commits every step, snapshot every "
-        f"{os.environ.get('SNAPSHOT_EVERY', '10')} commits.\n"
+        "Startup, measured in the same runs (every event but spare): from starting both agents "
+        "to the first step at world size 2 (s), `--min 1 --max 3` / `--nnodes 1:3`.\n"
     )
-    print("| launcher | step time (ms) | efdl / torchrun |")
-    print("|---|---:|---:|")
-    plain, elastic = [], []
-    for _ in range(args.steady_repeat):
-        plain.append(steady("torchrun", tmp))
-        elastic.append(steady("efdl", tmp))
-    p, e = statistics.median(plain), statistics.median(elastic)
-    print(f"| torchrun | {p * 1000:.2f} ({min(plain) * 1000:.2f}-{max(plain) * 1000:.2f}) | |")
+    print("| efdl (settle 1 s, its default) | torchrun default | torchrun tuned | tuned / efdl |")
+    print("|---:|---:|---:|---:|")
+    e = statistics.median([v for v in startups["efdl"] if isinstance(v, float)])
+    t = statistics.median([v for v in startups["tuned"] if isinstance(v, float)])
     print(
-        f"| efdl in place | {e * 1000:.2f} ({min(elastic) * 1000:.2f}-{max(elastic) * 1000:.2f})"
-        f" | {e / p:.3f} |"
+        f"| {fmt(startups['efdl'])} | {fmt(startups['default'])} | {fmt(startups['tuned'])} "
+        f"| {t / e:.1f}x |\n"
     )
+    print(
+        "torchrun's c10d rendezvous waits its last-call window (30 s by default, 1 s tuned) "
+        "whenever fewer than its max nodes have arrived; efdl waits its settle window only "
+        "while joins keep coming and below `--max`, and binds the round's store port at once "
+        "while it imports torch. The rest is process start (Python, torch import) on both.\n"
+    )
+    if args.steady_repeat > 0:
+        steady_section(args.steady_repeat, tmp)
+
+
+def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
+    """The issue's goals, from the numbers above."""
+    lines = []
+    for event, part, what in (
+        ("leave", 0, "a graceful leave (SIGTERM)"),
+        ("join", 1, "a join (training standing still)"),
+    ):
+        if event not in table:
+            continue
+        e, t = median_of(table[event]["efdl"], part), median_of(table[event]["tuned"], part)
+        if e is None:
+            lines.append(f"- {what}: efdl did not recover: goal **not met**.")
+            continue
+        vs = f"{t / e:.0f}x faster than tuned torchrun" if t else "tuned torchrun did not recover"
+        lines.append(
+            f"- {what}: training resumes {e:.2f} s after the event (goal < 1 s: "
+            f"{verdict(e < 1)}), {vs} (goal >= 10x: {verdict(t is None or t / e >= 10)})."
+        )
+    for event, what in (
+        ("kill", "a worker SIGKILLed"),
+        ("node", "a node SIGKILLed"),
+        ("spare", "a spare replacing a dead node"),
+        ("join", "a join, until the newcomer trains"),
+    ):
+        if event not in table:
+            continue
+        e, t = median_of(table[event]["efdl"], 0), median_of(table[event]["tuned"], 0)
+        if e is None:
+            lines.append(f"- {what}: efdl did not recover within 60 s.")
+        elif t is None:
+            lines.append(f"- {what}: efdl {e:.2f} s; tuned torchrun did not recover within 60 s.")
+        else:
+            lines.append(f"- {what}: efdl {e:.2f} s, tuned torchrun {t:.2f} s ({t / e:.1f}x).")
+        d = median_of(table[event]["default"], 0)
+        fails = sum(isinstance(v, str) for v in column(table[event]["default"], 0))
+        lines[-1] += (
+            f" Default torchrun: {d:.2f} s" if d is not None else " Default torchrun: none"
+        ) + (
+            f", {fails} of {len(table[event]['default'])} runs without recovery in 60 s."
+            if fails
+            else "."
+        )
+    lost = {
+        event: max((v for v in column(r["efdl"], 2) if isinstance(v, float)), default=0.0)
+        for event, r in table.items()
+    }
+    lines.append(
+        "- Work lost with efdl (most steps trained again in any run): "
+        + ", ".join(f"{event} {int(v)}" for event, v in lost.items())
+        + "; efdl commits every step, so a crash repeats at most the step in flight."
+    )
+    print("Against the goals (computed from the tables above):\n")
+    print("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

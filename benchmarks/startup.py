@@ -1,13 +1,8 @@
-"""Startup: launch to the first training step, efdl vs torchrun side by side in one run.
+"""Startup of `--standalone`: launch to the first training step, efdl vs torchrun.
 
-- 2 nodes x 1 worker on 127.0.0.1 (`--min 1 --max 3` / `--nnodes 1:3`): both agents are
-  started at once; the time is from their start to the first step at world size 2. torchrun
-  (c10d) waits out its last-call window (30 s by default) whenever min < max nodes; efdl
-  batches joins for `--settle` (1 s by default, 0.5 s in the recovery runs).
-- `--standalone` with 2 workers: launch to the first step.
-
-The same plain DDP script for torchrun, the efdl-aware one for efdl
-(tests/e2e/scripts/steps.py and elastic_steps.py). Runs are interleaved.
+Two workers on one machine; the plain DDP script for torchrun, the efdl-aware one for efdl
+(tests/e2e/scripts/steps.py and elastic_steps.py); runs interleaved. The two-node startup
+comes from the recovery runs (benchmarks.recovery), which start such jobs anyway.
 
 Usage: python -m benchmarks.startup [--repeat 3]
 """
@@ -21,34 +16,12 @@ import statistics
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from benchmarks.recovery import (
-    Launcher,
-    Run,
-    efdl_launcher,
     fmt,
-    free_port,
     standalone_argv,
-    torchrun_launcher,
 )
-from efdl.rendezvous.embedded import EmbeddedEtcd
-
-
-def two_nodes(launcher: Launcher, tmp: Path) -> float | str:
-    out = Path(tempfile.mkdtemp(dir=tmp))
-    run = Run(launcher, out, {"STEP_SECONDS": "0.05"})
-    try:
-        t0 = run.start("a")
-        run.start("b")
-        try:
-            rows = run.wait(lambda rs: any(r["world"] == 2 for r in rs), timeout_s=90)
-        except TimeoutError:
-            return "no step within 90 s"
-        return min(float(r["t"]) for r in rows if r["world"] == 2) - t0  # type: ignore[arg-type]
-    finally:
-        run.stop()
 
 
 def standalone(which: str, tmp: Path) -> float | str:
@@ -83,34 +56,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="efdl-start-"))
-    results: dict[str, list[float | str]] = {}
-    with EmbeddedEtcd() as etcd:
-        for _ in range(args.repeat):
-            job = f"start-{uuid.uuid4().hex[:6]}"
-            launchers = {
-                "efdl (settle 1 s)": efdl_launcher(etcd.endpoint.target, job, settle=1.0),
-                "torchrun default": torchrun_launcher(free_port(), job, False),
-                "torchrun tuned": torchrun_launcher(free_port(), job, True),
-            }
-            for name, launcher in launchers.items():
-                results.setdefault(name, []).append(two_nodes(launcher, tmp))
-            for name in ("efdl", "torchrun"):
-                results.setdefault(f"{name} --standalone", []).append(standalone(name, tmp))
-    print(f"Launch to the first training step (s), median of {args.repeat} runs (min-max).\n")
-    print("| launcher | 2 nodes x 1 worker (min 1, max 3) |")
-    print("|---|---:|")
-    for name in ("efdl (settle 1 s)", "torchrun default", "torchrun tuned"):
-        print(f"| {name} | {fmt(results[name])} |")
-    print("\n| launcher | --standalone, 2 workers |")
-    print("|---|---:|")
-    for name in ("efdl --standalone", "torchrun --standalone"):
-        print(f"| {name} | {fmt(results[name])} |")
-    e = [v for v in results["efdl --standalone"] if isinstance(v, float)]
-    t = [v for v in results["torchrun --standalone"] if isinstance(v, float)]
-    if e and t:
-        print(
-            f"\nefdl / torchrun (--standalone): {statistics.median(e) / statistics.median(t):.2f}"
-        )
+    results: dict[str, list[float | str]] = {"efdl": [], "torchrun": []}
+    for _ in range(args.repeat):
+        for name in results:
+            results[name].append(standalone(name, tmp))
+    print(
+        "`--standalone` with 2 workers on 127.0.0.1: from launching the command to the first "
+        f"training step (s), median of {args.repeat} interleaved runs (min-max); both "
+        "commands run the same model (the plain script under torchrun, the efdl-aware one "
+        "under efdl).\n"
+    )
+    print("| efdl-run --standalone | torchrun --standalone | efdl / torchrun |")
+    print("|---:|---:|---:|")
+    e = [v for v in results["efdl"] if isinstance(v, float)]
+    t = [v for v in results["torchrun"] if isinstance(v, float)]
+    share = f"{statistics.median(e) / statistics.median(t):.2f}" if e and t else "-"
+    print(f"| {fmt(results['efdl'])} | {fmt(results['torchrun'])} | {share} |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -49,7 +50,7 @@ from efdl.state import ready
 from efdl.state.cache import CacheSettings, FileInfo, Manifest, SnapshotError, rank_file
 from efdl.state.channel import GRACE_ENV, SOCKET_ENV, AgentChannel, Placement
 from efdl.state.persist import Persister
-from efdl.state.sampler import ElasticSampler
+from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +126,15 @@ class _Runtime:
 
     def destroy_group(self, abort: bool = False) -> None:
         """Leave the current groups. ``abort``: they broke (a peer died); an operation may
-        still wait on the dead peer, and a plain destroy would wait for it (gloo joins its
-        threads), so abort them (NCCL: abort the communicators)."""
+        still wait on the dead peer until the collective timeout, and a plain destroy would
+        wait for it, so abort them (NCCL: abort the communicators) and keep the broken group
+        objects alive until then: gloo's destructor joins its worker threads, which are the
+        ones waiting (found with a 3-rank job where a node died: 15 s in the destructor)."""
         if not dist.is_initialized():
             return
         try:
             if abort:
+                _bury(list(dist.distributed_c10d._world.pg_names), self.timeout)
                 dist.distributed_c10d._abort_process_group()
             else:
                 dist.destroy_process_group()
@@ -140,6 +144,17 @@ class _Runtime:
 
 
 _runtime = _Runtime()
+
+
+def _bury(groups: list[Any], timeout: datetime.timedelta) -> None:
+    """Hold ``groups`` until their pending operations have timed out, then drop them on a
+    daemon thread, so that their destructors never block training."""
+
+    def drop_later() -> None:
+        time.sleep(timeout.total_seconds() + 5)
+        groups.clear()
+
+    threading.Thread(target=drop_later, name="efdl-broken-groups", daemon=True).start()
 
 
 def _warm_up() -> None:
@@ -197,7 +212,8 @@ class ElasticState:
     Args:
         model: the module (not the DDP wrapper: ``state.ddp`` is rebuilt for each group).
         optimizer: its optimizer.
-        sampler: an :class:`ElasticSampler`, told the world size and advanced on commit.
+        sampler: an :class:`ElasticSampler` or :class:`ElasticBatchSampler`, told the world
+            size and advanced on commit.
         scheduler: an LR scheduler, if any.
         snapshot_every: keep a rollback copy every this many commits. Each copy clones the
             model and optimizer state on their own device (memory: about 3x the parameter
@@ -211,7 +227,7 @@ class ElasticState:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        sampler: ElasticSampler | None = None,
+        sampler: ElasticSampler | ElasticBatchSampler | None = None,
         scheduler: Any = None,
         snapshot_every: int = 1,
         **values: Any,
@@ -524,7 +540,7 @@ def _to_cpu(obj: Any) -> Any:
 def elastic_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    sampler: ElasticSampler | None = None,
+    sampler: ElasticSampler | ElasticBatchSampler | None = None,
     scheduler: Any = None,
     snapshot_every: int = 1,
     **values: Any,

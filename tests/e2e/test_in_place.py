@@ -152,8 +152,8 @@ def last_step_of(rows: list[dict[str, object]], gen: int) -> dict[object, int]:
 
 
 def test_ranks_pause_together_when_the_news_reaches_them_at_different_times(job: Job) -> None:
-    # Rank 1 of the first generation sees the agent's news 3 s (about 30 steps) late.
-    job.env["PAUSE_SKEW"] = "1:3"
+    # Rank 1 of the first generation sees the agent's news 6 s (about 60 steps) late.
+    job.env["PAUSE_SKEW"] = "1:6"
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
     rows = job.wait_for("two workers", steps_at_world(2))
