@@ -27,23 +27,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (module, title, arguments, quick arguments)
 PARTS: list[tuple[str, str, list[str], list[str]]] = [
-    ("startup", "Startup", ["--repeat", "3"], ["--repeat", "1"]),
+    ("startup", "Startup, --standalone", ["--repeat", "3"], ["--repeat", "1"]),
     (
         "recovery",
-        "Recovery and steady state, efdl in place vs torchrun",
-        ["--repeat", "3", "--steady-repeat", "3"],
-        ["--repeat", "1", "--steady-repeat", "1"],
+        "Recovery, two-node startup and steady state: efdl in place vs torchrun",
+        ["--repeat", "2", "--default-repeat", "1", "--steady-repeat", "2"],
+        ["--repeat", "1", "--events", "leave,kill", "--steady-repeat", "1"],
+    ),
+    (
+        "convergence",
+        "Convergence under churn",
+        ["--seeds", "3", "--epochs", "10"],
+        ["--seeds", "1", "--epochs", "4"],
     ),
     (
         "rendezvous_scale",
         "Rendezvous scale",
-        ["--sizes", "2,16,64,256", "--repeat", "3"],
+        ["--sizes", "2,16,64,256", "--repeat", "2"],
         ["--sizes", "2,16", "--repeat", "1"],
     ),
     (
         "cache",
         "Remote cache: commit and persist cost",
-        ["--sizes", "10,100,500", "--snapshots", "3"],
+        ["--sizes", "10,100,300", "--snapshots", "2"],
         ["--sizes", "10", "--snapshots", "2"],
     ),
 ]

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import verdict
+
 
 class Flat(torch.nn.Module):
     """``millions`` million parameters in tensors of 10M."""
@@ -117,8 +119,15 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="efdl-cache-bench-", dir=args.dir))
     print(
-        f"Remote cache on a local directory ({directory.parent}); SGD+momentum; median of "
-        f"{args.snapshots} snapshots per size.\n"
+        f"Remote cache on a local directory ({directory.parent}); median of {args.snapshots} "
+        "snapshots per size. A one-rank job (`efdl.init_process_group`, gloo) runs "
+        "`optimizer.step(); state.commit()` with SGD+momentum (model + optimizer state = 2x "
+        "the parameter bytes), persisting as often as the writer is free. Per persisted "
+        "commit: how long `commit()` blocked the loop, how long the next `optimizer.step()` "
+        "waited for the background copy (its pre-hook), and how long the snapshot took to be "
+        "complete on storage (copy to CPU + serialize + sha256 + write + fsync + manifest). "
+        "Raw write: plain `write` + `fsync` of as many bytes into the same directory. The last "
+        "column is hashlib's sha256 on one core: every snapshot byte is hashed once.\n"
     )
     sha = statistics.median(sha256_speed() for _ in range(3))
     print(
@@ -129,9 +138,12 @@ def main() -> None:
     import efdl
 
     efdl.init_process_group("gloo")
+    blocked_share, speed_share = [], []
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             r = run(size, args.snapshots, directory)
+            blocked_share.append((r["commit"] + r["fence"]) / r["write"])
+            speed_share.append(r["raw"] / r["write"])
             mb = r["bytes"] / 1e6
             blocked = r["commit"] + r["fence"]
             print(
@@ -142,6 +154,22 @@ def main() -> None:
             )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+    worst_blocked, worst_speed = max(blocked_share), min(speed_share)
+    print(
+        f"\nGoals: the loop is blocked for at most {worst_blocked * 100:.1f}% of the write time "
+        f"(goal < 5%: {verdict(worst_blocked < 0.05)}); persistence reaches at least "
+        f"{worst_speed * 100:.0f}% of the raw write speed (goal 80%: "
+        f"{verdict(worst_speed >= 0.8)})."
+        + (
+            f" The bound is sha256 ({sha:.0f} MB/s on one core here; a CPU with SHA "
+            "instructions does 1.5-2 GB/s) while the writer competes with training for the "
+            "cores; hashing already overlaps the writes. Per-chunk digests hashed in parallel "
+            "would lift it."
+            if worst_speed < 0.8
+            else ""
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

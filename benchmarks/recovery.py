@@ -270,7 +270,7 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> tupl
             t0 = time.time()
             run.kill_node("b")
             target = 1 if event == "node" else 2
-            if event == "spare":  # the spare's worker takes b's place
+            if event == "spare" and not launcher.rebuilds_in_place:  # new processes
                 new = lambda r: r["pid"] not in before_pids  # noqa: E731
         else:
             victims = run.workers_of("b")
@@ -356,7 +356,7 @@ def column(results: list[Result], part: int) -> list[float | str]:
 def ratio(results: dict[str, list[Result]], part: int) -> str:
     e = [v for v in column(results["efdl"], part) if isinstance(v, float)]
     t = [v for v in column(results["tuned"], part) if isinstance(v, float)]
-    if not e or not t or statistics.median(e) == 0:
+    if part == 2 or not e or not t or statistics.median(e) < 0.01:
         return "-"
     return f"{statistics.median(t) / statistics.median(e):.1f}x"
 
