@@ -99,6 +99,8 @@ def train(state: efdl.ElasticState) -> None:
 
 
 train(state)
+if not dist.is_initialized():  # asked to leave: the group is gone already
+    raise SystemExit(0)
 if dist.get_rank() == 0:
     end = {"t": time.time(), "step": state.step, "world": dist.get_world_size(), "done": 1}
     log({**end, "rank": 0, "pid": os.getpid(), **evaluate(state.step)})

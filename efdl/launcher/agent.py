@@ -23,6 +23,7 @@ from types import FrameType
 from efdl.config import LaunchConfig
 from efdl.errors import EfdlError, StoreError
 from efdl.launcher.env import JobContext, worker_env
+from efdl.launcher.node import interface_of
 from efdl.launcher.store import StoreServer, preload
 from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
 from efdl.rendezvous.agent import RendezvousAgent, end_job
@@ -110,7 +111,7 @@ class NodeAgent:
         self._events: queue.Queue[object] = queue.Queue()
         self._server = StoreServer(node.host, cfg.store_port)
         preload()
-        self._ctx = JobContext(job_id, node, cfg.max_restarts, cfg.role)
+        self._ctx = JobContext(job_id, node, cfg.max_restarts, cfg.role, interface_of(node.host))
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
         self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
         self._group: WorkerGroup | None = None

@@ -10,6 +10,7 @@ from efdl.rendezvous.model import NodeRecord, Round
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 SECRET_VARIABLES = frozenset({"EFDL_ETCD_PASSWORD"})
+SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,9 @@ class JobContext:
     node: NodeRecord
     max_restarts: int
     role: str = "default"
+    # The interface holding the node's address (--host): gloo and NCCL's sockets use it, so
+    # that they listen where the store does, not on whatever the host name resolves to.
+    ifname: str | None = None
 
 
 def worker_env(
@@ -64,6 +68,9 @@ def worker_env(
         EFDL_GENERATION=str(rnd.generation),
         EFDL_STORE_PREFIX=rnd.store_prefix,
     )
+    if ctx.ifname:
+        for name in SOCKET_IFNAME_VARIABLES:
+            env.setdefault(name, ctx.ifname)  # the user's own choice wins
     if ctx.node.gpus:
         env["CUDA_VISIBLE_DEVICES"] = str(ctx.node.gpus[local_rank].index)
     threads = str(max(1, ctx.node.cpus // member.workers))

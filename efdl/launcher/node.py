@@ -88,6 +88,17 @@ def resolve_slots(
     return n, gpus[:n] if gpus else ()
 
 
+def interface_of(address: str) -> str | None:
+    """The name of the local network interface that holds ``address`` (None: no such one,
+    e.g. a name rather than an address, or an address behind NAT)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
 def default_host(endpoints: tuple[Endpoint, ...]) -> str:
     """The local address that routes to etcd: what peers on the same network can reach.
 

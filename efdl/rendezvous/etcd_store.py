@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 # The agent forks workers that exec at once: gRPC's fork handlers only print warnings then.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# gRPC's C core logs failed TLS handshakes to stderr at info level; efdl says it clearly.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 import grpc._common
@@ -211,6 +213,16 @@ class EtcdStore(KVStore):
                 break
             time.sleep(0.2)
         detail = last.details() if last is not None else "no answer"
+        if "BAD_CERTIFICATE" in detail or "CERTIFICATE_REQUIRED" in detail:
+            given = (
+                "no client certificate was given"
+                if not self._settings.cert_file
+                else (f"the client certificate {self._settings.cert_file} was refused")
+            )
+            raise StoreConnectionError(
+                f"etcd at {self._settings.endpoint_list} refused the TLS handshake: it requires "
+                f"a client certificate its CA signed, and {given} (--etcd-cert, --etcd-key)."
+            )
         raise StoreConnectionError(
             f"Cannot reach etcd at {self._settings.endpoint_list} within "
             f"{self._settings.connect_timeout_s:g} s: {detail}. Check that the endpoints are "

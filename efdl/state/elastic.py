@@ -89,7 +89,7 @@ class _Runtime:
                 p.master_addr, p.master_port, p.world_size, p.rank == 0, self.timeout
             )
         if self.elastic:
-            self.gate.declare(p, store)
+            self.gate.declare_and_wait(p, store)
         dist.init_process_group(
             self.backend, store=store, rank=p.rank, world_size=p.world_size, timeout=self.timeout
         )

@@ -80,6 +80,14 @@ class ReadinessGate:
             self._declared.add(p.generation)
             return store
 
+    def declare_and_wait(self, p: Placement, store: Any) -> None:
+        """Declare, then wait until every rank of ``p`` has: only then may the group be made,
+        whose connect has the collective timeout (a newcomer that arrives first must not
+        time out waiting for another that is still importing torch). The wait ends early,
+        with an error, when a newer generation closes this one's store."""
+        self.declare(p, store)
+        store.wait([GO_KEY], _FOREVER)
+
     def watch(
         self, p: Placement, superseded: Callable[[], bool], on_go: Callable[[], None]
     ) -> None:

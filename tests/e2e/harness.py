@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,12 +21,19 @@ EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
 class Agent:
     """One ``efdl-run`` process; its output goes to a file; stopped by PID."""
 
-    def __init__(self, name: str, args: list[str], out_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        out_dir: Path,
+        env: dict[str, str],
+        wrap: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.log = out_dir / f"agent-{name}.log"
         self._file = open(self.log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [*EFDL_RUN, *args],
+        self.proc = subprocess.Popen(  # ``wrap`` must exec the command (same PID): ip netns exec
+            [*wrap, *EFDL_RUN, *args],
             stdout=self._file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -73,7 +81,14 @@ class Job:
         self.env = env or {}
         self.agents: dict[str, Agent] = {}
 
-    def start(self, name: str, *extra: str, script: str = "steps.py") -> Agent:
+    def start(
+        self,
+        name: str,
+        *extra: str,
+        script: str = "steps.py",
+        host: str = "127.0.0.1",
+        wrap: tuple[str, ...] = (),
+    ) -> Agent:
         args = [
             "--etcd",
             self.etcd,
@@ -82,12 +97,12 @@ class Job:
             "--node-id",
             name,
             "--host",
-            "127.0.0.1",
+            host,
             *self.common,
             *extra,
             str(SCRIPTS / script),
         ]
-        agent = Agent(name, args, self.out, self.env)
+        agent = Agent(name, args, self.out, self.env, wrap)
         self.agents[name] = agent
         return agent
 
@@ -148,4 +163,33 @@ def alive(pids: list[int]) -> list[int]:
                 out.append(pid)
         except psutil.NoSuchProcess:
             pass
+    return out
+
+
+def check_consistent(rows: list[dict[str, object]]) -> None:
+    """All ranks of a generation hold bit-identical parameters at every step, and a worker's
+    step never goes back beyond its last commit."""
+    digests: dict[tuple[object, object], set[object]] = defaultdict(set)
+    for r in rows:
+        digests[(r["gen"], r["step"])].add(r["digest"])
+    bad = {k: v for k, v in digests.items() if len(v) > 1}
+    assert not bad, f"ranks disagree on parameters: {list(bad.items())[:3]}"
+    last: dict[object, int] = {}
+    for r in rows:
+        pid, step = r["pid"], int(r["step"])  # type: ignore[call-overload]
+        if pid in last:
+            assert step > last[pid] - 1, f"pid {pid} went back from step {last[pid]} to {step}"
+        last[pid] = step
+
+
+def pids_of(rows: list[dict[str, object]], node: str) -> set[object]:
+    return {r["pid"] for r in rows if r["node"] == node}
+
+
+def last_step_of(rows: list[dict[str, object]], gen: int) -> dict[object, int]:
+    """Each rank's last step in generation ``gen``."""
+    out: dict[object, int] = {}
+    for r in rows:
+        if r["gen"] == gen:
+            out[r["rank"]] = max(out.get(r["rank"], 0), int(r["step"]))  # type: ignore[call-overload]
     return out

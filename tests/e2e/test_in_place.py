@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from tests.e2e.harness import Job, alive, latest_gen, steps_at_world
+from tests.e2e.harness import (
+    Job,
+    alive,
+    check_consistent,
+    last_step_of,
+    latest_gen,
+    pids_of,
+    steps_at_world,
+)
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).parents[2]
@@ -43,26 +51,6 @@ def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
     )
     yield j
     j.stop()
-
-
-def check_consistent(rows: list[dict[str, object]]) -> None:
-    """All ranks of a generation hold bit-identical parameters at every step, and a worker's
-    step never goes back beyond its last commit."""
-    digests: dict[tuple[object, object], set[object]] = defaultdict(set)
-    for r in rows:
-        digests[(r["gen"], r["step"])].add(r["digest"])
-    bad = {k: v for k, v in digests.items() if len(v) > 1}
-    assert not bad, f"ranks disagree on parameters: {list(bad.items())[:3]}"
-    last: dict[object, int] = {}
-    for r in rows:
-        pid, step = r["pid"], int(r["step"])  # type: ignore[call-overload]
-        if pid in last:
-            assert step > last[pid] - 1, f"pid {pid} went back from step {last[pid]} to {step}"
-        last[pid] = step
-
-
-def pids_of(rows: list[dict[str, object]], node: str) -> set[object]:
-    return {r["pid"] for r in rows if r["node"] == node}
 
 
 def test_grow_shrink_and_crash_without_restarting_survivors(job: Job) -> None:
@@ -142,15 +130,6 @@ def test_the_efdl_example_differs_from_the_torchrun_one_by_at_most_12_lines() ->
     assert 0 < changed <= 12, changed
 
 
-def last_step_of(rows: list[dict[str, object]], gen: int) -> dict[object, int]:
-    """Each rank's last step in generation ``gen``."""
-    out: dict[object, int] = {}
-    for r in rows:
-        if r["gen"] == gen:
-            out[r["rank"]] = max(out.get(r["rank"], 0), int(r["step"]))  # type: ignore[call-overload]
-    return out
-
-
 def test_ranks_pause_together_when_the_news_reaches_them_at_different_times(job: Job) -> None:
     # Rank 1 of the first generation sees the agent's news 6 s (about 60 steps) late.
     job.env["PAUSE_SKEW"] = "1:6"
@@ -169,31 +148,6 @@ def test_ranks_pause_together_when_the_news_reaches_them_at_different_times(job:
     ends = last_step_of(rows, g2)
     assert ends[0] == ends[1], ends
     assert pids <= {r["pid"] for r in rows if int(r["gen"]) > g2}  # type: ignore[call-overload]
-    check_consistent(rows)
-
-
-def test_the_node_holding_rank_0_and_the_store_dies(job: Job) -> None:
-    for name in "abc":
-        job.start(name, script="elastic_steps.py")
-        job.wait_for(f"{name} training", lambda rs, n=name: any(r["node"] == n for r in rs))
-    rows = job.wait_for("three workers", steps_at_world(3))
-    g3 = latest_gen(rows)
-    rank0 = next(r["node"] for r in rows if r["gen"] == g3 and r["rank"] == 0)
-    survivors = [n for n in "abc" if n != rank0]
-    before = {n: pids_of(rows, n) for n in survivors}
-    committed = max(last_step_of(rows, g3).values())
-    job.agents[str(rank0)].signal(signal.SIGKILL)
-    job.agents[str(rank0)].wait()
-    rows = job.wait_for("two survivors", steps_at_world(2, g3))
-    g2 = latest_gen(rows)
-    after = [r for r in rows if r["gen"] == g2]
-    assert {r["node"] for r in after} == set(survivors)
-    assert any(r["rank"] == 0 for r in after)  # a survivor took rank 0 (and serves the store)
-    for n in survivors:
-        assert pids_of(rows, n) == before[n]  # never restarted
-    # Nobody goes back further than the last commit: the first step of the new generation
-    # follows a step committed before the kill, not one from further back.
-    assert min(int(r["step"]) for r in after) >= committed - 1  # type: ignore[call-overload]
     check_consistent(rows)
 
 

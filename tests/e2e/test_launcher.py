@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from efdl.launcher.node import interface_of
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import EFDL_RUN, Job, alive, latest_gen, steps_at_world
 
@@ -277,7 +278,7 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         "'GROUP_WORLD_SIZE','ROLE_RANK','ROLE_WORLD_SIZE','ROLE_NAME','MASTER_ADDR',"
         "'MASTER_PORT','TORCHELASTIC_RUN_ID','TORCHELASTIC_RESTART_COUNT',"
         "'TORCHELASTIC_MAX_RESTARTS','TORCHELASTIC_USE_AGENT_STORE','TORCHELASTIC_ERROR_FILE',"
-        "'OMP_NUM_THREADS','EFDL_GENERATION','EFDL_ETCD_PASSWORD']\n"
+        "'OMP_NUM_THREADS','EFDL_GENERATION','EFDL_ETCD_PASSWORD','GLOO_SOCKET_IFNAME']\n"
         "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
     )
     result = subprocess.run(
@@ -324,6 +325,8 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         expected = os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
         assert e["OMP_NUM_THREADS"] == expected and e["EFDL_GENERATION"] == "1"
         assert e["EFDL_ETCD_PASSWORD"] is None
+        # gloo's sockets on the interface of the node's address (--standalone: 127.0.0.1)
+        assert e["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1") == "lo"
 
 
 def test_the_failing_ranks_recorded_error_is_reported(tmp_path: Path) -> None:

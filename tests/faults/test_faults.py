@@ -1,0 +1,450 @@
+"""The fault matrix: each fault injected into a real running job, and the outcome checked.
+
+Every test: real efdl-run agents, real etcd, gloo on CPU, the efdl-aware script (commit every
+step). After each fault: identical parameters on all ranks at every step, no committed step
+lost, one generation training at a time, the event visible in `efdl status` or the agents'
+logs, and (in the fixture) no process of the test left behind. The docstrings are the rows of
+docs/reliability.md; the recovery times are recorded for it (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from tests.e2e.harness import (
+    Job,
+    alive,
+    check_consistent,
+    last_step_of,
+    latest_gen,
+    pids_of,
+    steps_at_world,
+)
+from tests.e2e.test_cache import (
+    _complete,
+    check_resumed,
+    make_job,
+    restart_and_resume,
+    run_and_kill,
+)
+from tests.faults import netns
+from tests.faults.conftest import Recorder
+from tests.faults.netns import Net, NetnsEtcd
+
+pytestmark = pytest.mark.timeout(300)
+Rows = list[dict[str, object]]
+COMMON = [
+    "--settle",
+    "0.5",
+    "--grace-period",
+    "10",
+    "--min",
+    "1",
+    "--max",
+    "4",
+    "--nproc-per-node",
+    "1",
+]
+
+
+def every_pid(job: Job) -> list[int]:
+    """Every process the test started or its agents started (as far as seen)."""
+    pids = [a.pid for a in job.agents.values()]
+    for a in job.agents.values():
+        pids += a.worker_pids()
+    pids += [int(r["pid"]) for r in job.events()]  # type: ignore[call-overload]
+    return sorted(set(pids))
+
+
+def stop_and_check_no_orphans(job: Job, seen: list[int]) -> None:
+    """Stop the job by PID, then: nothing it started may still run (SIGKILL the rest by PID
+    so one failure does not leak processes into the next test)."""
+    seen = sorted(set(seen) | set(every_pid(job)))
+    job.stop()
+    deadline = time.monotonic() + 15
+    while alive(seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = alive(seen)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left after the job stopped: {left}"
+
+
+class Jobs:
+    """The jobs of one test; stopped, and checked for processes left, when it ends."""
+
+    def __init__(self, etcd: str, tmp: Path) -> None:
+        self.etcd, self.tmp = etcd, tmp
+        self.jobs: list[tuple[Job, list[int]]] = []
+
+    def new(self, etcd: str | None = None, name: str = "job", ttl: int = 3) -> Job:
+        out = self.tmp / name
+        out.mkdir()
+        common = [*COMMON, "--lease-ttl", str(ttl)]
+        j = Job(
+            out, etcd or self.etcd, f"fault-{uuid.uuid4().hex[:8]}", common, {"STEP_SECONDS": "0.1"}
+        )
+        self.jobs.append((j, []))
+        return j
+
+    def watch(self, job: Job, pids: list[int]) -> None:
+        """Also check these processes are gone at the end (e.g. stopped ones)."""
+        next(seen for j, seen in self.jobs if j is job).extend(pids)
+
+    def stop(self) -> None:
+        errors = []
+        stopping, self.jobs = self.jobs, []
+        for j, seen in stopping:
+            try:
+                stop_and_check_no_orphans(j, seen)
+            except AssertionError as exc:
+                errors.append(str(exc))
+        assert not errors, errors
+
+
+@pytest.fixture()
+def jobs(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Jobs]:
+    js = Jobs(etcd_server.endpoint.target, tmp_path)
+    yield js
+    js.stop()
+
+
+@pytest.fixture()
+def job(jobs: Jobs) -> Job:
+    return jobs.new()
+
+
+def status(job: Job, wrap: tuple[str, ...] = ()) -> str:
+    done = subprocess.run(
+        [*wrap, sys.executable, "-m", "efdl", "status", "--etcd", job.etcd, "--job-id", job.job_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def start(job: Job, *names: str) -> Rows:
+    for name in names:
+        job.start(name, script="elastic_steps.py")
+    return job.wait_for(f"{len(names)} workers", steps_at_world(len(names)))
+
+
+def recovered(job: Job, world: int, since_gen: int, t0: float, record: Recorder) -> Rows:
+    """Wait for the job to train at ``world`` in a generation after ``since_gen``; record the
+    time from ``t0`` to its first step."""
+    rows = job.wait_for(f"training at world size {world}", steps_at_world(world, since_gen), 120)
+    first = min(
+        float(r["t"])  # type: ignore[arg-type]
+        for r in rows
+        if int(r["gen"]) > since_gen and r["world"] == world  # type: ignore[call-overload]
+    )
+    record.recovered(first - t0)
+    return rows
+
+
+def check_after(rows: Rows, since_gen: int, committed: int, since_t: float | None = None) -> None:
+    """Identical parameters, no step back beyond the last commit, one generation at a time.
+    The steps checked against ``committed``: those of generations after ``since_gen`` (or,
+    with ``since_t``, every step logged after that time)."""
+    check_consistent(rows)
+    after = [
+        int(r["step"])  # type: ignore[call-overload]
+        for r in rows
+        if int(r["gen"]) > since_gen or (since_t is not None and float(r["t"]) > since_t)  # type: ignore[call-overload, arg-type]
+    ]
+    assert min(after) >= committed - 1, (min(after), committed)
+    spans: dict[int, tuple[float, float]] = {}
+    for r in rows:
+        g, t = int(r["gen"]), float(r["t"])  # type: ignore[call-overload, arg-type]
+        lo, hi = spans.get(g, (t, t))
+        spans[g] = (min(lo, t), max(hi, t))
+    ordered = sorted(spans.items())
+    for (g1, (_, end)), (g2, (begin, _)) in itertools.pairwise(ordered):
+        assert end <= begin, f"generations {g1} and {g2} trained at the same time"
+
+
+def stepped_since(rows: Rows, t: float) -> bool:
+    return any(float(r["t"]) > t for r in rows)  # type: ignore[arg-type]
+
+
+def workers(job: Job, node: str) -> list[int]:
+    return job.agents[node].worker_pids()
+
+
+# ------------------------------------------------------------------------------ the faults
+
+
+def test_worker_sigkill(job: Job, record: Recorder, attempt: int) -> None:
+    """A worker SIGKILLed: its agent starts a new one; the other ranks roll back to the last
+    commit and rebuild in place (not restarted); the world size is unchanged."""
+    rows = start(job, "a", "b")
+    g, committed = latest_gen(rows), max(last_step_of(rows, latest_gen(rows)).values())
+    a_pids, victim = pids_of(rows, "a"), workers(job, "b")[0]
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    rows = recovered(job, 2, g, t0, record)
+    check_after(rows, g, committed)
+    assert pids_of(rows, "a") == a_pids  # the survivor was never restarted
+    assert victim not in {r["pid"] for r in rows if int(r["gen"]) > g}  # type: ignore[call-overload]
+    assert "world size 2" in status(job)
+    assert f"pid {victim}" in job.agents["b"].output()  # the agent reported the crash
+
+
+def test_agent_sigkill(job: Job, record: Recorder, attempt: int) -> None:
+    """An agent SIGKILLed (its workers left alone): its workers die with it; the other node
+    goes on at the smaller size once the dead agent's lease expires."""
+    rows = start(job, "a", "b")
+    g, committed = latest_gen(rows), max(last_step_of(rows, latest_gen(rows)).values())
+    orphans = workers(job, "b")
+    t0 = time.time()
+    job.agents["b"].signal(signal.SIGKILL)
+    job.agents["b"].wait()
+    deadline = time.monotonic() + 10
+    while alive(orphans) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(orphans), "a worker outlived its SIGKILLed agent"
+    rows = recovered(job, 1, g, t0, record)
+    check_after(rows, g, committed)
+    assert "world size 1" in status(job)
+
+
+def test_node_sigkill(job: Job, record: Recorder, attempt: int) -> None:
+    """A whole node SIGKILLed (agent and workers at once): the survivors roll back to the last
+    commit and go on in place at the smaller size."""
+    rows = start(job, "a", "b")
+    g, committed = latest_gen(rows), max(last_step_of(rows, latest_gen(rows)).values())
+    a_pids = pids_of(rows, "a")
+    t0 = time.time()
+    for pid in [job.agents["b"].pid, *workers(job, "b")]:
+        os.kill(pid, signal.SIGKILL)
+    job.agents["b"].wait()
+    rows = recovered(job, 1, g, t0, record)
+    check_after(rows, g, committed)
+    assert pids_of(rows, "a") == a_pids
+    assert "world size 1" in status(job)
+
+
+def test_rank0_node_sigkill(job: Job, record: Recorder, attempt: int) -> None:
+    """The node holding rank 0 and serving the c10d store SIGKILLed: a survivor takes rank 0
+    and serves the next store; nobody restarts."""
+    rows = start(job, "a", "b", "c")
+    g = latest_gen(rows)
+    rank0 = str(next(r["node"] for r in rows if r["gen"] == g and r["rank"] == 0))
+    survivors = [n for n in "abc" if n != rank0]
+    before = {n: pids_of(rows, n) for n in survivors}
+    committed = max(last_step_of(rows, g).values())
+    t0 = time.time()
+    job.agents[rank0].signal(signal.SIGKILL)
+    job.agents[rank0].wait()
+    rows = recovered(job, 2, g, t0, record)
+    after = [r for r in rows if int(r["gen"]) > g]  # type: ignore[call-overload]
+    assert {r["node"] for r in after} == set(survivors)
+    assert any(r["rank"] == 0 for r in after)
+    for n in survivors:
+        assert pids_of(rows, n) == before[n]
+    check_after(rows, g, committed)
+    assert f"{rank0} left" in job.agents[survivors[0]].output()
+
+
+def test_hung_node(jobs: Jobs, record: Recorder, attempt: int) -> None:
+    """A hung node: its agent and workers SIGSTOPped (no socket closes). The others evict it
+    when its lease expires and go on (bounded by the lease TTL plus the collective timeout);
+    SIGCONTed, it is fenced (its old workers killed, never back in the old generation) and
+    joins again as a new member."""
+    job = jobs.new()
+    rows = start(job, "a", "b", "c")
+    g = latest_gen(rows)
+    committed = max(last_step_of(rows, g).values())
+    frozen = [job.agents["c"].pid, *workers(job, "c")]
+    old_worker = set(pids_of(rows, "c"))
+    jobs.watch(job, frozen)
+    t0 = time.time()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        rows = recovered(job, 2, g, t0, record)
+        assert time.time() - t0 < 3 + 15 + 15  # lease TTL + collective timeout + slack
+        evicted = latest_gen(rows)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    rows = job.wait_for(
+        "c back as a new member",
+        lambda rs: (
+            steps_at_world(3, evicted)(rs)
+            and any(r["node"] == "c" and r["pid"] not in old_worker for r in rs)
+        ),
+        120,
+    )
+    assert "fenced" in job.agents["c"].output()
+    assert not [
+        r
+        for r in rows
+        if r["pid"] in old_worker and int(r["gen"]) > g  # type: ignore[call-overload]
+    ], "the hung node's old worker trained in a later generation"
+    check_after(rows, g, committed)
+
+
+def test_etcd_restart_during_training(
+    jobs: Jobs, own_etcd: EmbeddedEtcd, record: Recorder, attempt: int
+) -> None:
+    """etcd stopped for 2 s and started again (same data) while the job trains: training goes
+    on through it, no split brain, and the job is intact in etcd afterwards (lease TTL 10 s:
+    an outage longer than the TTL fences the nodes, as a partition does)."""
+    job = jobs.new(own_etcd.endpoint.target, ttl=10)
+    rows = start(job, "a", "b")
+    g = latest_gen(rows)
+    committed = max(last_step_of(rows, g).values())
+    t0 = time.time()
+    own_etcd.stop(remove_data=False)
+    time.sleep(2)
+    own_etcd.start()
+    t1 = time.time()
+    rows = job.wait_for("steps after the restart", lambda rs: stepped_since(rs, t1 + 2), 60)
+    during = [r for r in rows if t0 < float(r["t"]) < t1 and r["rank"] == 0]  # type: ignore[arg-type]
+    assert during, "training stopped while etcd was down"
+    # Recovery here: the longest time training stood still from the stop to 2 s after.
+    stamps = [float(r["t"]) for r in rows if r["rank"] == 0]  # type: ignore[arg-type]
+    times = [t0, *sorted(t for t in stamps if t0 < t < t1 + 2)]
+    record.recovered(max(b - a for a, b in itertools.pairwise(times)))
+    check_after(rows, g, committed, since_t=t0)
+    assert latest_gen(rows) == g  # no rescale was needed
+    assert "world size 2" in status(job)
+
+
+def test_etcd_restart_during_a_round(
+    jobs: Jobs, own_etcd: EmbeddedEtcd, record: Recorder, attempt: int
+) -> None:
+    """etcd restarted while a third node is joining (a round in the making): the round
+    completes once etcd is back, every rank ends in one generation of 3, no split brain."""
+    job = jobs.new(own_etcd.endpoint.target, ttl=10)
+    rows = start(job, "a", "b")
+    g = latest_gen(rows)
+    committed = max(last_step_of(rows, g).values())
+    t0 = time.time()
+    job.start("c", script="elastic_steps.py")
+    deadline = time.monotonic() + 30
+    while "joined" not in job.agents["c"].output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    own_etcd.stop(remove_data=False)
+    time.sleep(1)
+    own_etcd.start()
+    rows = recovered(job, 3, g, t0, record)
+    check_after(rows, g, committed)
+    assert "world size 3" in status(job)
+
+
+def test_two_jobs_one_churning(jobs: Jobs, record: Recorder, attempt: int) -> None:
+    """Two jobs in one etcd; one churns (a node joins, a node is SIGKILLed, a node leaves):
+    the other is untouched (same generation, same processes, steps without a gap)."""
+    quiet = jobs.new(name="quiet")
+    busy = jobs.new(name="busy")
+    rows = start(quiet, "q1", "q2")
+    g_quiet, q_pids = latest_gen(rows), {r["pid"] for r in rows}
+    start(busy, "a", "b")
+    t0 = time.time()
+    busy.start("c", script="elastic_steps.py")
+    busy_rows = busy.wait_for("busy at 3", steps_at_world(3, latest_gen(busy.events())), 120)
+    for pid in [busy.agents["b"].pid, *workers(busy, "b")]:
+        os.kill(pid, signal.SIGKILL)
+    busy_rows = busy.wait_for("busy at 2", steps_at_world(2, latest_gen(busy_rows)), 120)
+    busy.agents["c"].signal(signal.SIGTERM)
+    assert busy.agents["c"].wait(30) == 0
+    busy_rows = busy.wait_for("busy at 1", steps_at_world(1, latest_gen(busy_rows)), 120)
+    record.recovered(time.time() - t0)
+    check_consistent(busy_rows)
+    rows = [r for r in quiet.events() if float(r["t"]) >= t0]  # type: ignore[arg-type]
+    assert rows and {int(r["gen"]) for r in rows} == {g_quiet}  # type: ignore[call-overload]
+    assert {r["pid"] for r in rows} <= q_pids
+    steps = sorted({int(r["step"]) for r in rows})  # type: ignore[call-overload]
+    assert steps == list(range(steps[0], steps[-1] + 1)), "the quiet job skipped steps"
+    gaps = sorted(float(r["t"]) for r in rows if r["rank"] == 0)  # type: ignore[arg-type]
+    assert max(b - a for a, b in itertools.pairwise(gaps)) < 2.0, "the quiet job stalled"
+    assert f"generation {g_quiet}, active, world size 2" in status(quiet)
+
+
+def test_every_agent_killed_then_restarted(
+    etcd_server: EmbeddedEtcd, tmp_path: Path, record: Recorder, attempt: int
+) -> None:
+    """Every agent SIGKILLed, then new agents started: the job resumes from the remote cache
+    at its newest complete snapshot, with identical parameters and optimizer state."""
+    job = make_job(etcd_server, tmp_path, str(tmp_path / "cache"), {})
+    try:
+        store, rows, pids = run_and_kill(job, str(job.out / "cache"))
+        newest = next(s for s in store.steps() if _complete(store, s))
+        t0 = time.time()
+        new = restart_and_resume(job, pids)
+        record.recovered(min(float(e["t"]) for e in new) - t0)  # type: ignore[arg-type]
+        check_resumed(new, rows, newest)
+        assert "resuming from step" in job.agents["a2"].output() + job.agents["b2"].output()
+        assert "cache: step" in status(job)
+    finally:
+        stop_and_check_no_orphans(job, [])
+
+
+@pytest.fixture()
+def net() -> Iterator[Net]:
+    why = netns.available()
+    if why is not None:
+        pytest.fail(f"network namespaces are needed for the partition test: {why}")
+    n = Net().up()
+    yield n
+    n.down()
+
+
+def test_network_partition(
+    jobs: Jobs, net: Net, tmp_path: Path, record: Recorder, attempt: int
+) -> None:
+    """One node cut off from etcd and its peers (its link goes down in a network namespace of
+    the test's own): the majority goes on without it; the cut-off node stops its workers once
+    its lease is gone; after healing it joins again as a new member."""
+    etcd = NetnsEtcd(net.main, net.main_addr).start()
+    try:
+        job = jobs.new(f"{net.main_addr}:{etcd.client_port}")
+        main, cut = Net.exec(net.main), Net.exec(net.cut)
+        for name in "ab":
+            job.start(name, script="elastic_steps.py", host=net.main_addr, wrap=main)
+        job.start("c", script="elastic_steps.py", host=net.cut_addr, wrap=cut)
+        rows = job.wait_for("3 workers", steps_at_world(3))
+        g = latest_gen(rows)
+        committed = max(last_step_of(rows, g).values())
+        old = workers(job, "c")
+        t0 = time.time()
+        net.partition()
+        rows = recovered(job, 2, g, t0, record)
+        deadline = time.monotonic() + 30
+        while alive(old) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(old), "the cut-off node's workers outlived its lease"
+        assert "fenced" in job.agents["c"].output()
+        evicted = latest_gen(rows)
+        net.heal()
+        rows = job.wait_for(
+            "c back as a new member",
+            lambda rs: (
+                steps_at_world(3, evicted)(rs)
+                and any(r["node"] == "c" and r["pid"] not in old for r in rs)
+            ),
+            120,
+        )
+        check_after(rows, g, committed)
+        assert "world size 3" in status(job, main)
+        jobs.stop()
+    finally:
+        etcd.stop()
