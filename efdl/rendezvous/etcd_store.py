@@ -193,6 +193,7 @@ class EtcdStore(KVStore):
         deadline = time.monotonic() + self._settings.connect_timeout_s
         last: grpc.RpcError | None = None
         while True:
+            refusals = 0  # TLS handshakes refused for the client certificate: not transient
             for index, ch in enumerate(self._channels):
                 try:
                     ch.maintenance.Status(
@@ -209,11 +210,12 @@ class EtcdStore(KVStore):
                     ):
                         raise self._translate(exc, ch.endpoint, "connect") from exc
                     last = exc
-            if time.monotonic() >= deadline:
+                    refusals += _certificate_refused(exc.details() or "")
+            if refusals == len(self._channels) or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)
         detail = last.details() if last is not None else "no answer"
-        if "BAD_CERTIFICATE" in detail or "CERTIFICATE_REQUIRED" in detail:
+        if _certificate_refused(detail):
             given = (
                 "no client certificate was given"
                 if not self._settings.cert_file
@@ -717,3 +719,8 @@ class _EtcdWatch(Watch):
 
 
 __all__ = ["EtcdStore"]
+
+
+def _certificate_refused(detail: str) -> bool:
+    """Whether a connect error is the server refusing our (missing) client certificate."""
+    return "BAD_CERTIFICATE" in detail or "CERTIFICATE_REQUIRED" in detail
