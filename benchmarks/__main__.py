@@ -70,6 +70,14 @@ def machine() -> str:
     )
 
 
+def merge(report: str, fresh: list[str]) -> list[str]:
+    """The existing report's sections, with those of the same title replaced by ``fresh``."""
+    by_title = {f.splitlines()[0]: f for f in fresh}
+    old = ["## " + part for part in report.split("\n## ")[1:]]
+    merged = [by_title.pop(o.splitlines()[0], o.rstrip("\n") + "\n") for o in old]
+    return merged + list(by_title.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one run each (a smoke test)")
@@ -104,6 +112,9 @@ def main() -> None:
         "of several runs with (min-max); the machines are shared and noisy, so efdl and "
         "torchrun run interleaved in the same run and compare by ratio.\n"
     )
+    if only and args.out.exists():  # replace just these parts in the existing report
+        sections = merge(args.out.read_text(), sections)
+        header = header.replace(f"in {total:.0f} min", "(parts re-run: " + ", ".join(only) + ")")
     args.out.write_text(header + "\n" + "\n".join(sections))
     print(f"wrote {args.out} ({total:.1f} min)", file=sys.stderr)
 

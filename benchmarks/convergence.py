@@ -39,7 +39,7 @@ from efdl.rendezvous.embedded import EmbeddedEtcd
 WORKER = Path(__file__).resolve().parent / "digits_worker.py"
 TRAIN_SAMPLES = 1437  # examples/digits: 1797 images, 360 held out for the test set
 CONFIGS = ("(a) fixed 4", "(b) churn 2-4", "(c) fixed 2")
-CHURN_STEP_SECONDS = 0.03
+CHURN_STEP_SECONDS = 0.1
 
 
 @dataclass
@@ -112,8 +112,8 @@ def churn(etcd: str, seed: int, epochs: int, tmp: Path) -> Outcome:
     leave: Callable[[], object] = lambda: run.procs["d"].send_signal(signal.SIGTERM)  # noqa: E731
     schedule: list[tuple[float, str, Callable[[], object], int]] = [
         (0.10, "d leaves (SIGTERM)", leave, 3),
-        (0.25, "c crashes (SIGKILL)", lambda: run.kill_node("c"), 2),
-        (0.45, "e and f join", lambda: (run.start("e"), run.start("f")), 4),
+        (0.20, "c crashes (SIGKILL)", lambda: run.kill_node("c"), 2),
+        (0.35, "e and f join", lambda: (run.start("e"), run.start("f")), 4),
     ]
     events: list[tuple[float, str]] = []
     t0 = time.monotonic()
@@ -259,7 +259,7 @@ def _description(args: argparse.Namespace) -> str:
         f"{args.seeds} seeds x 3 runs of {args.epochs} epochs of the digits example "
         f"({TRAIN_SAMPLES} training images, 360 test images), global batch 48 on every run, "
         "SGD lr 0.05 momentum 0.9. (a) 4 workers, (c) 2 workers, both `--standalone`; (b) 4 "
-        "nodes of 1 worker with `--min 2 --max 4` meeting a schedule at 10/25/45% of the "
+        "nodes of 1 worker with `--min 2 --max 4` meeting a schedule at 10/20/35% of the "
         "steps: a node leaves (SIGTERM), a node crashes (SIGKILL of its agent and worker), "
         "two nodes join (4 -> 3 -> 2 -> 4 workers). The three see "
         "the same samples in the same order (the global batch is fixed; the world size only "

@@ -11,6 +11,7 @@ step boundary (the pause agreement), so the job stalls only for the rebuild itse
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -67,6 +68,17 @@ class ReadinessGate:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._declared: set[int] = set()
+        self._closed = threading.Event()
+        self._watchers: list[threading.Thread] = []
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop watching (at exit): a thread left inside a store call while the interpreter
+        shuts down makes the process abort ("terminate called"), and an agent would take
+        that exit for a crash."""
+        self._closed.set()
+        for t in self._watchers:
+            t.join(timeout=1.0)
 
     def declare(self, p: Placement, store: Any = None) -> Any:
         """Count this rank in for generation ``p`` (once per generation); returns the store
@@ -98,9 +110,12 @@ class ReadinessGate:
         def run() -> None:
             try:
                 store = self.declare(p) or connect(p, self._timeout)
-                # No timeout of our own: a superseded generation's store is closed when the
-                # next one is served, which ends the wait (c10d logs every wait timeout).
-                store.wait([GO_KEY], _FOREVER)
+                # Polled, not waited on: the wait must end at exit too (and c10d logs every
+                # wait timeout). A superseded generation's store is closed when the next one is
+                # served, which makes check() raise.
+                while not store.check([GO_KEY]):
+                    if self._closed.wait(0.1):
+                        return
             except Exception as exc:  # the store is gone, or unreachable: pause now
                 if superseded():
                     return
@@ -113,4 +128,6 @@ class ReadinessGate:
                 )
             on_go()
 
-        threading.Thread(target=run, name=f"efdl-ready-{p.generation}", daemon=True).start()
+        t = threading.Thread(target=run, name=f"efdl-ready-{p.generation}", daemon=True)
+        self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
+        t.start()

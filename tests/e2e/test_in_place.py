@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import os
 import signal
 import time
 import uuid
@@ -167,3 +168,27 @@ def test_a_node_joins_while_a_rebuild_is_in_progress(job: Job) -> None:
     assert pids_of(rows, "a") == a_pid and pids_of(rows, "b") == b_pid
     assert {r["node"] for r in rows if r["world"] == 4} == set("abcd")
     check_consistent(rows)
+
+
+def test_the_job_finishes_while_a_newcomer_is_still_starting(job: Job) -> None:
+    # The survivors have declared themselves for the newcomer's generation and watch for the
+    # go when their training ends: they must exit cleanly (no abort, no restart), and so must
+    # every agent, the newcomer's included.
+    # Before that, a node dies: the broken group of that generation is still held (buried)
+    # when they exit.
+    job.env.update(EPOCHS="1", SAMPLES="360", JOIN_DELAY="60")
+    for name in "abd":
+        job.start(name, script="elastic_steps.py")
+    rows = job.wait_for("three workers", steps_at_world(3))
+    for pid in [job.agents["d"].pid, *job.agents["d"].worker_pids()]:
+        os.kill(pid, signal.SIGKILL)
+    job.agents["d"].wait()
+    job.wait_for("two workers", steps_at_world(2, latest_gen(rows)))
+    job.start("c", script="elastic_steps.py")
+    time.sleep(2)  # c's round is out; its worker sleeps
+    for name in "abc":
+        assert job.agents[name].wait(120) == 0, job.agents[name].output()[-3000:]
+    logs = "".join(job.agents[n].output() for n in "abc")
+    assert "SIGABRT" not in logs and "terminate called" not in logs and "restarting" not in logs
+    steps = sorted(int(r["step"]) for r in job.events() if r["rank"] == 0)  # type: ignore[call-overload]
+    assert steps == list(range(1, steps[-1] + 1))  # one pass, nothing trained twice

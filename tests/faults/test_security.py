@@ -21,6 +21,7 @@ from etcd3.utils import prefix_range_end
 
 from efdl.rendezvous.embedded import EmbeddedEtcd, ServerTls
 from tests.e2e.harness import EFDL_RUN, SCRIPTS, alive
+from tests.faults.conftest import Recorder
 from tests.integration.test_etcd_security import Pki, pki  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(300)
@@ -92,7 +93,12 @@ def test_a_job_runs_and_the_password_never_shows(
     secure_etcd: EmbeddedEtcd,
     pki: Pki,  # noqa: F811
     tmp_path: Path,
+    record: Recorder,
+    attempt: int,
 ) -> None:
+    """etcd with TLS (server and client certificates) and auth, the job's user limited to its
+    prefix: the job trains and ends; the password is in no log, command line, worker
+    environment or `efdl status` output."""
     args = [*etcd_args(secure_etcd, pki, tmp_path), "--job-id", "job-a", *JOB]
     env = {**os.environ, "OUT_DIR": str(tmp_path), "STEP_SECONDS": "0.2", "EPOCHS": "1"}
     log = tmp_path / "agent.log"
@@ -150,7 +156,12 @@ def test_bad_credentials_are_a_clear_error_at_start(
     tmp_path: Path,
     change: str,
     expected: str,
+    record: Recorder,
+    attempt: int,
 ) -> None:
+    """A wrong password, no client certificate, or a job outside the user's role: efdl-run
+    exits non-zero at start (not a hang) with an error naming what is wrong, without the
+    password or a traceback, and no worker trains."""
     args = etcd_args(
         secure_etcd, pki, tmp_path, "wrong" if change == "wrong password" else PASSWORD
     )

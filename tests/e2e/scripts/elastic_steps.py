@@ -6,6 +6,7 @@ Knobs as steps.py (STEP_SECONDS, MODEL_WIDTH, BATCH) plus SNAPSHOT_EVERY and DIG
 the parameter digest). Faults: FAIL_AT="rank:step" exits 3 at that step (first process only).
 PAUSE_SKEW="rank:s" makes the agent's news reach that rank (of the first generation) s seconds
 late; each row says whether this rank itself had seen news at the commit before it ("news").
+JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
 """
 
 import json
@@ -43,6 +44,8 @@ def pending(self: efdl.state.channel.AgentChannel, generation: int) -> bool:
 seen: dict[int, float] = {}
 spawned = os.environ.get("EFDL_GENERATION")
 efdl.state.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
+if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start slow
+    time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
 efdl.init_process_group("gloo", timeout_s=15)
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
@@ -124,3 +127,5 @@ def train(state: efdl.ElasticState) -> None:
 
 
 train(state)
+if dist.is_initialized():  # as user scripts end
+    dist.destroy_process_group()
