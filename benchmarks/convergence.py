@@ -105,7 +105,10 @@ def last_step(rows: Rows) -> int:
 def churn(etcd: str, seed: int, epochs: int, tmp: Path) -> Outcome:
     out = Path(tempfile.mkdtemp(dir=tmp))
     job = f"churn-{uuid.uuid4().hex[:6]}"
-    launcher = efdl_launcher(etcd, job, settle=1.0, max_nodes=4, min_nodes=2, script=WORKER)
+    # Lease TTL 5 s: 8 processes on 2 cores can keep etcd from answering a refresh for 3 s.
+    launcher = efdl_launcher(
+        etcd, job, settle=1.0, max_nodes=4, min_nodes=2, script=WORKER, lease_ttl=5
+    )
     env = {**common_env(seed, epochs, out), "STEP_SECONDS": str(CHURN_STEP_SECONDS)}
     run = Run(launcher, out, env)
     total = epochs * -(-TRAIN_SAMPLES // 48)

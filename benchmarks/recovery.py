@@ -80,6 +80,7 @@ def efdl_launcher(
     max_nodes: int = 3,
     min_nodes: int = 1,
     script: Path = ELASTIC,
+    lease_ttl: int = 3,
 ) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         return [
@@ -101,7 +102,7 @@ def efdl_launcher(
             "--nproc-per-node",
             "1",
             "--lease-ttl",
-            "3",
+            str(lease_ttl),
             "--settle",
             str(settle),
             "--grace-period",

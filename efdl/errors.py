@@ -40,6 +40,10 @@ class RendezvousError(EfdlError):
     """The rendezvous could not form or follow a round."""
 
 
+class DuplicateNodeError(RendezvousError):
+    """A live node record with this node's id is already in the job."""
+
+
 class RendezvousTimeoutError(RendezvousError):
     """Not enough workers joined before the join timeout."""
 

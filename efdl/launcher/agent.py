@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 
 from efdl.config import LaunchConfig
-from efdl.errors import EfdlError, StoreError
+from efdl.errors import DuplicateNodeError, EfdlError, StoreError
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.node import interface_of
 from efdl.launcher.store import StoreServer, preload
@@ -502,7 +502,10 @@ class NodeAgent:
             try:
                 self._join()
                 return
-            except StoreError as exc:
+            except (StoreError, DuplicateNodeError) as exc:
+                # DuplicateNodeError: our own old record, when etcd was only too slow to
+                # answer and the lease is not gone yet; nobody refreshes it now, so it goes
+                # within a TTL.
                 if time.monotonic() > deadline:
                     raise AgentExit(
                         1, f"Could not join the job again after being fenced: {exc}"

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from efdl.errors import LeaseLostError, RendezvousError, StoreError
+from efdl.errors import DuplicateNodeError, LeaseLostError, RendezvousError, StoreError
 from efdl.rendezvous.api import (
     Compare,
     EventType,
@@ -148,7 +148,7 @@ class RendezvousAgent:
         """Register this node (bound to a new lease) and start following rounds.
 
         Raises:
-            RendezvousError: a live node with the same id is already in the job.
+            DuplicateNodeError: a live node with the same id is already in the job.
             StoreError: etcd failed.
         """
         self._session = LeaseSession(self._store, self._ttl_s, on_lost=self._lease_gone)
@@ -167,7 +167,7 @@ class RendezvousAgent:
                     other = f" (host {NodeRecord.from_json(existing.value, key).host})"
                 except RecordError:
                     other = ""
-            raise RendezvousError(
+            raise DuplicateNodeError(
                 f"A live node with id {self.node_id!r} is already in job {self.keys.job_id!r}"
                 f"{other}; give this node another --node-id."
             )
