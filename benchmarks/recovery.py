@@ -387,6 +387,7 @@ def plot_recovery(table: dict[str, dict[str, list[Result]]]) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.8))
     names = {"efdl": "efdl (in place)", "tuned": "torchrun tuned", "default": "torchrun default"}
+    colors = {"efdl": "tab:blue", "tuned": "tab:orange", "default": "tab:gray"}
     events = list(table)
     for i, (key, label) in enumerate(names.items()):
         xs, ys, lo, hi, failed = [], [], [], [], []
@@ -400,17 +401,12 @@ def plot_recovery(table: dict[str, dict[str, list[Result]]]) -> str:
                 hi.append(max(nums) - m)
             else:
                 failed.append(j + (i - 1) * 0.27)
-        bars = ax.bar(xs, ys, 0.27, yerr=[lo, hi], capsize=3, label=label)
-        for x in failed:
-            ax.bar(
-                [x],
-                [60],
-                0.27,
-                color=bars.patches[0].get_facecolor() if bars.patches else None,
-                alpha=0.25,
-                hatch="//",
-            )
-            ax.annotate("none in 60 s", (x, 61), ha="center", fontsize=7, rotation=90)
+        if xs:
+            ax.bar(xs, ys, 0.27, yerr=[lo, hi], capsize=3, label=label, color=colors[key])
+        for n, x in enumerate(failed):
+            shown = label if not xs and n == 0 else None  # one legend entry per launcher
+            ax.bar([x], [60], 0.27, color=colors[key], alpha=0.25, hatch="//", label=shown)
+            ax.annotate("none in 60 s", (x, 2), ha="center", fontsize=7, rotation=90)
     ax.set_xticks(range(len(events)), events)
     ax.set(ylabel="event to first step at the new size (s)", yscale="log")
     ax.grid(alpha=0.3, axis="y")
