@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,8 @@ PASSWORD = "s3cret-Pa55-do-not-leak"
 
 
 def _enable_auth(server: EmbeddedEtcd, pki: Pki) -> None:  # noqa: F811
-    """Users root and alice (read-write on /efdl/job-a/ only), then auth on, over TLS."""
+    """Users root and alice (read-write on keys starting /efdl/job-a only: jobs job-a-*),
+    then auth on, over TLS."""
     creds = grpc.ssl_channel_credentials(
         root_certificates=pki.ca.read_bytes(),
         private_key=pki.client_key.read_bytes(),
@@ -40,7 +42,7 @@ def _enable_auth(server: EmbeddedEtcd, pki: Pki) -> None:  # noqa: F811
     auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password="root-pw"))
     auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"))
     auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="job-a"))
-    prefix = b"/efdl/job-a/"
+    prefix = b"/efdl/job-a"
     perm = auth_pb2.Permission(
         permType=auth_pb2.Permission.READWRITE, key=prefix, range_end=prefix_range_end(prefix)
     )
@@ -99,7 +101,8 @@ def test_a_job_runs_and_the_password_never_shows(
     """etcd with TLS (server and client certificates) and auth, the job's user limited to its
     prefix: the job trains and ends; the password is in no log, command line, worker
     environment or `efdl status` output."""
-    args = [*etcd_args(secure_etcd, pki, tmp_path), "--job-id", "job-a", *JOB]
+    job = f"job-a-{uuid.uuid4().hex[:6]}"  # a fresh job each run (soak)
+    args = [*etcd_args(secure_etcd, pki, tmp_path), "--job-id", job, *JOB]
     env = {**os.environ, "OUT_DIR": str(tmp_path), "STEP_SECONDS": "0.2", "EPOCHS": "1"}
     log = tmp_path / "agent.log"
     with open(log, "wb") as out:
@@ -124,7 +127,7 @@ def test_a_job_runs_and_the_password_never_shows(
             assert PASSWORD not in " ".join(p.cmdline())
             assert PASSWORD not in str(p.environ())
         status = subprocess.run(
-            [sys.executable, "-m", "efdl", "status", "--job-id", "job-a", *args[:12]],
+            [sys.executable, "-m", "efdl", "status", "--job-id", job, *args[:12]],
             capture_output=True,
             text=True,
             timeout=60,
@@ -165,7 +168,7 @@ def test_bad_credentials_are_a_clear_error_at_start(
     args = etcd_args(
         secure_etcd, pki, tmp_path, "wrong" if change == "wrong password" else PASSWORD
     )
-    job = "job-a"
+    job = f"job-a-{uuid.uuid4().hex[:6]}"
     if change == "no client certificate":
         cut = args.index("--etcd-cert")
         del args[cut : cut + 4]
