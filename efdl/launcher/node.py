@@ -11,6 +11,8 @@ import time
 import uuid
 from collections.abc import Mapping
 
+import psutil
+
 from efdl import __version__
 from efdl.errors import ConfigError
 from efdl.rendezvous.api import Endpoint
@@ -91,8 +93,6 @@ def resolve_slots(
 def interface_of(address: str) -> str | None:
     """The name of the local network interface that holds ``address`` (None: no such one,
     e.g. a name rather than an address, or an address behind NAT)."""
-    import psutil
-
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == address for a in addrs):
             return name

@@ -155,6 +155,29 @@ def latest_gen(rows: list[dict[str, object]]) -> int:
     return max((int(r["gen"]) for r in rows), default=0)  # type: ignore[call-overload]
 
 
+# The agent arguments of the in-place (efdl-aware script) tests, lease TTL aside.
+ELASTIC_ARGS = [
+    "--settle",
+    "0.5",
+    "--grace-period",
+    "10",
+    "--min",
+    "1",
+    "--max",
+    "4",
+    "--nproc-per-node",
+    "1",
+]
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait up to ``timeout_s`` for ``pids`` to exit; the ones still alive."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
 def alive(pids: list[int]) -> list[int]:
     out = []
     for pid in pids:

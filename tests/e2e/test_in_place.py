@@ -15,6 +15,7 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import (
+    ELASTIC_ARGS,
     Job,
     alive,
     check_consistent,
@@ -34,20 +35,7 @@ def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
         tmp_path,
         etcd_server.endpoint.target,
         f"inplace-{uuid.uuid4().hex[:8]}",
-        [
-            "--lease-ttl",
-            "3",
-            "--settle",
-            "0.5",
-            "--grace-period",
-            "10",
-            "--min",
-            "1",
-            "--max",
-            "4",
-            "--nproc-per-node",
-            "1",
-        ],
+        ["--lease-ttl", "3", *ELASTIC_ARGS],
         env={"STEP_SECONDS": "0.1"},
     )
     yield j

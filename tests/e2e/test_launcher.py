@@ -15,7 +15,7 @@ import pytest
 
 from efdl.launcher.node import interface_of
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from tests.e2e.harness import EFDL_RUN, Job, alive, latest_gen, steps_at_world
+from tests.e2e.harness import EFDL_RUN, Job, latest_gen, steps_at_world, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,10 +67,7 @@ def test_join_grow_crash_leave_and_status(job: Job) -> None:
     assert c_workers
     job.agents["c"].signal(signal.SIGKILL)
     job.agents["c"].wait()
-    deadline = time.monotonic() + 10
-    while alive(c_workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(c_workers), "a worker outlived its SIGKILLed agent"
+    assert not wait_gone(c_workers, 10), "a worker outlived its SIGKILLed agent"
     rows = job.wait_for("back to two nodes", steps_at_world(2, g3))
     g4 = latest_gen(rows)
     # Training resumed from the checkpoint, not from scratch.

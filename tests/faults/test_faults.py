@@ -24,13 +24,14 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import (
+    ELASTIC_ARGS,
     Job,
-    alive,
     check_consistent,
     last_step_of,
     latest_gen,
     pids_of,
     steps_at_world,
+    wait_gone,
 )
 from tests.e2e.test_cache import (
     _complete,
@@ -45,18 +46,7 @@ from tests.faults.netns import Net, NetnsEtcd
 
 pytestmark = pytest.mark.timeout(300)
 Rows = list[dict[str, object]]
-COMMON = [
-    "--settle",
-    "0.5",
-    "--grace-period",
-    "10",
-    "--min",
-    "1",
-    "--max",
-    "4",
-    "--nproc-per-node",
-    "1",
-]
+COMMON = ELASTIC_ARGS
 
 
 def every_pid(job: Job) -> list[int]:
@@ -73,10 +63,7 @@ def stop_and_check_no_orphans(job: Job, seen: list[int]) -> None:
     so one failure does not leak processes into the next test)."""
     seen = sorted(set(seen) | set(every_pid(job)))
     job.stop()
-    deadline = time.monotonic() + 15
-    while alive(seen) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = alive(seen)
+    left = wait_gone(seen, 15)
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -179,12 +166,20 @@ def check_after(rows: Rows, since_gen: int, committed: int, since_t: float | Non
         assert end <= begin, f"generations {g1} and {g2} trained at the same time"
 
 
+def rejoined(job: Job, node: str, world: int, since_gen: int, old: set[object]) -> Rows:
+    """Wait for ``node`` to train again at ``world`` after ``since_gen``, with a new worker."""
+    return job.wait_for(
+        f"{node} back as a new member",
+        lambda rs: (
+            steps_at_world(world, since_gen)(rs)
+            and any(r["node"] == node and r["pid"] not in old for r in rs)
+        ),
+        120,
+    )
+
+
 def stepped_since(rows: Rows, t: float) -> bool:
     return any(float(r["t"]) > t for r in rows)  # type: ignore[arg-type]
-
-
-def workers(job: Job, node: str) -> list[int]:
-    return job.agents[node].worker_pids()
 
 
 # ------------------------------------------------------------------------------ the faults
@@ -195,7 +190,7 @@ def test_worker_sigkill(job: Job, record: Recorder, attempt: int) -> None:
     commit and rebuild in place (not restarted); the world size is unchanged."""
     rows = start(job, "a", "b")
     g, committed = latest_gen(rows), max(last_step_of(rows, latest_gen(rows)).values())
-    a_pids, victim = pids_of(rows, "a"), workers(job, "b")[0]
+    a_pids, victim = pids_of(rows, "a"), job.agents["b"].worker_pids()[0]
     t0 = time.time()
     os.kill(victim, signal.SIGKILL)
     rows = recovered(job, 2, g, t0, record)
@@ -211,14 +206,11 @@ def test_agent_sigkill(job: Job, record: Recorder, attempt: int) -> None:
     goes on at the smaller size once the dead agent's lease expires."""
     rows = start(job, "a", "b")
     g, committed = latest_gen(rows), max(last_step_of(rows, latest_gen(rows)).values())
-    orphans = workers(job, "b")
+    orphans = job.agents["b"].worker_pids()
     t0 = time.time()
     job.agents["b"].signal(signal.SIGKILL)
     job.agents["b"].wait()
-    deadline = time.monotonic() + 10
-    while alive(orphans) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(orphans), "a worker outlived its SIGKILLed agent"
+    assert not wait_gone(orphans, 10), "a worker outlived its SIGKILLed agent"
     rows = recovered(job, 1, g, t0, record)
     check_after(rows, g, committed)
     assert "world size 1" in status(job)
@@ -231,7 +223,7 @@ def test_node_sigkill(job: Job, record: Recorder, attempt: int) -> None:
     g, committed = latest_gen(rows), max(last_step_of(rows, latest_gen(rows)).values())
     a_pids = pids_of(rows, "a")
     t0 = time.time()
-    for pid in [job.agents["b"].pid, *workers(job, "b")]:
+    for pid in [job.agents["b"].pid, *job.agents["b"].worker_pids()]:
         os.kill(pid, signal.SIGKILL)
     job.agents["b"].wait()
     rows = recovered(job, 1, g, t0, record)
@@ -271,7 +263,7 @@ def test_hung_node(jobs: Jobs, record: Recorder, attempt: int) -> None:
     rows = start(job, "a", "b", "c")
     g = latest_gen(rows)
     committed = max(last_step_of(rows, g).values())
-    frozen = [job.agents["c"].pid, *workers(job, "c")]
+    frozen = [job.agents["c"].pid, *job.agents["c"].worker_pids()]
     old_worker = set(pids_of(rows, "c"))
     jobs.watch(job, frozen)
     t0 = time.time()
@@ -284,14 +276,7 @@ def test_hung_node(jobs: Jobs, record: Recorder, attempt: int) -> None:
     finally:
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
-    rows = job.wait_for(
-        "c back as a new member",
-        lambda rs: (
-            steps_at_world(3, evicted)(rs)
-            and any(r["node"] == "c" and r["pid"] not in old_worker for r in rs)
-        ),
-        120,
-    )
+    rows = rejoined(job, "c", 3, evicted, old_worker)
     assert "fenced" in job.agents["c"].output()
     assert not [
         r
@@ -361,7 +346,7 @@ def test_two_jobs_one_churning(jobs: Jobs, record: Recorder, attempt: int) -> No
     t0 = time.time()
     busy.start("c", script="elastic_steps.py")
     busy_rows = busy.wait_for("busy at 3", steps_at_world(3, latest_gen(busy.events())), 120)
-    for pid in [busy.agents["b"].pid, *workers(busy, "b")]:
+    for pid in [busy.agents["b"].pid, *busy.agents["b"].worker_pids()]:
         os.kill(pid, signal.SIGKILL)
     busy_rows = busy.wait_for("busy at 2", steps_at_world(2, latest_gen(busy_rows)), 120)
     busy.agents["c"].signal(signal.SIGTERM)
@@ -424,25 +409,15 @@ def test_network_partition(
         rows = job.wait_for("3 workers", steps_at_world(3))
         g = latest_gen(rows)
         committed = max(last_step_of(rows, g).values())
-        old = workers(job, "c")
+        old = job.agents["c"].worker_pids()
         t0 = time.time()
         net.partition()
         rows = recovered(job, 2, g, t0, record)
-        deadline = time.monotonic() + 30
-        while alive(old) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not alive(old), "the cut-off node's workers outlived its lease"
+        assert not wait_gone(old, 30), "the cut-off node's workers outlived its lease"
         assert "fenced" in job.agents["c"].output()
         evicted = latest_gen(rows)
         net.heal()
-        rows = job.wait_for(
-            "c back as a new member",
-            lambda rs: (
-                steps_at_world(3, evicted)(rs)
-                and any(r["node"] == "c" and r["pid"] not in old for r in rs)
-            ),
-            120,
-        )
+        rows = rejoined(job, "c", 3, evicted, set(old))
         check_after(rows, g, committed)
         assert "world size 3" in status(job, main)
         jobs.stop()
