@@ -283,7 +283,11 @@ def test_hung_node(jobs: Jobs, record: Recorder, attempt: int) -> None:
         for r in rows
         if r["pid"] in old_worker and int(r["gen"]) > g  # type: ignore[call-overload]
     ], "the hung node's old worker trained in a later generation"
-    check_after(rows, g, committed)
+    # The frozen worker may log the step it was in when stopped, stamped after SIGCONT: that
+    # step was trained before the freeze, not alongside the next generation.
+    late = [r for r in rows if r["pid"] in old_worker and float(r["t"]) > t0]  # type: ignore[arg-type]
+    assert all(int(r["step"]) <= committed + 1 for r in late), late  # type: ignore[call-overload]
+    check_after([r for r in rows if r not in late], g, committed)
 
 
 def test_etcd_restart_during_training(
