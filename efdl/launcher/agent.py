@@ -24,6 +24,7 @@ from efdl.config import LaunchConfig
 from efdl.errors import DuplicateNodeError, EfdlError, StoreError
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.node import interface_of
+from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.store import StoreServer, preload
 from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
 from efdl.rendezvous.agent import RendezvousAgent, end_job
@@ -129,6 +130,10 @@ class NodeAgent:
         )
         if self._cache is not None:
             SnapshotStore(self._cache.url)  # a bad URL or a missing fsspec backend: fail now
+        cache_key = JobKeys(job_id).cache
+        self._cache_record = LatestPublisher(
+            lambda value: store.put(cache_key, value), StoreError, "cache record"
+        )
         self._channel = ChannelServer(
             self._run_dir / "agent.sock",
             lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
@@ -175,6 +180,7 @@ class NodeAgent:
                 self._rdzv.leave()
             self._server.close()
             self._channel.close()
+            self._cache_record.close(timeout_s=2.0)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -255,10 +261,7 @@ class NodeAgent:
     def _publish_cache(self, ev: _Persisted) -> None:
         assert self._cache is not None
         record = CacheRecord(ev.step, ev.epoch, ev.world_size, self._cache.url, time.time())
-        try:
-            self._store.put(JobKeys(self._job).cache, record.to_json())
-        except StoreError as exc:
-            log.warning("%s: could not publish the cached step %d: %s", self._tag(), ev.step, exc)
+        self._cache_record.offer(record.to_json())
 
     def _on_round(self, r: Round) -> None:
         if r.generation <= self._acted:

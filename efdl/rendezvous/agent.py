@@ -391,7 +391,11 @@ class RendezvousAgent:
                 tag, item = "wake", None
             if tag == "stop" or self._stopped:
                 break
-            if tag == "lease" or (self._session is not None and self._session.lost):
+            # Only a declared loss ends the loop: the lease counts as lost by time alone for
+            # an instant when a refresh is late, and the keep-alive then either declares it
+            # (and the agent is fenced) or renews it (and this node is still a member: a loop
+            # that had quit would leave a member nobody acts for).
+            if tag == "lease" or (self._session is not None and self._session.lost_reason):
                 break
             if isinstance(item, StoreError):
                 raise item

@@ -8,13 +8,14 @@ means every key bound to the lease may be gone, and the owner must stop acting a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
 
-from efdl.errors import ConfigError, LeaseLostError, StoreError
+from efdl.errors import ConfigError, LeaseLostError, StoreConnectionError, StoreError
 from efdl.rendezvous.api import KVStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,17 @@ class LeaseSession:
         self._lost_reason = ""
         self._last_ok = clock()
         self.lease_id = store.grant_lease(ttl_s)
+        granted_in = clock() - self._last_ok
+        if granted_in >= ttl_s:
+            # The server counts the TTL from when it got the request: the lease may be gone
+            # already, and a member whose lease counts as lost from birth would never act.
+            # (Seen after a network partition healed: the grant hung until the link came back.)
+            with contextlib.suppress(StoreError):
+                store.revoke_lease(self.lease_id)
+            raise StoreConnectionError(
+                f"{store.description} took {granted_in:.1f} s to grant a lease of TTL "
+                f"{ttl_s} s: it may have expired already."
+            )
         self._thread = threading.Thread(
             target=self._keep_alive, name=f"efdl-lease-{self.lease_id:x}", daemon=True
         )
@@ -97,7 +109,9 @@ class LeaseSession:
 
     def _keep_alive(self) -> None:
         interval = self._ttl_s / 3
-        while not self._stop.wait(interval):
+        # From the grant's request on, which may have taken a while (the server's TTL runs
+        # from when it got it), not from now.
+        while not self._stop.wait(max(0.0, self._last_ok + interval - self._clock())):
             sent = self._clock()
             # The server counts the TTL from a refresh it received, at the latest from `sent`:
             # never wait on one refresh past the moment the lease may have expired.
@@ -120,7 +134,7 @@ class LeaseSession:
                     self._ttl_s,
                     exc,
                 )
-                interval = min(1.0, self._ttl_s / 6)
+                interval = silent_s + min(1.0, self._ttl_s / 6)  # retry soon
                 continue
             if ttl <= 0:
                 self._declare_lost(

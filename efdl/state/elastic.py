@@ -19,11 +19,12 @@ How it works. Each ``commit()`` ends a step: it waits on a tiny all-reduce start
 previous commit on a side gloo group (on the CPU: no GPU synchronisation, and by then it is
 long done) and starts the next one with this rank's "the agent has news" flag. Every rank sees
 the same result of the same all-reduce, so all pause at the same commit, after which none of
-them is inside a collective. A peer that dies mid-step makes the survivors' collective fail
-within seconds (gloo's bounded timeout, or at once when its sockets close); they roll back to
-the last snapshot. Then every rank waits for its new placement from its agent, destroys the
-old group, joins the new one on the generation's fresh store, and the rank holding the newest
-committed state broadcasts it to all, newcomers included.
+them is inside a collective. A peer that dies mid-step makes the survivors' collective fail at
+once (its sockets close); one that hangs is cut loose by efdl.state.breaker once the next
+generation is ready; they roll back to the last snapshot. Then every rank waits for its new
+placement from its agent, destroys the old group, joins the new one on the generation's fresh
+store, and the rank holding the newest committed state broadcasts it to all, newcomers
+included.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from efdl._process import free_port
 from efdl.state import ready
+from efdl.state.breaker import Breaker
 from efdl.state.cache import CacheSettings, FileInfo, Manifest, SnapshotError, rank_file
 from efdl.state.channel import GRACE_ENV, SOCKET_ENV, AgentChannel, Placement
 from efdl.state.persist import Persister
@@ -73,6 +75,8 @@ class _Runtime:
         )
         self.side: Any = None  # the CPU (gloo) group for the pause agreement
         self.gate = ready.ReadinessGate(self.timeout)
+        self.breaker = Breaker()
+        self.inside = False  # the main thread runs the @elastic function (not setup, not exit)
 
     @property
     def elastic(self) -> bool:
@@ -90,11 +94,16 @@ class _Runtime:
             )
         if self.elastic:
             self.gate.declare_and_wait(p, store)
-        dist.init_process_group(
-            self.backend, store=store, rank=p.rank, world_size=p.world_size, timeout=self.timeout
-        )
-        # Bounded like the rest: an agreement that waits on a dead peer must fail, not hang.
-        self.side = dist.new_group(backend="gloo", timeout=self.timeout)
+        with self.breaker.recording(p.generation):
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=p.rank,
+                world_size=p.world_size,
+                timeout=self.timeout,
+            )
+            # Bounded like the rest: an agreement that waits on a dead peer must fail, not hang.
+            self.side = dist.new_group(backend="gloo", timeout=self.timeout)
         self.placement = p
         if self.backend == "nccl":
             torch.cuda.set_device(0)
@@ -140,7 +149,13 @@ class _Runtime:
                 dist.destroy_process_group()
         except Exception as exc:  # a group broken by a dead peer may not shut down cleanly
             log.warning("Destroying the old process group failed (%s); going on.", exc)
+        self.breaker.forget()
         self.side = None
+
+    def behind(self, generation: int) -> bool:
+        """Whether the main thread still trains a generation older than ``generation``."""
+        p = self.placement
+        return self.inside and p is not None and p.generation < generation
 
 
 _runtime = _Runtime()
@@ -167,12 +182,17 @@ def _warm_up() -> None:
 
 
 def _on_round(p: Placement) -> None:
-    """A new placement came: count this rank in, and open the pause once every rank is."""
-    channel = _runtime.channel
+    """A new placement came: count this rank in, and open the pause once every rank is
+    (then, if this worker is stuck in a collective with a hung peer, cut it loose)."""
+    rt = _runtime
+    channel = rt.channel
     assert channel is not None
-    _runtime.gate.watch(
-        p, lambda: channel.superseded(p.generation), lambda: channel.open(p.generation)
-    )
+
+    def go() -> None:
+        channel.open(p.generation)
+        rt.breaker.watch(p.generation, lambda: rt.behind(p.generation))
+
+    rt.gate.watch(p, lambda: channel.superseded(p.generation), go)
 
 
 def init_process_group(backend: str = "gloo", timeout_s: float | None = None) -> None:
@@ -282,6 +302,7 @@ class ElasticState:
         if self.sampler is not None:
             self.sampler.advance()
         rt = _runtime
+        rt.breaker.stepped()
         pause = persist = False
         if self._agree_work is not None:
             self._agree_work.wait()
@@ -582,6 +603,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
         def run(*args: Any, **kwargs: Any) -> R | None:
             while True:
                 try:
+                    _runtime.inside = True
                     state.sync()  # a peer may die in here too
                     return fn(*args, **kwargs)
                 except _Rescale:
@@ -595,6 +617,8 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                         state.step,
                     )
                     failed = True
+                finally:
+                    _runtime.inside = False
                 if not _rebuild(state, failed):
                     return None
 

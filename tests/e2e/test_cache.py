@@ -79,12 +79,17 @@ def restart_and_resume(job: Job, old_pids: set[object]) -> list[dict[str, object
     """Start two new agents (new node ids) for the job; the entries of their workers."""
     job.start("a2", script="elastic_steps.py")
     job.start("b2", script="elastic_steps.py")
+    return wait_new_entries(job, old_pids)
+
+
+def wait_new_entries(job: Job, old_pids: set[object], n: int = 2) -> list[dict[str, object]]:
+    """Wait for ``n`` entries of workers not in ``old_pids``."""
     deadline = time.monotonic() + 120
     while True:
         new = [e for e in entries(job) if e["pid"] not in old_pids]
-        if len(new) >= 2:
+        if len(new) >= n:
             return new
-        assert time.monotonic() < deadline, job.agents["a2"].output()[-3000:]
+        assert time.monotonic() < deadline, "".join(a.output()[-3000:] for a in job.agents.values())
         time.sleep(0.2)
 
 
@@ -102,11 +107,17 @@ def kill_all(job: Job) -> set[object]:
     return {r["pid"] for r in job.events()}
 
 
-def run_and_kill(job: Job, url: str) -> tuple[SnapshotStore, list[dict[str, object]], set[object]]:
+def start_persisting(job: Job, url: str) -> SnapshotStore:
+    """Start agents a and b; return once two snapshots are complete in ``url``."""
     store = SnapshotStore(url)
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
     wait_persisted(job, store)
+    return store
+
+
+def run_and_kill(job: Job, url: str) -> tuple[SnapshotStore, list[dict[str, object]], set[object]]:
+    store = start_persisting(job, url)
     pids = kill_all(job)
     return store, job.events(), pids
 

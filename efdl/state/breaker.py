@@ -1,0 +1,141 @@
+"""Cut a stalled generation's connections, so a survivor need not wait out the collective timeout.
+
+A peer that dies closes its sockets and the survivors' collective fails at once. A peer that
+hangs (SIGSTOP, a network partition) closes nothing: the survivors wait inside the collective
+for the whole timeout (30 s by default), although their agents learn within the lease TTL that
+the peer is gone and already hand out the next generation. ``ProcessGroupGloo.abort()`` does
+not interrupt a pending operation (torch 2.13), but shutting its sockets down does: the
+operation fails as if the peer had died, and the usual rollback and rebuild follow.
+
+So each generation's group creation is recorded (the socket inodes it opened), every commit is
+counted, and when a newer generation is ready while this worker makes no progress for a grace
+period (a few step times), the older generations' sockets are shut down. A healthy worker
+pauses within two commits of the new generation being ready, so only a stalled one is cut; if
+a slow step is cut by mistake, it is rolled back like any failure (one step's work).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
+MIN_GRACE_S = 2.0  # no cut sooner than this after the last step, whatever the step time
+STEPS_OF_GRACE = 3  # nor sooner than this many of the longest recent step times
+
+
+def _socket_inodes() -> dict[int, int]:
+    """This process's socket file descriptors and their inodes."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile (listdir's own descriptor, too)
+            continue
+        if link.startswith("socket:["):
+            found[int(name)] = int(link[8:-1])
+    return found
+
+
+def _shut_down(fd: int, inode: int) -> bool:
+    """Shut down the connected socket at ``fd`` if it is still the one with ``inode``; the
+    descriptor itself stays with its owner (gloo), which sees the connection end."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False
+    with socket.socket(fileno=dup) as s:  # owns (and closes) the duplicate only
+        if os.fstat(dup).st_ino != inode or s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False  # reused for something else, or a listener (gloo aborts if it fails)
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected
+            return False
+    return True
+
+
+class Breaker:
+    """The sockets each generation's groups opened, and a watch over step progress."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened: dict[int, int] = {}  # socket inode -> generation
+        self._commits = 0
+        self._times: deque[float] = deque(maxlen=9)  # this generation's last commits
+
+    @contextmanager
+    def recording(self, generation: int) -> Iterator[None]:
+        """Around making ``generation``'s groups: remember the sockets they open."""
+        before = set(_socket_inodes().values())
+        try:
+            yield
+        finally:
+            opened = set(_socket_inodes().values()) - before
+            with self._lock:
+                self._opened.update(dict.fromkeys(opened, generation))
+                self._times.clear()  # step times from the new group's commits on
+
+    def forget(self) -> None:
+        """The groups were destroyed: their descriptors may be reused by anything now."""
+        with self._lock:
+            self._opened.clear()
+
+    def stepped(self) -> None:
+        """A commit: the worker makes progress."""
+        with self._lock:
+            self._commits += 1
+            self._times.append(time.monotonic())
+
+    def grace(self) -> float:
+        """How long no commit means stalled: a few of the longest recent step times (the
+        time from the group's creation to its first commit, which includes the state sync,
+        is not a step), and at least MIN_GRACE_S."""
+        with self._lock:
+            times = list(self._times)
+        longest = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        return max(MIN_GRACE_S, STEPS_OF_GRACE * longest)
+
+    def cut(self, below: int) -> int:
+        """Shut down the sockets of generations older than ``below``; how many were."""
+        with self._lock:
+            doomed = {ino for ino, g in self._opened.items() if g < below}
+            for ino in doomed:
+                del self._opened[ino]
+            return sum(_shut_down(fd, ino) for fd, ino in _socket_inodes().items() if ino in doomed)
+
+    def watch(self, generation: int, behind: Callable[[], bool]) -> None:
+        """In the background, now that ``generation`` is ready: while ``behind()`` (this
+        worker still trains an older one), cut the older ones if no commit comes in a grace
+        period."""
+
+        def run() -> None:
+            while True:
+                with self._lock:
+                    seen = self._commits
+                grace = self.grace()
+                time.sleep(grace)
+                if not behind():
+                    return
+                with self._lock:
+                    stalled = self._commits == seen
+                if stalled:
+                    n = self.cut(below=generation)
+                    if n:
+                        log.warning(
+                            "No step for %.1f s while generation %d waits (a peer hangs?): "
+                            "shut down %d connections of the older generation.",
+                            grace,
+                            generation,
+                            n,
+                        )
+                    return
+
+        threading.Thread(target=run, name=f"efdl-breaker-{generation}", daemon=True).start()
