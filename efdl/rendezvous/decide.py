@@ -161,20 +161,51 @@ def assign(view: JobView, policy: Policy) -> Assignment:
     return Assignment(tuple(members), spares)
 
 
-def _changes(view: JobView, assignment: Assignment) -> tuple[list[str], list[str], list[str]]:
-    """(departed, restarted, joined) members relative to the current active round."""
+@dataclass(frozen=True, slots=True)
+class _Changes:
+    """How the members differ from the current active round's."""
+
+    departed: list[str]
+    restarted: list[str]  # restarted their workers (same record, higher incarnation)
+    rejoined: list[str]  # a new record under the same id: new agent, new workers
+    joined: list[str]
+
+    def reason(self) -> str:
+        parts = [
+            f"{', '.join(nodes)} {what}"
+            for nodes, what in (
+                (self.departed, "left"),
+                (self.restarted, "restarted its workers"),
+                (self.rejoined, "joined again"),
+                (self.joined, "joined"),
+            )
+            if nodes
+        ]
+        return "; ".join(parts) or "the workers per node changed"
+
+
+def _changes(view: JobView, assignment: Assignment) -> _Changes:
     prev = view.round
     if prev is None or prev.status is not RoundStatus.ACTIVE:
-        return [], [], [m.node_id for m in assignment.members]
-    departed = [m.node_id for m in prev.members if m.node_id not in view.nodes]
-    restarted = [
-        m.node_id
-        for m in prev.members
-        if m.node_id in view.nodes
-        and view.nodes[m.node_id].record.incarnation > prev.incarnations.get(m.node_id, 0)
+        return _Changes([], [], [], [m.node_id for m in assignment.members])
+    kept = [m.node_id for m in prev.members if m.node_id in view.nodes]
+    # A member whose record was made again (its agent was fenced, or restarted under the same
+    # id, and the leader never saw the old record go) is a new member.
+    rejoined = [
+        n
+        for n in kept
+        if prev.revisions.get(n, view.nodes[n].joined_revision) != view.nodes[n].joined_revision
     ]
-    joined = [m.node_id for m in assignment.members if prev.member(m.node_id) is None]
-    return departed, restarted, joined
+    return _Changes(
+        departed=[m.node_id for m in prev.members if m.node_id not in view.nodes],
+        restarted=[
+            n
+            for n in kept
+            if n not in rejoined and view.nodes[n].record.incarnation > prev.incarnations.get(n, 0)
+        ],
+        rejoined=rejoined,
+        joined=[m.node_id for m in assignment.members if prev.member(m.node_id) is None],
+    )
 
 
 def decide(view: JobView, policy: Policy, now: float) -> Decision:
@@ -193,6 +224,7 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         since=now,
         steps={n: view.steps[n] for n in view.nodes if n in view.steps},
         incarnations={n: v.record.incarnation for n, v in view.nodes.items()},
+        revisions={n: v.joined_revision for n, v in view.nodes.items()},
     )
     have = assignment.workers
     if have < policy.min_workers:
@@ -214,25 +246,17 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         spares = tuple(sorted(view.nodes, key=lambda n: view.nodes[n].joined_revision))
         return Decision(_with(base, spares=spares, reason=reason), None, reason)
 
-    departed, restarted, joined = _changes(view, assignment)
+    changes = _changes(view, assignment)
     same_shape = (
         prev is not None
         and prev.status is RoundStatus.ACTIVE
         and (prev.shape() == tuple((m.node_id, m.workers) for m in assignment.members))
     )
-    if same_shape and not restarted:
+    if same_shape and not (changes.restarted or changes.rejoined):
         return Decision(None, None, "no change")
-    parts = []
-    if departed:
-        parts.append(f"{', '.join(departed)} left")
-    if restarted:
-        parts.append(f"{', '.join(restarted)} restarted its workers")
-    if joined:
-        parts.append(f"{', '.join(joined)} joined")
-    if not parts:
-        parts.append("the workers per node changed")
-    reason = "; ".join(parts)
-    urgent = bool(departed or restarted) or have >= policy.max_workers
+    reason = changes.reason()
+    urgent = bool(changes.departed or changes.restarted or changes.rejoined)
+    urgent = urgent or have >= policy.max_workers
     settle_until = view.last_change + policy.settle_s
     if not urgent and now < settle_until:
         return Decision(None, settle_until, f"settling ({reason})")

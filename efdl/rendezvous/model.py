@@ -16,6 +16,8 @@ from efdl.errors import ConfigError, EfdlError
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NODE_ID_RE = JOB_ID_RE
+# A host name or an IP address (v6 with an optional zone): what workers connect to.
+HOST_RE = re.compile(r"^[A-Za-z0-9._:%\[\]-]{1,253}$")
 ROOT = "/efdl"
 
 
@@ -206,6 +208,10 @@ class NodeRecord:
         )
         if not NODE_ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
+        if not HOST_RE.match(record.host):
+            raise RecordError(
+                f"{where} field 'host' is {record.host[:64]!r}, not a host name or IP address."
+            )
         return record
 
 
@@ -304,6 +310,9 @@ class Round:
     # what members reported when the round was made (node id -> committed step, incarnation)
     steps: dict[str, int] = field(default_factory=dict)
     incarnations: dict[str, int] = field(default_factory=dict)
+    # node id -> the etcd revision that created its record: a node that joined again under
+    # the same id (fenced, or restarted) is a new member even if nobody saw it leave
+    revisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -370,6 +379,7 @@ class Round:
             )
         steps = _int_map(data, "steps", where)
         incarnations = _int_map(data, "incarnations", where)
+        revisions = _int_map(data, "revisions", where) if "revisions" in data else {}
         return Round(
             generation=_count(data, "generation", where, 1, 1 << 40),
             status=status,
@@ -383,6 +393,7 @@ class Round:
             created=float(_field(data, "created", (int, float), where)),
             steps=steps,
             incarnations=incarnations,
+            revisions=revisions,
         )
 
 

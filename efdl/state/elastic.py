@@ -369,9 +369,12 @@ class ElasticState:
     def _state_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "sampler": self.sampler.state_dict() if self.sampler else None,
+            # `is not None`, never truthiness: a sampler at the end of its epoch has length 0
+            # (a crash right after an epoch's last commit then lost the cursor, and the
+            # finished epoch was trained again).
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
             "step": self.step,
             "values": object.__getattribute__(self, "_values"),
         }

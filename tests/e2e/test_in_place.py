@@ -107,6 +107,30 @@ def test_each_sample_once_per_epoch_across_a_graceful_rescale(job: Job) -> None:
     check_consistent(rows)
 
 
+def test_a_crash_in_the_first_step_of_an_epoch_does_not_repeat_the_epoch(job: Job) -> None:
+    """Rolled back to the last commit of the previous epoch, the job must go on with the new
+    epoch, not train the finished one again (found in the convergence benchmark: a crash at
+    an epoch boundary trained one epoch too many)."""
+    job.env.update(EPOCHS="3", SAMPLES="96", BATCH="2", FAIL_AT="1:24", STEP_SECONDS="0.05")
+    job.start("a", script="elastic_steps.py")  # 2 workers x batch 2: 24 steps per epoch
+    job.start("b", script="elastic_steps.py")
+    for name in "ab":
+        assert job.agents[name].wait(120) == 0, job.agents[name].output()[-2000:]
+    rows = job.events()
+    assert any(r["rescales"] for r in rows), "no worker crashed"
+    last = {(r["step"], r["rank"]): r for r in rows}  # the committed try of each step
+    assert sorted({step for step, _ in last}) == list(range(1, 73))
+    for epoch in range(3):
+        seen = sorted(
+            int(i)
+            for r in last.values()
+            if r["epoch"] == epoch
+            for i in r["samples"]  # type: ignore[attr-defined]
+        )
+        assert seen == list(range(96)), f"epoch {epoch}"
+    check_consistent(rows)
+
+
 def test_the_efdl_example_differs_from_the_torchrun_one_by_at_most_12_lines() -> None:
     def code(name: str) -> list[str]:
         text = (ROOT / "examples" / "digits" / name).read_text()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.model import JobKeys
 from tests.e2e.harness import (
     ELASTIC_ARGS,
     Job,
@@ -378,6 +381,46 @@ def test_etcd_outage_longer_than_the_lease(
         assert "cache: step" in status(job)
     finally:
         stop_and_check_no_orphans(job, [])
+
+
+def test_hostile_records_in_etcd(
+    jobs: Jobs, etcd_server: EmbeddedEtcd, record: Recorder, attempt: int
+) -> None:
+    """Garbage and hostile values written into the job's etcd prefix while it trains (a node
+    record that is not JSON, copies of a real one with a shell command as its host or a
+    billion slots, a round that is not a round, a step that is not a number, a cache record
+    pointing at another path): the agents log each as an error naming the key and go on; a
+    node still joins (the leader replaces the bad round), and `efdl status` still answers."""
+    job = jobs.new()
+    rows = start(job, "a", "b")
+    g = latest_gen(rows)
+    committed = max(last_step_of(rows, g).values())
+    keys = JobKeys(job.job_id)
+    with EtcdStore(etcd_server.settings()) as store:
+        lease = store.grant_lease(60)
+        try:
+            store.put(keys.node("zz-garbage"), b"{not json", lease=lease)
+            real = json.loads(store.get(keys.node("a")).value)  # type: ignore[union-attr]
+            for name, bad in (
+                ("zz-host", {"host": "$(touch /tmp/x)"}),
+                ("zz-slots", {"slots": 10**9}),
+            ):
+                hostile = {**real, "node_id": name, **bad}
+                store.put(keys.node(name), json.dumps(hostile).encode(), lease=lease)
+            store.put(keys.step("a"), b"NaN?", lease=lease)
+            store.put(keys.cache, b'{"step": "../../etc/passwd"}')
+            store.put(keys.round, b"\x00\xff not a round")
+            t0 = time.time()
+            job.start("c", script="elastic_steps.py")
+            rows = recovered(job, 3, g, t0, record)
+        finally:
+            store.revoke_lease(lease)
+    check_after(rows, g, committed)
+    logs = "".join(a.output() for a in job.agents.values())
+    for key in [*(keys.node(n) for n in ("zz-garbage", "zz-host", "zz-slots")), keys.round]:
+        assert key in logs, f"no error names {key}"
+    assert "Traceback" not in logs
+    assert "world size 3" in status(job)
 
 
 def test_two_jobs_one_churning(jobs: Jobs, record: Recorder, attempt: int) -> None:

@@ -160,6 +160,21 @@ def test_a_member_restarting_its_workers_gets_a_new_round_at_once() -> None:
     assert decide(view(node("a"), node("b", incarnation=1), round=d.round), P, T0 + 6).round is None
 
 
+def test_members_that_joined_again_under_their_ids_get_a_new_round_at_once() -> None:
+    """Every agent fenced by an etcd outage joins again with new records under the same ids:
+    the leader never saw them leave, yet their workers are new (found by the fault suite:
+    the job stood still with no worker)."""
+    r1 = settled(view(node("a"), node("b")), P)
+    again = view(node("a", rev=500), node("b", rev=501), round=r1, last_change=T0 + 5)
+    d = decide(again, P, T0 + 5)
+    assert d.round is not None and d.round.generation == 2 and "a, b joined again" in d.reason
+    assert d.round.revisions == {"a": 500, "b": 501}
+    assert decide(replace(again, round=d.round), P, T0 + 6).round is None  # acted on once
+    # A round written before revisions were recorded: no news, no round.
+    old = replace(r1, revisions={})
+    assert decide(view(node("a", rev=500), node("b"), round=old), P, T0 + 6).round is None
+
+
 def test_dropping_below_min_stops_training_then_recovers() -> None:
     r1 = settled(view(node("a"), node("b")), P)
     d = decide(view(node("a"), round=r1), P, T0 + 10)

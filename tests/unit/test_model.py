@@ -44,6 +44,11 @@ def test_node_record_roundtrip() -> None:
         (lambda d: d.update(gpus=[{"index": -1, "model": "x", "memory_mb": 1}]), r"gpus\[0\]"),
         (lambda d: d.update(node_id="n2"), "names node 'n2', not the node of its key"),
         (lambda d: d.update(host="x" * 300), "longer than 256"),
+        (
+            lambda d: d.update(host="$(touch /tmp/x)"),
+            "'host' is '\\$\\(touch /tmp/x\\)', not a host",
+        ),
+        (lambda d: d.update(slots=10**9), r"field 'slots' is 1000000000; expected 1..4096"),
     ],
 )
 def test_bad_node_records(mutate: object, message: str) -> None:
