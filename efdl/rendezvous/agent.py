@@ -267,11 +267,15 @@ class RendezvousAgent:
     def _set_round(self, kv: KeyValue | None) -> None:
         """Take in the round key as read or watched; events may arrive late, never go back."""
         parsed = parse_round(kv, self.keys)
-        if kv is None or parsed is None:
+        if kv is None:
             return
         with self._cond:
             if kv.mod_revision > self._round_mod_revision:
+                # Also for a bad record: the leader's next round replaces it (its write
+                # compares this revision), instead of failing that compare forever.
                 self._round_mod_revision = kv.mod_revision
+            if parsed is None:
+                return
             latest = self._round
             if (
                 latest is None
