@@ -50,11 +50,19 @@ def _shut_down(fd: int, inode: int) -> bool:
     descriptor itself stays with its owner (gloo), which sees the connection end."""
     try:
         dup = os.dup(fd)
-    except OSError:
+    except OSError:  # closed meanwhile
         return False
-    with socket.socket(fileno=dup) as s:  # owns (and closes) the duplicate only
-        if os.fstat(dup).st_ino != inode or s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            return False  # reused for something else, or a listener (gloo aborts if it fails)
+    try:
+        if os.fstat(dup).st_ino != inode:  # reused for something else meanwhile
+            os.close(dup)
+            return False
+        s = socket.socket(fileno=dup)  # owns (and closes) the duplicate only
+    except OSError:
+        os.close(dup)
+        return False
+    with s:
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False  # a listener: gloo aborts the process if its accept fails
         try:
             s.shutdown(socket.SHUT_RDWR)
         except OSError:  # not connected
