@@ -132,7 +132,7 @@ class NodeAgent:
             SnapshotStore(self._cache.url)  # a bad URL or a missing fsspec backend: fail now
         cache_key = JobKeys(job_id).cache
         self._cache_record = LatestPublisher(
-            lambda value: store.put(cache_key, value), StoreError, "cache record"
+            lambda value: store.put(cache_key, value), "cache record"
         )
         self._channel = ChannelServer(
             self._run_dir / "agent.sock",

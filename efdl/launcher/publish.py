@@ -14,28 +14,23 @@ import logging
 import threading
 from collections.abc import Callable
 
+from efdl.errors import StoreError
+
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0
 
 
 class LatestPublisher:
-    """Puts the newest offered value with ``put`` (which may raise ``errors``), in order.
+    """Puts the newest offered value with ``put``; a ``StoreError`` is logged and retried.
 
     Args:
         put: writes one value (e.g. a record's JSON under its key).
-        errors: what ``put`` raises when the store cannot be reached (logged, then retried).
-        name: for the log and the thread.
+        name: what the value is, for the log and the thread.
     """
 
-    def __init__(
-        self,
-        put: Callable[[bytes], object],
-        errors: type[Exception] | tuple[type[Exception], ...],
-        name: str,
-    ) -> None:
+    def __init__(self, put: Callable[[bytes], object], name: str) -> None:
         self._put = put
-        self._errors = errors
         self._name = name
         self._cond = threading.Condition()
         self._pending: bytes | None = None
@@ -66,7 +61,7 @@ class LatestPublisher:
             assert value is not None
             try:
                 self._put(value)
-            except self._errors as exc:
+            except StoreError as exc:
                 log.warning("Could not publish the %s (retrying): %s", self._name, exc)
                 with self._cond:
                     if self._pending is None:

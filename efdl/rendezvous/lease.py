@@ -108,10 +108,10 @@ class LeaseSession:
         self._lost.set()
 
     def _keep_alive(self) -> None:
-        interval = self._ttl_s / 3
-        # From the grant's request on, which may have taken a while (the server's TTL runs
-        # from when it got it), not from now.
-        while not self._stop.wait(max(0.0, self._last_ok + interval - self._clock())):
+        # Timed from the grant's request, which may have taken a while (the server's TTL runs
+        # from when it got it), then from each successful refresh's.
+        next_at = self._last_ok + self._ttl_s / 3
+        while not self._stop.wait(max(0.0, next_at - self._clock())):
             sent = self._clock()
             # The server counts the TTL from a refresh it received, at the latest from `sent`:
             # never wait on one refresh past the moment the lease may have expired.
@@ -134,7 +134,7 @@ class LeaseSession:
                     self._ttl_s,
                     exc,
                 )
-                interval = silent_s + min(1.0, self._ttl_s / 6)  # retry soon
+                next_at = self._clock() + min(1.0, self._ttl_s / 6)  # retry soon
                 continue
             if ttl <= 0:
                 self._declare_lost(
@@ -143,7 +143,7 @@ class LeaseSession:
                 )
                 return
             self._last_ok = sent
-            interval = self._ttl_s / 3
+            next_at = sent + self._ttl_s / 3
 
     def close(self, revoke: bool = True) -> None:
         """Stop refreshing; with ``revoke`` end the lease now so its keys go at once."""

@@ -73,7 +73,8 @@ def _shut_down(fd: int, inode: int) -> bool:
 class Breaker:
     """The sockets each generation's groups opened, and a watch over step progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._opened: dict[int, int] = {}  # socket inode -> generation
         self._commits = 0
@@ -100,7 +101,7 @@ class Breaker:
         """A commit: the worker makes progress."""
         with self._lock:
             self._commits += 1
-            self._times.append(time.monotonic())
+            self._times.append(self._clock())
 
     def grace(self) -> float:
         """How long no commit means stalled: a few of the longest recent step times (the

@@ -128,6 +128,11 @@ def outputs(job: Job) -> list[str]:
 
 
 def status(job: Job, wrap: tuple[str, ...] = ()) -> str:
+    """`efdl status` of the job: its output."""
+    return status_run(job, wrap).stdout
+
+
+def status_run(job: Job, wrap: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [*wrap, sys.executable, "-m", "efdl", "status", "--etcd", job.etcd, "--job-id", job.job_id],
         capture_output=True,
@@ -136,7 +141,7 @@ def status(job: Job, wrap: tuple[str, ...] = ()) -> str:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout
+    return done
 
 
 def start(job: Job, *names: str) -> Rows:
@@ -417,10 +422,13 @@ def test_hostile_records_in_etcd(
             store.revoke_lease(lease)
     check_after(rows, g, committed)
     logs = "".join(a.output() for a in job.agents.values())
-    for key in [*(keys.node(n) for n in ("zz-garbage", "zz-host", "zz-slots")), keys.round]:
+    named = [keys.node(n) for n in ("zz-garbage", "zz-host", "zz-slots")]
+    for key in [*named, keys.round, keys.step("a")]:
         assert key in logs, f"no error names {key}"
     assert "Traceback" not in logs
-    assert "world size 3" in status(job)
+    shown = status_run(job)
+    assert "world size 3" in shown.stdout
+    assert keys.cache in shown.stderr and "Traceback" not in shown.stderr
 
 
 def test_two_jobs_one_churning(jobs: Jobs, record: Recorder, attempt: int) -> None:

@@ -43,15 +43,15 @@ def test_a_reused_descriptor_is_not_cut() -> None:
     fd = a.fileno()
     a.close()
     z.close()
-    c, d = socket.socketpair()  # very likely gets ``fd`` back, with another inode
+    c, d = socket.socketpair()  # the lowest free descriptors: ``fd`` again, another inode
     try:
+        assert fd in (c.fileno(), d.fileno())
         assert b.cut(below=2) == 0
         c.sendall(b"x")
         assert d.recv(1) == b"x"
     finally:
         c.close()
         d.close()
-    assert fd >= 0
 
 
 def test_forget_after_the_groups_are_destroyed() -> None:
@@ -66,10 +66,9 @@ def test_forget_after_the_groups_are_destroyed() -> None:
         z.close()
 
 
-def test_grace_follows_the_longest_recent_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grace_follows_the_longest_recent_step() -> None:
     now = [100.0]
-    monkeypatch.setattr(breaker.time, "monotonic", lambda: now[0])
-    b = Breaker()
+    b = Breaker(clock=lambda: now[0])
     assert b.grace() == breaker.MIN_GRACE_S
     for dt in (30.0, 0.1, 5.0, 0.1):  # the first: group made -> first commit (sync)
         now[0] += dt

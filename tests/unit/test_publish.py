@@ -28,7 +28,7 @@ def test_offers_never_wait_and_only_the_newest_is_written_after_a_slow_put() -> 
             slow.wait(5)
         written.append(value)
 
-    p = LatestPublisher(put, StoreError, "test")
+    p = LatestPublisher(put, "test")
     t0 = time.monotonic()
     for i in range(1, 6):
         p.offer(str(i).encode())
@@ -49,7 +49,7 @@ def test_a_failed_put_is_retried_until_it_succeeds(monkeypatch: pytest.MonkeyPat
         if len(attempts) < 3:
             raise StoreError("etcd down")
 
-    p = LatestPublisher(put, StoreError, "test")
+    p = LatestPublisher(put, "test")
     p.offer(b"7")
     wait_until(lambda: len(attempts) >= 3)
     time.sleep(0.2)
