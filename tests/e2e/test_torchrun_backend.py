@@ -17,7 +17,7 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.model import JobKeys
-from tests.e2e.harness import SCRIPTS, Job, alive, steps_at_world
+from tests.e2e.harness import SCRIPTS, Job, steps_at_world, wait_gone
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,7 +104,7 @@ def test_torchrun_starts_grows_and_survives_a_dead_node(
     j.wait_for("torchrun with three nodes", steps_at_world(3, -1), timeout_s=120)
     before = {r["pid"] for r in j.events()}
     workers = runs["c"].kill()
-    assert not alive(workers)
+    assert not wait_gone(workers, 10)  # SIGKILLed, but reaped by init a moment later
     rows = j.wait_for(  # a and b restarted their workers without c
         "torchrun back to two nodes",
         lambda rs: sum(1 for r in rs if r["world"] == 2 and r["pid"] not in before) >= 6,
