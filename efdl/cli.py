@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
 import sys
 import time
@@ -23,6 +24,7 @@ from efdl import __version__
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.launcher.agent import NodeAgent
+from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import default_host, local_node
 from efdl.rendezvous.agent import RendezvousAgent, close_job
 from efdl.rendezvous.api import Compare, EventType, Put
@@ -268,6 +270,11 @@ _IGNORED = {
     "nproc_per_node",
     help="Workers here: N, gpu, cpu or auto (default: one per GPU, else 1).",
 )
+@click.option(
+    "--gpus",
+    help="GPUs for the job: all (default: those visible), free (no compute process on them), "
+    "or indices/UUIDs such as 2,5.",
+)
 @click.option("--node-id", help="This node's id in the job (default: host name + suffix).")
 @click.option(
     "--host",
@@ -432,7 +439,8 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     try:
         settings = cfg.etcd_settings(str(server.endpoint) if server else None)
         host = cfg.host or ("127.0.0.1" if cfg.standalone else default_host(settings.endpoints))
-        node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node)
+        gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
+        node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)
         job_id = check_job_id(cfg.job_id or "standalone")
         with EtcdStore(settings) as store:
@@ -446,7 +454,8 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
                 node.node_id,
                 node.slots,
             )
-            return NodeAgent(cfg, args, store, node, policy, job_id).run()
+            ids = cuda_ids(gpus[: len(node.gpus)], os.environ.get("CUDA_DEVICE_ORDER"))
+            return NodeAgent(cfg, args, store, node, policy, job_id, ids).run()
     finally:
         if server:
             server.stop()

@@ -257,6 +257,9 @@ class LaunchConfig(EtcdClientConfig):
         nproc_per_node: workers on this node: a number, ``gpu`` (one per visible GPU),
             ``cpu`` (one per CPU core, as torchrun) or ``auto`` (one per GPU; 1 on a CPU host,
             where torchrun would start one per core).
+        gpus: the GPUs this agent gives the job: ``all`` (default: every GPU visible to it),
+            ``free`` (those no compute process runs on), or a list of indices (as nvidia-smi
+            numbers them) and UUIDs, e.g. ``2,5``. Worker slots are taken from these in order.
         node_id: this node's id in the job (default: host name and a random suffix).
         host: the address peers use to reach this node; the store binds to it.
         store_port: fixed port for the generation's c10d store (0: any free port).
@@ -283,6 +286,7 @@ class LaunchConfig(EtcdClientConfig):
     max_workers: int | None = dataclasses.field(default=None, metadata={"option": "max"})
     nnodes: str | None = None
     nproc_per_node: str = "auto"
+    gpus: str | None = None
     node_id: str | None = None
     host: str | None = None
     store_port: int = 0
@@ -306,6 +310,11 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(
                 f"--nproc-per-node is {self.nproc_per_node!r}; expected a positive number, "
                 "'gpu', 'cpu' or 'auto'."
+            )
+        if self.gpus is not None and not self.gpus.strip(" ,"):
+            raise ConfigError(
+                f"--gpus is {self.gpus!r}; expected 'all', 'free' or a list of GPU indices or "
+                "UUIDs such as 2,5."
             )
         if self.nnodes is not None:
             self.node_range()  # validates
@@ -354,6 +363,13 @@ class LaunchConfig(EtcdClientConfig):
             )
         if not self.standalone and not self.job_id:
             raise ConfigError("No job id was given: pass --job-id (torchrun: --rdzv-id).")
+
+    def placement_timeout_s(self) -> float:
+        """How long an in-place worker whose collective failed waits for its next placement:
+        a lost member is noticed within the lease TTL, its round follows after the settle
+        window and a few etcd requests. No placement by then: the failure was the worker's
+        own (it ends with its error, and the restart policy applies)."""
+        return self.lease_ttl_s + self.settle_s + 2 * self.etcd_timeout_s + 10.0
 
     def cache_for(self, job_id: str) -> str | None:
         """The cache URL of ``job_id``: --cache-url, or with --standalone and --log-dir a

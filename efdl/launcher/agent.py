@@ -23,6 +23,7 @@ from types import FrameType
 from efdl.config import LaunchConfig
 from efdl.errors import DuplicateNodeError, EfdlError, StoreError
 from efdl.launcher.env import JobContext, worker_env
+from efdl.launcher.gpus import free_slot
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.store import StoreServer, preload
@@ -32,7 +33,14 @@ from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
 from efdl.state.cache import CacheSettings, SnapshotStore
-from efdl.state.channel import GRACE_ENV, SOCKET_ENV, ChannelServer, Placement
+from efdl.state.channel import (
+    GRACE_ENV,
+    JOIN_TIMEOUT_ENV,
+    PLACEMENT_TIMEOUT_ENV,
+    SOCKET_ENV,
+    ChannelServer,
+    Placement,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +100,8 @@ class NodeAgent:
         node: this node's record (slots, GPUs, host).
         policy: the job's admission rules.
         job_id: the job.
+        gpu_ids: the GPUs behind ``node``'s slots as workers' ``CUDA_VISIBLE_DEVICES`` names
+            them (efdl.launcher.gpus.cuda_ids); empty on a CPU host.
     """
 
     def __init__(
@@ -102,6 +112,7 @@ class NodeAgent:
         node: NodeRecord,
         policy: Policy,
         job_id: str,
+        gpu_ids: Sequence[str] = (),
     ) -> None:
         self._cfg = cfg
         self._args = list(args)
@@ -112,7 +123,9 @@ class NodeAgent:
         self._events: queue.Queue[object] = queue.Queue()
         self._server = StoreServer(node.host, cfg.store_port)
         preload()
-        self._ctx = JobContext(job_id, node, cfg.max_restarts, cfg.role, interface_of(node.host))
+        self._ctx = JobContext(
+            job_id, node, cfg.max_restarts, cfg.role, interface_of(node.host), tuple(gpu_ids)
+        )
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
         self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
         self._group: WorkerGroup | None = None
@@ -285,6 +298,9 @@ class NodeAgent:
         if r.status is RoundStatus.WAITING:
             if not self._rebuilds_in_place():
                 self._stop_workers()
+            elif self._group is not None:  # their wait for a placement may last this long
+                for w in self._group.running():
+                    self._channel.send_waiting(w.pid, self._cfg.join_timeout_s)
             log.info("%s: the job waits: %s.", self._tag(), r.reason)
             return  # in-place workers wait for the next round with their state in memory
         member = r.member(self._node.node_id)
@@ -355,6 +371,13 @@ class NodeAgent:
     def _start_workers(self, r: Round, local_ranks: range | list[int]) -> None:
         member = r.member(self._node.node_id)
         assert member is not None
+        held = self._group.gpu_slots() if self._group is not None else set()
+        slots: dict[int, int | None] = dict.fromkeys(local_ranks)
+        for local in local_ranks if self._ctx.gpu_ids else ():
+            # A survivor keeps its GPU; a newcomer takes one that no running worker holds.
+            slot = free_slot(local, held, len(self._ctx.gpu_ids))
+            slots[local] = slot
+            held.add(slot)
         envs = {
             local: worker_env(
                 self._base_env(),
@@ -365,17 +388,20 @@ class NodeAgent:
                 self._run_dir
                 / f"gen{r.generation}"
                 / f"error-rank{member.first_rank + local}.json",
+                slots[local],
             )
             for local in local_ranks
         }
         for env in envs.values():
             env[SOCKET_ENV] = str(self._channel.path)
             env[GRACE_ENV] = f"{self._cfg.grace_period_s:g}"
+            env[PLACEMENT_TIMEOUT_ENV] = f"{self._cfg.placement_timeout_s():g}"
+            env[JOIN_TIMEOUT_ENV] = f"{self._cfg.join_timeout_s:g}"
             if self._cache is not None:
                 env.update(self._cache.to_env())
         if self._group is None:
             self._group = WorkerGroup(r.generation, [])
-        self._group.spawn(self._args, envs, r.generation, self._logs, self._events)
+        self._group.spawn(self._args, envs, r.generation, self._logs, self._events, slots)
         log.info(
             "%s: round %d: ranks %d-%d of %d (%s).",
             self._tag(),

@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from efdl.launcher.gpus import worker_devices
 from efdl.rendezvous.model import NodeRecord, Round
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 SECRET_VARIABLES = frozenset({"EFDL_ETCD_PASSWORD"})
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+DEVICE_ENV = "EFDL_CUDA_DEVICE"  # the index of the worker's own GPU in its CUDA_VISIBLE_DEVICES
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,9 @@ class JobContext:
     # The interface holding the node's address (--host): gloo and NCCL's sockets use it, so
     # that they listen where the store does, not on whatever the host name resolves to.
     ifname: str | None = None
+    # The node's GPUs for the job, in slot order, as CUDA_VISIBLE_DEVICES names them (indices,
+    # or UUIDs where the user named them so; MIG instances by UUID). Empty on a CPU host.
+    gpu_ids: tuple[str, ...] = ()
 
 
 def worker_env(
@@ -33,8 +38,10 @@ def worker_env(
     local_rank: int,
     restart_count: int,
     error_file: Path,
+    slot: int | None = None,
 ) -> dict[str, str]:
-    """The environment for local worker ``local_rank`` of this node in round ``rnd``.
+    """The environment for local worker ``local_rank`` of this node in round ``rnd``, which
+    holds GPU ``slot`` of ``ctx.gpu_ids`` (default: its local rank's, as torchrun).
 
     Raises:
         ValueError: this node is not a member of ``rnd``.
@@ -71,8 +78,15 @@ def worker_env(
     if ctx.ifname:
         for name in SOCKET_IFNAME_VARIABLES:
             env.setdefault(name, ctx.ifname)  # the user's own choice wins
-    if ctx.node.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = str(ctx.node.gpus[local_rank].index)
+    if ctx.gpu_ids:
+        visible, own = worker_devices(ctx.gpu_ids, local_rank if slot is None else slot, local_rank)
+        env["CUDA_VISIBLE_DEVICES"] = visible
+        env[DEVICE_ENV] = str(own)
+        # NVML's indices (nvidia-smi's, what --gpus names) are CUDA's in PCI bus order only.
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    # As torchrun: an NCCL error or timeout tears the worker down (the agent restarts it)
+    # rather than leaving it hung. In-place workers switch to 2 (see efdl.state.elastic).
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     threads = str(max(1, ctx.node.cpus // member.workers))
     for name in THREAD_VARIABLES:
         if name not in base:

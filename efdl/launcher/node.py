@@ -1,63 +1,24 @@
-"""What this machine offers: GPUs, CPUs, the address peers reach it at, its worker slots."""
+"""What this machine offers: CPUs, the address peers reach it at, its worker slots (GPUs are
+found by efdl.launcher.gpus)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Sequence
 
 import psutil
 
 from efdl import __version__
 from efdl.errors import ConfigError
+from efdl.launcher.gpus import Selected
 from efdl.rendezvous.api import Endpoint
 from efdl.rendezvous.model import GpuInfo, NodeRecord, check_node_id
 
 log = logging.getLogger(__name__)
-
-
-def detect_gpus(env: Mapping[str, str] | None = None) -> tuple[GpuInfo, ...]:
-    """The GPUs this agent may use (``nvidia-smi``, limited by ``CUDA_VISIBLE_DEVICES``).
-
-    Reads NVML through nvidia-smi rather than initialising CUDA in the agent process.
-    """
-    env = os.environ if env is None else env
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return ()
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError) as exc:
-        log.warning("nvidia-smi failed (%s); treating this host as CPU-only.", exc)
-        return ()
-    gpus = []
-    for line in out.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 3 and parts[0].isdigit():
-            memory = int(float(parts[2])) if parts[2].replace(".", "").isdigit() else 0
-            gpus.append(GpuInfo(int(parts[0]), parts[1], memory))
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        if all(v.isdigit() for v in wanted):
-            by_index = {g.index: g for g in gpus}
-            gpus = [by_index[int(v)] for v in wanted if int(v) in by_index]
-        else:
-            log.warning(
-                "CUDA_VISIBLE_DEVICES=%s is not a list of indices; using it as is.", visible
-            )
-    return tuple(gpus)
 
 
 def cpu_count() -> int:
@@ -127,10 +88,12 @@ def local_node(
     host: str,
     store_port: int,
     nproc_per_node: str,
-    env: Mapping[str, str] | None = None,
+    gpus: Sequence[Selected] = (),
 ) -> NodeRecord:
-    gpus = detect_gpus(env)
-    slots, used = resolve_slots(nproc_per_node, gpus)
+    """This node's record: ``gpus`` are the GPUs ``--gpus`` gives the job (see
+    efdl.launcher.gpus.select); the first ``slots`` of them back its workers."""
+    offered = tuple(GpuInfo(s.gpu.index, s.gpu.model, s.gpu.memory_mb, s.gpu.uuid) for s in gpus)
+    slots, used = resolve_slots(nproc_per_node, offered)
     return NodeRecord(
         node_id=check_node_id(node_id or default_node_id()),
         host=host,

@@ -87,8 +87,10 @@ class Worker:
         generation: int,
         logs: LogSpec,
         events: queue.Queue[object],
+        gpu_slot: int | None = None,
     ) -> None:
         self.local_rank, self.rank, self.generation = local_rank, rank, generation
+        self.gpu_slot = gpu_slot  # which of the node's GPUs it holds for its whole life
         self.error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
         self.error_file.parent.mkdir(parents=True, exist_ok=True)
         self.error_file.unlink(missing_ok=True)
@@ -165,10 +167,22 @@ class WorkerGroup:
         generation: int,
         logs: LogSpec,
         events: queue.Queue[object],
+        gpu_slots: Mapping[int, int | None] | None = None,
     ) -> None:
-        """Start workers for these local ranks (local rank -> environment)."""
+        """Start workers for these local ranks (local rank -> environment), each on its GPU
+        slot (local rank -> slot; none on a CPU host)."""
+        slots = gpu_slots or {}
         new = [
-            Worker(args, env, local_rank, int(env["RANK"]), generation, logs, events)
+            Worker(
+                args,
+                env,
+                local_rank,
+                int(env["RANK"]),
+                generation,
+                logs,
+                events,
+                slots.get(local_rank),
+            )
             for local_rank, env in envs.items()
         ]
         self.workers.extend(new)
@@ -192,6 +206,10 @@ class WorkerGroup:
                 w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 return
+
+    def gpu_slots(self) -> set[int]:
+        """The GPU slots its running workers hold."""
+        return {w.gpu_slot for w in self.running() if w.gpu_slot is not None}
 
     @property
     def pids(self) -> list[int]:

@@ -142,9 +142,13 @@ def _dump(obj: Any) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class GpuInfo:
+    """A GPU behind a worker slot: NVML's index (a MIG instance: its parent's), product name,
+    memory, and UUID (``GPU-...`` or ``MIG-...``; empty in records of efdl 0.1 agents)."""
+
     index: int
     model: str = ""
     memory_mb: int = 0
+    uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +196,7 @@ class NodeRecord:
                     _count(g, "index", gw, 0, 1024),
                     _text(g, "model", gw),
                     _count(g, "memory_mb", gw),
+                    _text(g, "uuid", gw, 96) if "uuid" in g else "",
                 )
             )
         record = NodeRecord(

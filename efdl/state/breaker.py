@@ -1,5 +1,7 @@
 """Cut a stalled generation's connections, so a survivor need not wait out the collective timeout.
 
+(gloo: shut its sockets down; NCCL: abort its communicators.)
+
 A peer that dies closes its sockets and the survivors' collective fails at once. A peer that
 hangs (SIGSTOP, a network partition) closes nothing: the survivors wait inside the collective
 for the whole timeout (30 s by default), although their agents learn within the lease TTL that
@@ -77,6 +79,7 @@ class Breaker:
         self._clock = clock
         self._lock = threading.Lock()
         self._opened: dict[int, int] = {}  # socket inode -> generation
+        self._aborts: dict[int, list[Callable[[], None]]] = {}  # generation -> NCCL aborts
         self._commits = 0
         self._times: deque[float] = deque(maxlen=9)  # this generation's last commits
 
@@ -92,10 +95,17 @@ class Breaker:
                 self._opened.update(dict.fromkeys(opened, generation))
                 self._times.clear()  # step times from the new group's commits on
 
+    def on_cut(self, generation: int, abort: Callable[[], None]) -> None:
+        """Call ``abort`` when ``generation`` is cut (NCCL: abort its communicators, which
+        open their sockets lazily, out of ``recording``'s sight)."""
+        with self._lock:
+            self._aborts.setdefault(generation, []).append(abort)
+
     def forget(self) -> None:
         """The groups were destroyed: their descriptors may be reused by anything now."""
         with self._lock:
             self._opened.clear()
+            self._aborts.clear()
 
     def stepped(self) -> None:
         """A commit: the worker makes progress."""
@@ -113,12 +123,21 @@ class Breaker:
         return max(MIN_GRACE_S, STEPS_OF_GRACE * longest)
 
     def cut(self, below: int) -> int:
-        """Shut down the sockets of generations older than ``below``; how many were."""
+        """Shut down the sockets of generations older than ``below`` and abort their NCCL
+        communicators; how many connections and communicators were."""
         with self._lock:
             doomed = {ino for ino, g in self._opened.items() if g < below}
             for ino in doomed:
                 del self._opened[ino]
-            return sum(_shut_down(fd, ino) for fd, ino in _socket_inodes().items() if ino in doomed)
+            aborts = [f for g in sorted(self._aborts) if g < below for f in self._aborts.pop(g)]
+        n = sum(_shut_down(fd, ino) for fd, ino in _socket_inodes().items() if ino in doomed)
+        for abort in aborts:
+            try:
+                abort()
+                n += 1
+            except Exception as exc:  # a communicator already gone: nothing left to cut
+                log.warning("Aborting an older generation's communicators failed: %s", exc)
+        return n
 
     def watch(self, generation: int, behind: Callable[[], bool]) -> None:
         """In the background, now that ``generation`` is ready: while ``behind()`` (this

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,10 @@ log = logging.getLogger(__name__)
 
 SOCKET_ENV = "EFDL_AGENT_SOCKET"
 GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may take
+# How long a worker waits for its next placement after leaving a generation (a lost member is
+# noticed within the lease TTL), and how long the job may wait below --min or for all ranks.
+PLACEMENT_TIMEOUT_ENV = "EFDL_PLACEMENT_TIMEOUT"
+JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +140,10 @@ class ChannelServer:
         except OSError:
             return False
 
+    def send_waiting(self, pid: int, for_s: float) -> bool:
+        """The job waits below --min for up to ``for_s`` (its join timeout)."""
+        return self.send(pid, {"type": "waiting", "for_s": for_s})
+
     def send_round(self, pid: int, placement: Placement) -> bool:
         return self.send(pid, {"type": "round", **asdict(placement)})
 
@@ -165,6 +174,7 @@ class AgentChannel:
         self._cond = threading.Condition()
         self._latest: Placement | None = None
         self._opened = 0  # the newest generation every rank is ready for
+        self._waits_until = 0.0  # the job waits below --min: placements may take this long
         self._on_round = on_round
         self.leave_requested = False
         self.closed = False
@@ -186,6 +196,8 @@ class AgentChannel:
                             self._on_round(self._latest)
                     elif msg.get("type") == "leave":
                         self.leave_requested = True
+                    elif msg.get("type") == "waiting" and isinstance(msg.get("for_s"), int | float):
+                        self._waits_until = time.monotonic() + float(msg["for_s"])
                     self._cond.notify_all()
         except (OSError, KeyError, TypeError):
             pass
@@ -220,18 +232,21 @@ class AgentChannel:
             and self._opened >= latest.generation
         )
 
-    def wait(self, generation: int, timeout_s: float | None = None) -> Placement | None:
+    def wait(self, generation: int, timeout_s: float) -> Placement | None:
         """The next placement after ``generation``; None if asked to leave (or the agent is
-        gone, or the timeout passed)."""
+        gone, or ``timeout_s`` passed: longer while the agent says the job waits for members,
+        up to the join timeout it names)."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
-            self._cond.wait_for(
-                lambda: (
-                    self.leave_requested
-                    or self.closed
-                    or (self._latest is not None and self._latest.generation > generation)
-                ),
-                timeout=timeout_s,
-            )
+            while not (
+                self.leave_requested
+                or self.closed
+                or (self._latest is not None and self._latest.generation > generation)
+            ):
+                left = max(deadline, self._waits_until) - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
             if self.leave_requested or self._latest is None:
                 return None
             return self._latest if self._latest.generation > generation else None

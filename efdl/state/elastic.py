@@ -44,13 +44,23 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.nn.parallel import DistributedDataParallel
 
 from efdl._process import free_port
 from efdl.state import ready
 from efdl.state.breaker import Breaker
 from efdl.state.cache import CacheSettings, FileInfo, Manifest, SnapshotError, rank_file
-from efdl.state.channel import GRACE_ENV, SOCKET_ENV, AgentChannel, Placement
+from efdl.state.channel import (
+    GRACE_ENV,
+    JOIN_TIMEOUT_ENV,
+    PLACEMENT_TIMEOUT_ENV,
+    SOCKET_ENV,
+    AgentChannel,
+    Placement,
+)
+from efdl.state.device import device, nccl_aborter, nccl_options
+from efdl.state.failure import Failure, classify
 from efdl.state.persist import Persister
 from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
 
@@ -73,8 +83,12 @@ class _Runtime:
         self.timeout = datetime.timedelta(
             seconds=float(os.environ.get("EFDL_COLLECTIVE_TIMEOUT", "30"))
         )
-        self.side: Any = None  # the CPU (gloo) group for the pause agreement
-        self.gate = ready.ReadinessGate(self.timeout)
+        # How long to wait for the next placement after leaving a generation, and how long a
+        # generation may take to gather all its ranks: set by the agent from its settings.
+        self.placement_timeout_s = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, "60"))
+        self.join_timeout_s = float(os.environ.get(JOIN_TIMEOUT_ENV, "600"))
+        self.side: Any = None  # the CPU (gloo) group for control: agreement, sizes, CPU state
+        self.gate = ready.ReadinessGate(self.timeout, self.join_timeout_s)
         self.breaker = Breaker()
         self.inside = False  # the main thread runs the @elastic function (not setup, not exit)
 
@@ -94,6 +108,7 @@ class _Runtime:
             )
         if self.elastic:
             self.gate.declare_and_wait(p, store)
+        nccl = self.backend == "nccl"
         with self.breaker.recording(p.generation):
             dist.init_process_group(
                 self.backend,
@@ -101,12 +116,14 @@ class _Runtime:
                 rank=p.rank,
                 world_size=p.world_size,
                 timeout=self.timeout,
+                **(nccl_options() if nccl else {}),
             )
             # Bounded like the rest: an agreement that waits on a dead peer must fail, not hang.
             self.side = dist.new_group(backend="gloo", timeout=self.timeout)
+        if nccl:  # a hung NCCL peer is cut loose by aborting the communicators
+            default = dist.distributed_c10d._get_default_group()
+            self.breaker.on_cut(p.generation, nccl_aborter(default))
         self.placement = p
-        if self.backend == "nccl":
-            torch.cuda.set_device(0)
 
     def join(self, p: Placement) -> Placement | None:
         """Join ``p``'s group. If that fails because a newer generation replaced ``p`` (its
@@ -209,15 +226,21 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
     rt.backend = backend
     if timeout_s is not None:
         rt.timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # error out, don't kill
     path = os.environ.get(SOCKET_ENV)
+    if backend == "nccl":
+        torch.cuda.set_device(device())
+        if path:
+            # On an NCCL error or a collective timeout, ProcessGroupNCCL's watchdog aborts the
+            # communicators (2: CleanUpOnly) and the pending and next operations raise; the
+            # process lives on to rebuild in place. torchrun's 1 (and torch's default, 3) end
+            # the process instead: right for restart mode, fatal to in-place recovery.
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     if "RANK" not in os.environ and path is None:  # plain `python train.py`: one process
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     placement = Placement.from_env()
-    rt.gate = ready.ReadinessGate(rt.timeout)
+    rt.gate = ready.ReadinessGate(rt.timeout, rt.join_timeout_s)
     if path and placement.generation > 1:
         _warm_up()  # a newcomer: get the slow first-use imports done before counting in
     if path:
@@ -436,12 +459,14 @@ class ElasticState:
     def sync(self) -> None:
         """Make every rank hold the newest committed state; rebuild DDP for this group.
 
-        The rank with the highest committed step (lowest rank on ties) broadcasts it.
+        The rank with the highest committed step (lowest rank on ties) broadcasts it (see
+        :func:`_broadcast_state`: control on the CPU side group, each tensor on its device).
         """
         rank, world = dist.get_rank(), dist.get_world_size()
+        side = _runtime.side
         has_state = self._snapshot is not None
         key = torch.tensor([(self.step if has_state else -1) * (1 << 20) + (world - rank)])
-        dist.all_reduce(key, op=dist.ReduceOp.MAX)
+        dist.all_reduce(key, op=dist.ReduceOp.MAX, group=side)
         src = world - int(key.item()) % (1 << 20)
         best_step = int(key.item()) >> 20
         snapshot = self._snapshot
@@ -453,22 +478,8 @@ class ElasticState:
                 snapshot = self._restore_from_cache()
                 restored = self.step if snapshot is not None else None
         if best_step >= 0 or self._persister is not None:
-            # Over the CPU side group (gloo), whatever the training backend.
-            side = _runtime.side
-            blob = b""
-            if rank == src and snapshot is not None:
-                buffer = io.BytesIO()
-                torch.save(_to_cpu(snapshot), buffer)
-                blob = buffer.getvalue()
-            size = torch.tensor([len(blob)], dtype=torch.int64)
-            dist.broadcast(size, src, group=side)
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
-            if rank == src and blob:
-                data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-            if data.numel():
-                dist.broadcast(data, src, group=side)
-            if rank != src and data.numel():
-                received = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+            received = _broadcast_state(snapshot if rank == src else None, src, side)
+            if rank != src and received is not None:
                 self._load(received)
                 self._snapshot = self._save()
                 if best_step < 0:
@@ -551,14 +562,52 @@ def _clone(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+def _broadcast_state(state: dict[str, Any] | None, src: int, side: Any) -> dict[str, Any] | None:
+    """Broadcast ``state`` (given on rank ``src`` only) to every rank of the group.
+
+    Its structure and every non-tensor value go as one pickle over the CPU side group; each
+    tensor then goes on its own device: CPU tensors over the side group, device tensors over
+    the training group (NCCL on GPUs), received straight into a tensor on this worker's own
+    device. So no collective of the training group ever carries a CPU tensor, and no GPU
+    tensor is staged through host memory. Returns the state (None where ``src`` had none).
+    """
+    tensors: list[torch.Tensor] = []
+    blob = b""
+    if state is not None:
+        leaves, _ = pytree.tree_flatten(state)
+        tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        skeleton = pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), state
+        )
+        buffer = io.BytesIO()
+        torch.save({"skeleton": skeleton, "devices": [t.device.type for t in tensors]}, buffer)
+        blob = buffer.getvalue()
+    size = torch.tensor([len(blob)], dtype=torch.int64)
+    dist.broadcast(size, src, group=side)
+    if not int(size.item()):
+        return None
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    if blob:
+        data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    dist.broadcast(data, src, group=side)
+    if state is not None:
+        for t in tensors:
+            dist.broadcast(t.contiguous(), src, group=side if t.device.type == "cpu" else None)
+        return state
+    header = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+    own = device()
+    leaves, spec = pytree.tree_flatten(header["skeleton"])
+    kinds = iter(header["devices"])
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            kind = next(kinds)
+            t = torch.empty(leaf.shape, dtype=leaf.dtype, device="cpu" if kind == "cpu" else own)
+            dist.broadcast(t, src, group=side if kind == "cpu" else None)
+            leaf = t
+        out.append(leaf)
+    result: dict[str, Any] = pytree.tree_unflatten(out, spec)
+    return result
 
 
 def elastic_state(
@@ -573,31 +622,56 @@ def elastic_state(
     return ElasticState(model, optimizer, sampler, scheduler, snapshot_every, **values)
 
 
-def _rebuild(state: ElasticState, failed: bool) -> bool:
-    """Wait for the next placement and join its group; False if this worker should exit."""
+def _rebuild(state: ElasticState, failure: BaseException | None) -> bool:
+    """Wait for the next placement and join its group; False if this worker should exit.
+
+    Args:
+        failure: the communication failure that left the generation (None: a pause). If no
+            new placement comes within the placement timeout (longer while the job waits
+            below --min), the failure was no membership change: it is raised again.
+    """
     rt = _runtime
     assert rt.channel is not None and rt.placement is not None
-    if failed:
+    if failure is not None:
         state.restore()
-    placement = rt.channel.wait(rt.placement.generation)
+    placement = rt.channel.wait(rt.placement.generation, rt.placement_timeout_s)
+    if placement is None and failure is not None and not rt.channel.leave_requested:
+        log.error(
+            "No new generation came within %.0f s of a failed collective in generation %d: "
+            "it was not a member leaving; ending this worker with the error.",
+            rt.placement_timeout_s,
+            rt.placement.generation,
+        )
+        raise failure
     if placement is None and rt.channel.leave_requested:
         # Leaving at a step boundary, maybe with every other node (preemption): put the state
         # on storage first, within the agent's grace period.
         grace = float(os.environ.get(GRACE_ENV, "30"))
         if not state.persist_now(timeout_s=max(1.0, grace - 2.0)):
             log.warning("Leaving before step %d was persisted (grace period).", state.step)
-    rt.destroy_group(abort=failed)
+    rt.destroy_group(abort=failure is not None)
     if placement is None or rt.join(placement) is None:
         return False
     state.rescales += 1
     return True
 
 
+def _record(exc: BaseException) -> None:
+    """Write ``exc`` to torch's error file (as ``@record`` does), so the agent reports it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+
+
 def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R | None]]:
     """Run the training function so it survives rescales (Horovod's ``hvd.elastic.run``).
 
-    On a pause or a failure inside a step, the function is left, the group rebuilt, the state
-    synced, and the function called again: it must resume from ``state`` (epoch, sampler).
+    On a pause, or when the job's communication fails inside a step (a peer died or was cut
+    loose), the function is left, the group rebuilt, the state synced, and the function
+    called again: it must resume from ``state`` (epoch, sampler). Any other error (CUDA out
+    of memory, a bug, a collective that timed out while no member left) ends the worker with
+    that error, written to torch's error file; the agent's restart policy applies.
     Returns the function's result, or None if the agent asked this worker to leave.
     """
 
@@ -605,26 +679,44 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> R | None:
             while True:
+                failure: BaseException | None = None
                 try:
                     _runtime.inside = True
                     state.sync()  # a peer may die in here too
                     return fn(*args, **kwargs)
                 except _Rescale:
-                    failed = False
-                except (RuntimeError, dist.DistError) as exc:
-                    if not _runtime.elastic:
+                    pass
+                except Exception as exc:
+                    if not _left_generation(exc):
+                        _record(exc)
                         raise
                     log.warning(
                         "A collective failed (%s); rolling back to step %d.",
                         str(exc).splitlines()[0][:200],
                         state.step,
                     )
-                    failed = True
+                    failure = exc
                 finally:
                     _runtime.inside = False
-                if not _rebuild(state, failed):
-                    return None
+                try:
+                    if not _rebuild(state, failure):
+                        return None
+                except Exception as exc:
+                    _record(exc)
+                    raise
 
         return run
 
     return wrap
+
+
+def _left_generation(exc: BaseException) -> bool:
+    """Whether ``exc`` means this worker's generation is over (rebuild in place) rather than
+    the worker's own failure."""
+    rt = _runtime
+    if rt.channel is None:
+        return False
+    kind = classify(exc)
+    if kind is Failure.TIMEOUT and rt.placement is not None:
+        return rt.channel.superseded(rt.placement.generation)
+    return kind is Failure.PEER

@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 READY_KEY = "efdl/ready"
 GO_KEY = "efdl/go"
-_FOREVER = datetime.timedelta(days=1)
 
 
 def connect(
@@ -62,10 +61,13 @@ class ReadinessGate:
 
     Args:
         timeout: bound on connecting to a generation's store.
+        all_ranks_s: bound on waiting for every rank of a generation to declare (their
+            processes may still be starting: the job's join timeout by default).
     """
 
-    def __init__(self, timeout: datetime.timedelta) -> None:
+    def __init__(self, timeout: datetime.timedelta, all_ranks_s: float = 600.0) -> None:
         self._timeout = timeout
+        self._all_ranks = datetime.timedelta(seconds=all_ranks_s)
         self._lock = threading.Lock()
         self._declared: set[int] = set()
         self._closed = threading.Event()
@@ -96,9 +98,19 @@ class ReadinessGate:
         """Declare, then wait until every rank of ``p`` has: only then may the group be made,
         whose connect has the collective timeout (a newcomer that arrives first must not
         time out waiting for another that is still importing torch). The wait ends early,
-        with an error, when a newer generation closes this one's store."""
+        with an error, when a newer generation closes this one's store, or after the join
+        timeout."""
         self.declare(p, store)
-        store.wait([GO_KEY], _FOREVER)
+        try:
+            store.wait([GO_KEY], self._all_ranks)
+        except dist.DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            raise dist.DistStoreError(
+                f"Generation {p.generation}: not every one of its {p.world_size} ranks "
+                f"declared itself within {self._all_ranks.total_seconds():g} s (the join "
+                "timeout); giving up on it."
+            ) from exc
 
     def watch(
         self, p: Placement, superseded: Callable[[], bool], on_go: Callable[[], None]
