@@ -106,3 +106,20 @@ def test_watch_cuts_a_stalled_worker_and_spares_a_progressing_one(
     finally:
         for s in (s1, s2, p1, p2):
             s.close()
+
+
+def test_cut_aborts_the_older_generations_nccl_communicators() -> None:
+    """NCCL opens its sockets lazily, unseen by ``recording``: its communicators are aborted."""
+    b = Breaker()
+    aborted: list[str] = []
+    b.on_cut(1, lambda: aborted.append("gen1"))
+    b.on_cut(2, lambda: aborted.append("gen2"))
+
+    def gone() -> None:
+        raise RuntimeError("ProcessGroupNCCL is already aborted")
+
+    b.on_cut(1, gone)  # a failing abort is logged, the others still happen
+    assert b.cut(below=2) == 1 and aborted == ["gen1"]
+    assert b.cut(below=2) == 0  # once only
+    b.forget()  # the groups were destroyed: nothing of theirs is aborted later
+    assert b.cut(below=3) == 0 and aborted == ["gen1"]
