@@ -7,6 +7,9 @@ the parameter digest). Faults: FAIL_AT="rank:step" exits 3 at that step (first p
 PAUSE_SKEW="rank:s" makes the agent's news reach that rank (of the first generation) s seconds
 late; each row says whether this rank itself had seen news at the commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
+Errors that are not communication (first process only): OOM_AT="rank:step" raises CUDA's
+out-of-memory error there; SKIP_BARRIER_AT="rank:step": every rank but that one enters a
+dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT (default 15) seconds.
 """
 
 import json
@@ -46,7 +49,7 @@ spawned = os.environ.get("EFDL_GENERATION")
 efdl.state.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
 if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start slow
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
-efdl.init_process_group("gloo", timeout_s=15)
+efdl.init_process_group("gloo", timeout_s=float(os.environ.get("COLLECTIVE_TIMEOUT", "15")))
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 if width:
@@ -95,8 +98,14 @@ def train(state: efdl.ElasticState) -> None:
     for state.epoch in range(state.epoch, epochs):
         for x, idx in loader:
             rank, world = dist.get_rank(), dist.get_world_size()
-            if fail_at and f"{rank}:{state.step}" == fail_at and spawned == "1":
+            here = f"{rank}:{state.step}"
+            if fail_at and here == fail_at and spawned == "1":
                 raise SystemExit(3)
+            if here == os.environ.get("OOM_AT") and spawned == "1":
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            skip_rank, _, skip_step = os.environ.get("SKIP_BARRIER_AT", "").partition(":")
+            if skip_step == str(state.step) and skip_rank != str(rank) and spawned == "1":
+                dist.barrier()  # the user's own collective, which one rank never enters
             loss = state.ddp(x).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
