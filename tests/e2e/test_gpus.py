@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import EFDL_RUN
+from tests.e2e.harness import EFDL_RUN, SCRIPTS
 
 pytestmark = pytest.mark.timeout(180)
 FAKES = Path(__file__).parents[1] / "fakes"
@@ -94,3 +94,38 @@ def test_bad_gpu_choices_are_clear_errors(
     assert "Traceback" not in err
     for word in words:
         assert word in err, err[-2000:]
+
+
+def test_in_place_a_survivor_keeps_its_gpu_and_the_replacement_takes_the_free_one(
+    tmp_path: Path,
+) -> None:
+    env = {"OUT_DIR": str(tmp_path), "FAIL_AT": "1:5", "EPOCHS": "1", "STEP_SECONDS": "0.05"}
+    base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    path = os.pathsep.join(p for p in (str(FAKES), base.get("PYTHONPATH", "")) if p)
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "gpus-in-place",
+            "--gpus",
+            "2,5",
+            "--max-restarts",
+            "1",
+            str(SCRIPTS / "elastic_steps.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**base, "PYTHONPATH": path, "EFDL_FAKE_NVML": NVML, **env},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    entries = [json.loads(line) for line in (tmp_path / "enter.jsonl").read_text().splitlines()]
+    gpu_of: dict[int, set[str]] = {}
+    for e in entries:
+        gpu_of.setdefault(e["pid"], set()).add(e["gpu"])
+    assert all(len(g) == 1 for g in gpu_of.values()), gpu_of  # nobody ever changed GPU
+    first = next(e["pid"] for e in entries if e["step"] == 0 and e["rank"] == 0)
+    assert gpu_of.pop(first) == {"2"}  # the survivor re-entered after the rollback, on GPU 2
+    assert sorted(g.pop() for g in gpu_of.values()) == ["5", "5"]  # the failed one, its heir
+    assert "replacing the failed worker" in result.stderr

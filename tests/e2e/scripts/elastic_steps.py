@@ -10,6 +10,8 @@ JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joini
 Errors that are not communication (first process only): OOM_AT="rank:step" raises CUDA's
 out-of-memory error there; SKIP_BARRIER_AT="rank:step": every rank but that one enters a
 dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT (default 15) seconds.
+DEVICE=cuda trains on efdl.device() (the GPU suite); each entry row names the worker's GPU as
+the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
 
 import json
@@ -52,6 +54,9 @@ if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start 
 efdl.init_process_group("gloo", timeout_s=float(os.environ.get("COLLECTIVE_TIMEOUT", "15")))
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
+dev = efdl.device() if os.environ.get("DEVICE") == "cuda" else torch.device("cpu")
+visible, own = os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("EFDL_CUDA_DEVICE")
+gpu = visible.split(",")[int(own)] if visible and own else None
 if width:
     layers = [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)]
     model: torch.nn.Module = torch.nn.Sequential(
@@ -59,6 +64,7 @@ if width:
     )
 else:
     model = torch.nn.Linear(4, 1)
+model.to(dev)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 n = int(os.environ.get("SAMPLES", "96"))
 batch = int(os.environ.get("BATCH", "2"))
@@ -92,6 +98,8 @@ def train(state: efdl.ElasticState) -> None:
         "digest": float(sum(p.detach().double().sum() for p in model.parameters())),
         "opt": opt_digest(),
         "t": time.time(),
+        "gpu": gpu,
+        "device": str(next(model.parameters()).device),
     }
     with open(out / "enter.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -106,7 +114,7 @@ def train(state: efdl.ElasticState) -> None:
             skip_rank, _, skip_step = os.environ.get("SKIP_BARRIER_AT", "").partition(":")
             if skip_step == str(state.step) and skip_rank != str(rank) and spawned == "1":
                 dist.barrier()  # the user's own collective, which one rank never enters
-            loss = state.ddp(x).pow(2).mean()
+            loss = state.ddp(x.to(dev)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
