@@ -47,6 +47,12 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
         ["--sizes", "2,16", "--repeat", "1"],
     ),
     (
+        "state_sync",
+        "In-place state sync: newcomers receiving the committed state",
+        ["--sizes", "25,100", "--repeat", "3"],
+        ["--sizes", "25", "--repeat", "1"],
+    ),
+    (
         "cache",
         "Remote cache: commit and persist cost",
         ["--sizes", "10,100,300", "--snapshots", "2"],

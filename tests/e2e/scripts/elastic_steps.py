@@ -10,8 +10,8 @@ JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joini
 Errors that are not communication (first process only): OOM_AT="rank:step" raises CUDA's
 out-of-memory error there; SKIP_BARRIER_AT="rank:step": every rank but that one enters a
 dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT (default 15) seconds.
-DEVICE=cuda trains on efdl.device() (the GPU suite); each entry row names the worker's GPU as
-the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
+BACKEND=nccl (default gloo); DEVICE=cuda trains on efdl.device() (the GPU suite); each entry
+row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
 
 import json
@@ -51,7 +51,8 @@ spawned = os.environ.get("EFDL_GENERATION")
 efdl.state.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
 if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start slow
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
-efdl.init_process_group("gloo", timeout_s=float(os.environ.get("COLLECTIVE_TIMEOUT", "15")))
+timeout = float(os.environ.get("COLLECTIVE_TIMEOUT", "15"))
+efdl.init_process_group(os.environ.get("BACKEND", "gloo"), timeout_s=timeout)
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 dev = efdl.device() if os.environ.get("DEVICE") == "cuda" else torch.device("cpu")

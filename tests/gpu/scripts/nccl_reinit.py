@@ -1,0 +1,72 @@
+"""NCCL at world size 1, the way efdl's in-place path drives it: make the group (eager,
+non-blocking communicators), train, abort the communicators as the breaker does when a peer
+hangs, see the next collective fail as a communication failure, destroy the group and make
+the next generation's, train again. Prints one JSON line of what happened and how long.
+"""
+
+import json
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import efdl
+from efdl._process import free_port
+from efdl.state.channel import Placement
+from efdl.state.device import nccl_aborter
+from efdl.state.elastic import _runtime
+from efdl.state.failure import classify
+
+
+def placement(generation: int) -> Placement:
+    return Placement(generation, 0, 1, 0, 1, 0, 1, "127.0.0.1", free_port())
+
+
+os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+_runtime.backend = "nccl"
+torch.cuda.set_device(efdl.device())
+t0 = time.perf_counter()
+_runtime.init_group(placement(1))
+init_s = time.perf_counter() - t0
+x = torch.ones(1 << 20, device=efdl.device())
+dist.all_reduce(x)
+torch.cuda.synchronize()
+
+# The breaker's abort runs on a side thread while the main thread trains.
+t1 = time.perf_counter()
+aborter = threading.Thread(target=nccl_aborter(dist.distributed_c10d._get_default_group()))
+aborter.start()
+aborter.join(timeout=60)
+error = ""
+try:
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+except Exception as exc:
+    error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    kind = classify(exc).value
+else:
+    kind = "none"
+_runtime.destroy_group(abort=True)
+_runtime.init_group(placement(2))
+y = torch.full((1 << 20,), 2.0, device=efdl.device())
+dist.all_reduce(y)
+torch.cuda.synchronize()
+reinit_s = time.perf_counter() - t1
+print(
+    json.dumps(
+        {
+            "device": str(efdl.device()),
+            "name": torch.cuda.get_device_name(),
+            "init_s": init_s,
+            "abort_to_first_step_s": reinit_s,
+            "after_abort": error,
+            "kind": kind,
+            "value": float(y[0]),
+            "aborter_done": not aborter.is_alive(),
+        }
+    ),
+    flush=True,
+)
+dist.destroy_process_group()

@@ -1,0 +1,152 @@
+"""What one GPU can show: NCCL in place at world size 1, several ranks sharing the GPU over
+gloo with CUDA tensors through every kind of rescale, CUDA state in rollback and cache
+snapshots, and a plain torchrun CUDA script under efdl-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.state.cache import SnapshotStore
+from tests.e2e.harness import (
+    EFDL_RUN,
+    ELASTIC_ARGS,
+    SCRIPTS,
+    Job,
+    alive,
+    check_consistent,
+    latest_gen,
+    pids_of,
+    steps_at_world,
+    wait_gone,
+)
+from tests.e2e.test_cache import (
+    _complete,
+    check_resumed,
+    kill_all,
+    make_job,
+    restart_and_resume,
+    wait_persisted,
+)
+from tests.e2e.test_cache import entries as cache_entries
+
+pytestmark = pytest.mark.timeout(300)
+HERE = Path(__file__).parent / "scripts"
+ON_GPU = {"DEVICE": "cuda", "STEP_SECONDS": "0.1", "MODEL_WIDTH": "256"}
+
+
+def test_nccl_world_size_1_init_abort_and_reinit_in_place() -> None:
+    result = subprocess.run(
+        [sys.executable, str(HERE / "nccl_reinit.py")], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(report)
+    assert report["aborter_done"], "aborting the communicators from a side thread hung"
+    assert report["kind"] == "peer", report  # the breaker's abort reads as a lost peer
+    assert report["value"] == 2.0  # the new generation's group works
+
+
+def test_plain_torchrun_script_sets_its_device_from_local_rank(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "gpu-plain",
+            "--nproc-per-node",
+            "gpu",
+            str(HERE / "torchrun_cuda.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "as cuda:0" in result.stdout
+
+
+def test_in_place_nccl_at_world_size_1_trains_an_epoch(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "gpu-nccl",
+            "--nproc-per-node",
+            "1",
+            str(SCRIPTS / "elastic_steps.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **ON_GPU, "BACKEND": "nccl", "EPOCHS": "1", "OUT_DIR": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "enter.jsonl").read_text().splitlines()]
+    assert rows and all(r["device"] == "cuda:0" for r in rows)
+
+
+@pytest.fixture()
+def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
+    # Every agent offers the same single GPU: the ranks share it over gloo.
+    args = ["--lease-ttl", "3", *ELASTIC_ARGS, "--gpus", "0"]
+    j = Job(tmp_path, etcd_server.endpoint.target, f"gpu-{uuid.uuid4().hex[:8]}", args, ON_GPU)
+    yield j
+    j.stop()
+
+
+def test_ranks_sharing_the_gpu_over_gloo_join_leave_and_survive_a_kill(job: Job) -> None:
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2), timeout_s=180)
+    g2 = latest_gen(rows)
+    a_pid = pids_of(rows, "a")
+
+    job.start("c", script="elastic_steps.py")  # a join: a and b rebuild in place
+    rows = job.wait_for("three workers", steps_at_world(3, g2), timeout_s=180)
+    g3 = latest_gen(rows)
+    job.agents["c"].signal(signal.SIGTERM)  # a graceful leave
+    assert job.agents["c"].wait(90) == 0
+    rows = job.wait_for("back to two", steps_at_world(2, g3), timeout_s=180)
+    g4 = latest_gen(rows)
+
+    b_workers = job.agents["b"].worker_pids()
+    os.kill(b_workers[0], signal.SIGKILL)  # a worker dies: the survivor rolls back (CUDA copy)
+    assert not wait_gone(b_workers[:1], 30)
+    rows = job.wait_for("the replacement", steps_at_world(2, g4), timeout_s=180)
+    assert pids_of(rows, "a") == a_pid  # never restarted
+    assert not alive(b_workers[:1])
+    check_consistent(rows)  # bit-identical parameters on every rank at every step
+    enters = cache_entries(job)
+    assert enters and all(e["device"] == "cuda:0" for e in enters)
+
+
+def test_cuda_state_in_cache_snapshots_is_restored_on_resume(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    url = str(tmp_path / "cache")
+    job = make_job(etcd_server, tmp_path, url, {**ON_GPU, "STEP_SECONDS": "0.05"})
+    try:
+        job.common += ["--gpus", "0"]
+        job.start("a", script="elastic_steps.py")
+        job.start("b", script="elastic_steps.py")
+        wait_persisted(job, SnapshotStore(url))
+        pids = kill_all(job)
+        rows = job.events()
+        store = SnapshotStore(url)
+        newest = next(s for s in store.steps() if _complete(store, s))
+        new = restart_and_resume(job, pids)
+        check_resumed(new, rows, newest)
+        assert all(e["device"] == "cuda:0" for e in new)
+    finally:
+        job.stop()
