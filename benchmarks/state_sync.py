@@ -8,7 +8,7 @@ state, send it), in fresh processes, the two methods interleaved:
 
 - ``tensors`` (efdl now): structure and values as one small pickle over the CPU side group,
   then each tensor by itself, on its own device (CPU tensors over the side group, GPU tensors
-  over the training group), received in place.
+  over the training group), received into tensors on the newcomer's own device.
 - ``blob`` (efdl 0.1): the whole state moved to the CPU, pickled into one buffer, broadcast
   over the side group, unpickled, loaded.
 
@@ -26,6 +26,7 @@ import datetime
 import io
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,13 +150,15 @@ def main() -> None:
         rank, world, store, millions, method, dev = args.worker
         worker(int(rank), int(world), store, int(millions), method, dev)
         return
-    print(__doc__.split("\n\n")[1].replace("\n", " ") + "\n")
+    intro = __doc__.split("Usage:")[0].split("\n\n", 1)[1].strip()
+    print(intro.replace("``", "`") + "\n")
     print(
         f"{args.world} ranks, {args.device}, medians of {args.repeat} runs (min-max); "
         "`grow` is how much the newcomer's peak memory rose during the sync.\n"
     )
     print("| parameters | state | method | sync s | GB/s | newcomer peak RSS MB | grow MB |")
     print("|---:|---:|---|---:|---:|---:|---:|")
+    summary = []
     for millions in (int(s) for s in args.sizes.split(",")):
         runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
         for _ in range(args.repeat):  # interleaved: the machine's load falls on both alike
@@ -170,7 +173,18 @@ def main() -> None:
                 f"| {spread([r['rss_mb'] for r in runs[m]], 0)} "
                 f"| {spread([r['grow_mb'] for r in runs[m]], 0)} |"
             )
-    print()
+        median = {m: statistics.median(r["s"] for r in runs[m]) for m in METHODS}
+        grow = {m: statistics.median(r["grow_mb"] for r in runs[m]) for m in METHODS}
+        summary.append(
+            f"{millions}M: per-tensor {median['blob'] / median['tensors']:.1f}x as fast as the "
+            f"blob, the newcomer's peak memory {grow['blob'] - grow['tensors']:.0f} MB lower"
+        )
+    print("\n" + "; ".join(summary) + ".")
+    if args.device == "cpu" and not torch.cuda.is_available():
+        print(
+            "\nNo GPU here: `bash scripts/gpu-check.sh` on a GPU machine gives the `--device "
+            "cuda` table and NCCL's abort -> first step of the next generation (docs/gpu.md)."
+        )
 
 
 if __name__ == "__main__":
