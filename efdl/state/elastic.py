@@ -580,7 +580,7 @@ def _broadcast_state(state: dict[str, Any] | None, src: int, side: Any) -> dict[
             torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), state
         )
         buffer = io.BytesIO()
-        torch.save({"skeleton": skeleton, "devices": [t.device.type for t in tensors]}, buffer)
+        torch.save({"skeleton": skeleton, "device_types": [t.device.type for t in tensors]}, buffer)
         blob = buffer.getvalue()
     size = torch.tensor([len(blob)], dtype=torch.int64)
     dist.broadcast(size, src, group=side)
@@ -597,7 +597,7 @@ def _broadcast_state(state: dict[str, Any] | None, src: int, side: Any) -> dict[
     header = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
     own = device()
     leaves, spec = pytree.tree_flatten(header["skeleton"])
-    kinds = iter(header["devices"])
+    kinds = iter(header["device_types"])
     out = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

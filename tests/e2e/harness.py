@@ -18,6 +18,20 @@ SCRIPTS = Path(__file__).parent / "scripts"
 EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
 
 
+def standalone(
+    script: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 200
+) -> subprocess.CompletedProcess[str]:
+    """``efdl-run --standalone ARGS SCRIPT`` to its end (its own embedded etcd); a run that
+    hangs fails here, at ``timeout_s``, not at the suite's timeout."""
+    return subprocess.run(
+        [*EFDL_RUN, "--standalone", *args, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **(env or {})},
+    )
+
+
 class Agent:
     """One ``efdl-run`` process; its output goes to a file; stopped by PID."""
 

@@ -18,7 +18,6 @@ import pytest
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.state.cache import SnapshotStore
 from tests.e2e.harness import (
-    EFDL_RUN,
     ELASTIC_ARGS,
     SCRIPTS,
     Job,
@@ -26,6 +25,7 @@ from tests.e2e.harness import (
     check_consistent,
     latest_gen,
     pids_of,
+    standalone,
     steps_at_world,
     wait_gone,
 )
@@ -57,40 +57,17 @@ def test_nccl_world_size_1_init_abort_and_reinit_in_place() -> None:
 
 
 def test_plain_torchrun_script_sets_its_device_from_local_rank(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            *EFDL_RUN,
-            "--standalone",
-            "--job-id",
-            "gpu-plain",
-            "--nproc-per-node",
-            "gpu",
-            str(HERE / "torchrun_cuda.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    result = standalone(
+        HERE / "torchrun_cuda.py", "--job-id", "gpu-plain", "--nproc-per-node", "gpu"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "as cuda:0" in result.stdout
 
 
 def test_in_place_nccl_at_world_size_1_trains_an_epoch(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            *EFDL_RUN,
-            "--standalone",
-            "--job-id",
-            "gpu-nccl",
-            "--nproc-per-node",
-            "1",
-            str(SCRIPTS / "elastic_steps.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **ON_GPU, "BACKEND": "nccl", "EPOCHS": "1", "OUT_DIR": str(tmp_path)},
-    )
+    env = {**ON_GPU, "BACKEND": "nccl", "EPOCHS": "1", "OUT_DIR": str(tmp_path)}
+    args = ("--job-id", "gpu-nccl", "--nproc-per-node", "1")
+    result = standalone(SCRIPTS / "elastic_steps.py", *args, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "enter.jsonl").read_text().splitlines()]
     assert rows and all(r["device"] == "cuda:0" for r in rows)
