@@ -145,13 +145,22 @@ def assign(view: JobView, policy: Policy) -> Assignment:
             budget -= take
     order = list(counts)  # survivors in rank order, then newcomers
     if order:
-        best = max(order, key=lambda n: (step[n], -order.index(n)))
-        order.remove(best)
-        order.insert(0, best)
+        best = max(range(len(order)), key=lambda i: (step[order[i]], -i))
+        order.insert(0, order.pop(best))
     members = []
     rank = 0
     for node_id in order:
-        members.append(Member(node_id, counts[node_id], rank, view.nodes[node_id].record.host))
+        node = view.nodes[node_id]
+        members.append(
+            Member(
+                node_id,
+                counts[node_id],
+                rank,
+                node.record.host,
+                node.record.incarnation,
+                node.joined_revision,
+            )
+        )
         rank += counts[node_id]
     spares = tuple(
         sorted(
@@ -172,7 +181,7 @@ class _Changes:
 
     def reason(self) -> str:
         parts = [
-            f"{', '.join(nodes)} {what}"
+            f"{names(nodes)} {what}"
             for nodes, what in (
                 (self.departed, "left"),
                 (self.restarted, "restarted its workers"),
@@ -184,27 +193,35 @@ class _Changes:
         return "; ".join(parts) or "the workers per node changed"
 
 
+def names(nodes: list[str], limit: int = 3) -> str:
+    """``nodes`` for a log line or a record: the first ``limit`` and how many more, so that
+    nothing grows with the fleet (a round's reason at 4096 nodes is one line)."""
+    shown = ", ".join(nodes[:limit])
+    return f"{shown} and {len(nodes) - limit} more" if len(nodes) > limit else shown
+
+
 def _changes(view: JobView, assignment: Assignment) -> _Changes:
     prev = view.round
     if prev is None or prev.status is not RoundStatus.ACTIVE:
         return _Changes([], [], [], [m.node_id for m in assignment.members])
-    kept = [m.node_id for m in prev.members if m.node_id in view.nodes]
+    kept = [m for m in prev.members if m.node_id in view.nodes]
     # A member whose record was made again (its agent was fenced, or restarted under the same
-    # id, and the leader never saw the old record go) is a new member.
+    # id, and the leader never saw the old record go) is a new member. Revision 0: a round
+    # written before revisions were recorded, which says nothing.
     rejoined = [
-        n
-        for n in kept
-        if prev.revisions.get(n, view.nodes[n].joined_revision) != view.nodes[n].joined_revision
+        m.node_id for m in kept if m.revision not in (0, view.nodes[m.node_id].joined_revision)
     ]
+    before = {m.node_id for m in prev.members}
     return _Changes(
         departed=[m.node_id for m in prev.members if m.node_id not in view.nodes],
         restarted=[
-            n
-            for n in kept
-            if n not in rejoined and view.nodes[n].record.incarnation > prev.incarnations.get(n, 0)
+            m.node_id
+            for m in kept
+            if m.node_id not in rejoined
+            and view.nodes[m.node_id].record.incarnation > m.incarnation
         ],
         rejoined=rejoined,
-        joined=[m.node_id for m in assignment.members if prev.member(m.node_id) is None],
+        joined=[m.node_id for m in assignment.members if m.node_id not in before],
     )
 
 
@@ -222,9 +239,6 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         leader=view.leader,
         created=now,
         since=now,
-        steps={n: view.steps[n] for n in view.nodes if n in view.steps},
-        incarnations={n: v.record.incarnation for n, v in view.nodes.items()},
-        revisions={n: v.joined_revision for n, v in view.nodes.items()},
     )
     have = assignment.workers
     if have < policy.min_workers:
@@ -241,7 +255,7 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         lost = ""
         if prev is not None and prev.status is RoundStatus.ACTIVE:
             gone = [m.node_id for m in prev.members if m.node_id not in view.nodes]
-            lost = f"{', '.join(gone)} left; " if gone else ""
+            lost = f"{names(gone)} left; " if gone else ""
         reason = f"{lost}waiting: {waiting}"
         spares = tuple(sorted(view.nodes, key=lambda n: view.nodes[n].joined_revision))
         return Decision(_with(base, spares=spares, reason=reason), None, reason)

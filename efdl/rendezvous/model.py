@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -92,6 +92,11 @@ class JobKeys:
 # ---------------------------------------------------------------- validation helpers
 
 
+# etcd's default request limit (--max-request-bytes): no record efdl writes comes near it (a
+# round of 4096 nodes with 64-character ids is about 0.8 MB; tests/unit/test_model.py).
+RECORD_LIMIT = 3 << 19
+
+
 def _obj(data: Any, where: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecordError(f"{where} must be a JSON object, not {type(data).__name__}.")
@@ -125,8 +130,8 @@ def _text(data: dict[str, Any], name: str, where: str, limit: int = 256) -> str:
 
 
 def _load(raw: bytes, where: str) -> dict[str, Any]:
-    if len(raw) > 1 << 20:
-        raise RecordError(f"{where} is larger than 1 MiB.")
+    if len(raw) > RECORD_LIMIT:
+        raise RecordError(f"{where} is larger than etcd's request limit (1.5 MiB).")
     try:
         return _obj(json.loads(raw), where)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -279,6 +284,11 @@ class Member:
     workers: int
     first_rank: int
     host: str = ""
+    # What the node's record said when the round was made: its incarnation (a higher one
+    # later: it restarted its workers) and the etcd revision that created it (another one
+    # later: it joined again under the same id, e.g. after being fenced). 0: not recorded.
+    incarnation: int = 0
+    revision: int = 0
 
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.workers)
@@ -312,12 +322,6 @@ class Round:
     leader: str = ""
     since: float = 0.0
     created: float = 0.0
-    # what members reported when the round was made (node id -> committed step, incarnation)
-    steps: dict[str, int] = field(default_factory=dict)
-    incarnations: dict[str, int] = field(default_factory=dict)
-    # node id -> the etcd revision that created its record: a node that joined again under
-    # the same id (fenced, or restarted) is a new member even if nobody saw it leave
-    revisions: dict[str, int] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -371,6 +375,8 @@ class Round:
                 _count(m, "workers", mw, 1, 4096),
                 _count(m, "first_rank", mw, 0, 1 << 20),
                 _text(m, "host", mw),
+                _count(m, "incarnation", mw, 0, 1 << 40) if "incarnation" in m else 0,
+                _count(m, "revision", mw, 0, 1 << 62) if "revision" in m else 0,
             )
             if member.first_rank != next_rank:
                 raise RecordError(f"{mw} starts at rank {member.first_rank}; expected {next_rank}.")
@@ -382,9 +388,6 @@ class Round:
             raise RecordError(
                 f"{where} says world size {data['world_size']!r} but its members have {next_rank}."
             )
-        steps = _int_map(data, "steps", where)
-        incarnations = _int_map(data, "incarnations", where)
-        revisions = _int_map(data, "revisions", where) if "revisions" in data else {}
         return Round(
             generation=_count(data, "generation", where, 1, 1 << 40),
             status=status,
@@ -396,17 +399,4 @@ class Round:
             leader=_text(data, "leader", where, 128),
             since=float(_field(data, "since", (int, float), where)),
             created=float(_field(data, "created", (int, float), where)),
-            steps=steps,
-            incarnations=incarnations,
-            revisions=revisions,
         )
-
-
-def _int_map(data: dict[str, Any], name: str, where: str) -> dict[str, int]:
-    raw = _obj(_field(data, name, dict, where), f"{where} ({name})")
-    out = {}
-    for node, value in raw.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise RecordError(f"{where} has {name} {value!r} for {node!r}; expected a number.")
-        out[str(node)] = value
-    return out
