@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -78,6 +79,9 @@ class EmbeddedEtcd:
         log_file: etcd's own log (default: a file in the data directory's parent).
         start_timeout_s: how long to wait for the server to answer.
         extra_args: more etcd flags (e.g. ``--auth-token-ttl=1``).
+        name: the member's name (a cluster's members differ).
+        cluster: etcd's ``--initial-cluster`` (``name=peer-url,...``) for a member of a
+            cluster (see :class:`EtcdCluster`); None: a cluster of this one member.
     """
 
     def __init__(
@@ -87,6 +91,8 @@ class EmbeddedEtcd:
         log_file: Path | None = None,
         start_timeout_s: float = 20.0,
         extra_args: tuple[str, ...] = (),
+        name: str = "efdl",
+        cluster: str | None = None,
     ) -> None:
         self._binary = find_etcd_binary()
         self._own_dir = data_dir is None
@@ -96,6 +102,8 @@ class EmbeddedEtcd:
         self._tls = tls
         self._start_timeout_s = start_timeout_s
         self._extra_args = extra_args
+        self.name = name
+        self._cluster = cluster
         self._proc: subprocess.Popen[bytes] | None = None
         self.client_port = 0
         self.peer_port = 0
@@ -116,20 +124,24 @@ class EmbeddedEtcd:
         """Client settings for this server; ``kwargs`` add TLS files, user and password."""
         return EtcdSettings((self.endpoint,), **kwargs)  # type: ignore[arg-type]
 
+    def _command_cluster(self) -> str:
+        return self._cluster or f"{self.name}=http://127.0.0.1:{self.peer_port}"
+
     def _command(self) -> list[str]:
         scheme = "https" if self._tls else "http"
         client_url = f"{scheme}://127.0.0.1:{self.client_port}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             str(self._binary),
-            "--name=efdl",
+            f"--name={self.name}",
             f"--data-dir={self._data_dir}",
             f"--listen-client-urls={client_url}",
             f"--advertise-client-urls={client_url}",
             f"--listen-peer-urls={peer_url}",
             f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=efdl={peer_url}",
+            f"--initial-cluster={self._command_cluster()}",
             "--initial-cluster-state=new",
+            f"--initial-cluster-token=efdl-{zlib.crc32(self._command_cluster().encode()):x}",
             "--log-level=warn",
             "--logger=zap",
             # The rendezvous relies on prompt lease expiry and watch delivery, not on
@@ -146,29 +158,44 @@ class EmbeddedEtcd:
         """Start the server and wait until it answers; keeps its ports across restarts."""
         if self.running:
             return self
-        fresh_ports = self.client_port == 0
+        fresh_ports = self.client_port == 0 and self._cluster is None
         for attempt in range(3):
-            if fresh_ports or attempt > 0:
+            if fresh_ports or (attempt > 0 and self._cluster is None):
                 self.client_port, self.peer_port = free_port(), free_port()
-            self._data_dir.mkdir(parents=True, exist_ok=True)
-            log_target = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115
-            try:
-                self._proc = subprocess.Popen(
-                    self._command(),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_target,
-                    stderr=subprocess.STDOUT,
-                    preexec_fn=die_with_parent(),
-                )
-            finally:
-                if log_target is not subprocess.DEVNULL:
-                    log_target.close()  # type: ignore[union-attr]
-            if self._wait_ready():
-                log.info("Embedded etcd (pid %d) serves %s.", self._proc.pid, self.endpoint)
+            self.launch()
+            if self.wait_ready():
                 return self
             if not fresh_ports:
-                break  # a restart must keep its ports; do not hop
-        raise EtcdServerError(
+                break  # a restart (or a cluster member) must keep its ports; do not hop
+        raise self._failed()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (a cluster's members start together:
+        none serves until a quorum has)."""
+        self._data_dir.mkdir(parents=True, exist_ok=True)
+        log_target = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_target,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(),
+            )
+        finally:
+            if log_target is not subprocess.DEVNULL:
+                log_target.close()  # type: ignore[union-attr]
+
+    def wait_ready(self) -> bool:
+        """Wait until the launched server answers; False if it died or did not in time."""
+        if not self._wait_ready():
+            return False
+        assert self._proc is not None
+        log.info("Embedded etcd %s (pid %d) serves %s.", self.name, self._proc.pid, self.endpoint)
+        return True
+
+    def _failed(self) -> EtcdServerError:
+        return EtcdServerError(
             f"The embedded etcd ({self._binary}) did not start on {self.endpoint}: "
             f"{self._log_tail()}"
         )
@@ -234,6 +261,60 @@ class EmbeddedEtcd:
         self.start()
 
     def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """Several etcd members on 127.0.0.1 forming one cluster (for failover tests): each with
+    its own ports and data directory, stopped by PID, directories removed.
+
+    Args:
+        size: members (3 or 5 in production; 3 here).
+    """
+
+    def __init__(self, size: int = 3) -> None:
+        names = [f"m{i}" for i in range(size)]
+        ports = [(free_port(), free_port()) for _ in names]
+        initial = ",".join(
+            f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports, strict=True)
+        )
+        self.members = []
+        for name, (client, peer) in zip(names, ports, strict=True):
+            member = EmbeddedEtcd(name=name, cluster=initial)
+            member.client_port, member.peer_port = client, peer
+            self.members.append(member)
+
+    def start(self) -> EtcdCluster:
+        for m in self.members:
+            m.launch()
+        for m in self.members:
+            if not m.wait_ready():
+                error = m._failed()
+                self.stop()
+                raise error
+        return self
+
+    @property
+    def endpoints(self) -> str:
+        """``host:port,...`` of every member, as ``--etcd`` takes them."""
+        return ",".join(m.endpoint.target for m in self.members)
+
+    def settings(self, **kwargs: object) -> EtcdSettings:
+        return EtcdSettings(tuple(m.endpoint for m in self.members), **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(

@@ -73,7 +73,12 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE}
+# A member that refuses (UNAVAILABLE) or does not answer in time (DEADLINE_EXCEEDED: hung,
+# black-holed, cut off from the quorum) is left for the next one.
+_RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Watches ask for a member with a leader: one cut off from the quorum ends them ("no leader")
+# instead of keeping them open and silent (etcd's clientv3.WithRequireLeader).
+_REQUIRE_LEADER = ("hasleader", "true")
 
 # gRPC Python wakes every thread blocked on a stream 10 times a second (only so that Ctrl-C can
 # interrupt the main thread). New data still wakes a reader at once through its condition
@@ -156,6 +161,9 @@ class EtcdStore(KVStore):
         self._token: str | None = None
         self._closed = False
         self._watches: set[_EtcdWatch] = set()
+        # One attempt's share of a request's time when there are members to fail over to.
+        n = len(self._channels)
+        self._attempt_s = settings.request_timeout_s / min(n, 3) if n > 1 else float("inf")
         self._connect()
         self._keepalive = _KeepAliveStream(self)
 
@@ -264,12 +272,14 @@ class EtcdStore(KVStore):
         return StoreError(f"etcd at {endpoint} failed {what} ({code.name}: {details}).")
 
     def _call(
-        self, what: str, fn: Callable[[_Channel, Any], T], timeout_s: float | None = None
+        self, what: str, fn: Callable[[_Channel, Any, float], T], timeout_s: float | None = None
     ) -> T:
         """Run one RPC, failing over between endpoints and renewing the auth token.
 
-        ``fn`` gets the channel and the call metadata; the RPC it makes must use
-        :meth:`_timeout`. Unavailable endpoints are retried until ``timeout_s`` has passed.
+        ``fn`` gets the channel, the call metadata and the attempt's timeout. With several
+        endpoints, one attempt may take a share of ``timeout_s`` only, so that a member that
+        hangs leaves time to ask the others; refused or unanswered attempts move on to the
+        next endpoint until ``timeout_s`` has passed.
         """
         if self._closed:
             raise StoreError(f"The connection to {self.description} is closed.")
@@ -281,14 +291,16 @@ class EtcdStore(KVStore):
             with self._lock:
                 ch = self._channels[self._current]
                 md = self._metadata()
+            left = deadline - time.monotonic()
             try:
-                return fn(ch, md)
+                return fn(ch, md, max(0.05, min(left, self._attempt_s)))
             except grpc.RpcError as exc:
                 if exc.code() in _RETRY_CODES:
-                    tried.append(f"{ch.endpoint} ({exc.details()})")
-                    with self._lock:
-                        if self._channels[self._current] is ch:
-                            self._current = (self._current + 1) % len(self._channels)
+                    tried.append(f"{ch.endpoint} ({exc.code().name}: {exc.details()})")
+                    if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self._suspect(ch, f"{what} got no answer")
+                    else:
+                        self._rotate(ch)
                     if time.monotonic() < deadline:
                         if len(tried) % len(self._channels) == 0:
                             time.sleep(0.1)
@@ -304,16 +316,39 @@ class EtcdStore(KVStore):
                     continue
                 raise self._translate(exc, ch.endpoint, what) from exc
 
-    def _timeout(self) -> float:
-        return self._settings.request_timeout_s
+    def _rotate(self, ch: _Channel) -> None:
+        """Move on from ``ch`` to the next endpoint (if ``ch`` is still the current one)."""
+        with self._lock:
+            if self._channels[self._current] is ch and len(self._channels) > 1:
+                self._current = (self._current + 1) % len(self._channels)
+
+    def _suspect(self, ch: _Channel, why: str) -> None:
+        """``ch``'s member did not answer in time: leave it, with the lease keep-alive stream
+        and every watch on it (they resume on the next member from their last revision)."""
+        if len(self._channels) < 2:
+            return
+        with self._lock:
+            moved = self._channels[self._current] is ch
+            watches = list(self._watches)
+        self._rotate(ch)
+        if moved:
+            log.warning(
+                "etcd member %s does not answer (%s); moving to %s.",
+                ch.endpoint,
+                why,
+                self._channels[self._current].endpoint,
+            )
+        self._keepalive.leave(ch)
+        for w in watches:
+            w.leave(ch)
 
     # ---------------------------------------------------------------- KV
 
     def get(self, key: str) -> KeyValue | None:
         resp = self._call(
             f"get {key}",
-            lambda ch, md: ch.kv.Range(
-                etcdrpc.RangeRequest(key=_b(key)), timeout=self._timeout(), metadata=md
+            lambda ch, md, t: ch.kv.Range(
+                etcdrpc.RangeRequest(key=_b(key)), timeout=t, metadata=md
             ),
         )
         return _kv(resp.kvs[0]) if resp.kvs else None
@@ -322,14 +357,14 @@ class EtcdStore(KVStore):
         request = etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_range_end(_b(prefix)))
         resp = self._call(
             f"get prefix {prefix}",
-            lambda ch, md: ch.kv.Range(request, timeout=self._timeout(), metadata=md),
+            lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         request = etcdrpc.PutRequest(key=_b(key), value=value, lease=lease)
         resp = self._call(
-            f"put {key}", lambda ch, md: ch.kv.Put(request, timeout=self._timeout(), metadata=md)
+            f"put {key}", lambda ch, md, t: ch.kv.Put(request, timeout=t, metadata=md)
         )
         return int(resp.header.revision)
 
@@ -337,7 +372,7 @@ class EtcdStore(KVStore):
         request = self._delete_request(Delete(key, prefix))
         resp = self._call(
             f"delete {key}",
-            lambda ch, md: ch.kv.DeleteRange(request, timeout=self._timeout(), metadata=md),
+            lambda ch, md, t: ch.kv.DeleteRange(request, timeout=t, metadata=md),
         )
         return int(resp.deleted)
 
@@ -387,7 +422,7 @@ class EtcdStore(KVStore):
         keys = ",".join(c.key for c in compare) or "(unconditional)"
         resp = self._call(
             f"transaction on {keys}",
-            lambda ch, md: ch.kv.Txn(request, timeout=self._timeout(), metadata=md),
+            lambda ch, md, t: ch.kv.Txn(request, timeout=t, metadata=md),
         )
         gets = tuple(
             tuple(_kv(kv) for kv in r.response_range.kvs)
@@ -400,7 +435,7 @@ class EtcdStore(KVStore):
         request = etcdrpc.CompactionRequest(revision=revision, physical=True)
         self._call(
             f"compact to {revision}",
-            lambda ch, md: ch.kv.Compact(request, timeout=self._timeout(), metadata=md),
+            lambda ch, md, t: ch.kv.Compact(request, timeout=t, metadata=md),
         )
 
     # ---------------------------------------------------------------- leases
@@ -409,7 +444,7 @@ class EtcdStore(KVStore):
         request = etcdrpc.LeaseGrantRequest(TTL=ttl_s)
         resp = self._call(
             "grant a lease",
-            lambda ch, md: ch.lease.LeaseGrant(request, timeout=self._timeout(), metadata=md),
+            lambda ch, md, t: ch.lease.LeaseGrant(request, timeout=t, metadata=md),
         )
         if resp.error:
             raise StoreError(f"{self.description} refused a lease of {ttl_s} s: {resp.error}.")
@@ -418,15 +453,15 @@ class EtcdStore(KVStore):
     def refresh_lease(self, lease_id: int, timeout_s: float | None = None) -> int:
         if self._closed:
             raise StoreError(f"The connection to {self.description} is closed.")
-        rpc_timeout = min(self._timeout(), timeout_s) if timeout_s else self._timeout()
-        return self._keepalive.refresh(lease_id, rpc_timeout)
+        limit = min(self._settings.request_timeout_s, self._attempt_s)
+        return self._keepalive.refresh(lease_id, min(limit, timeout_s) if timeout_s else limit)
 
     def revoke_lease(self, lease_id: int) -> None:
         request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
         try:
             self._call(
                 f"revoke lease {lease_id:x}",
-                lambda ch, md: ch.lease.LeaseRevoke(request, timeout=self._timeout(), metadata=md),
+                lambda ch, md, t: ch.lease.LeaseRevoke(request, timeout=t, metadata=md),
             )
         except StoreError as exc:
             if "lease not found" not in str(exc):
@@ -453,7 +488,7 @@ class EtcdStore(KVStore):
     def _revision_now(self, key: str) -> int:
         request = etcdrpc.RangeRequest(key=_b(key), count_only=True)
         resp = self._call(
-            f"get {key}", lambda ch, md: ch.kv.Range(request, timeout=self._timeout(), metadata=md)
+            f"get {key}", lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md)
         )
         return int(resp.header.revision)
 
@@ -473,9 +508,7 @@ class EtcdStore(KVStore):
             except StoreError as auth_exc:
                 log.warning("%s", auth_exc)
             return
-        with self._lock:
-            if self._channels[self._current] is ch and len(self._channels) > 1:
-                self._current = (self._current + 1) % len(self._channels)
+        self._rotate(ch)
 
     def close(self) -> None:
         if self._closed:
@@ -503,6 +536,7 @@ class _KeepAliveStream:
         self._lock = threading.Lock()
         self._requests: queue.Queue[Any] | None = None
         self._call: Any = None
+        self._channel: _Channel | None = None  # where the open stream goes
         self._waiters: dict[int, list[_Waiter]] = {}
 
     def refresh(self, lease_id: int, timeout_s: float) -> int:
@@ -510,12 +544,15 @@ class _KeepAliveStream:
         with self._lock:
             requests = self._requests or self._open()
             self._waiters.setdefault(lease_id, []).append(waiter)
+            ch = self._channel
         requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
         if not waiter.done.wait(timeout_s):
             with self._lock:
                 if waiter in self._waiters.get(lease_id, []):
                     self._waiters[lease_id].remove(waiter)
             self._reset(f"no answer within {timeout_s:g} s")
+            if ch is not None:  # the next refresh goes to another member
+                self._store._suspect(ch, f"a lease refresh got no answer in {timeout_s:.1f} s")
             raise StoreConnectionError(
                 f"etcd at {self._store.settings.endpoint_list} did not answer the refresh of "
                 f"lease {lease_id:x} within {timeout_s:g} s."
@@ -529,7 +566,7 @@ class _KeepAliveStream:
         ch, md = self._store._watch_channel()
         requests: queue.Queue[Any] = queue.Queue()
         call = ch.lease.LeaseKeepAlive(_drain(requests), metadata=md)
-        self._requests, self._call = requests, call
+        self._requests, self._call, self._channel = requests, call, ch
         threading.Thread(
             target=self._read, args=(call, requests, ch), name="efdl-keepalive", daemon=True
         ).start()
@@ -572,6 +609,13 @@ class _KeepAliveStream:
             call.cancel()
         if requests is not None:
             requests.put(None)
+
+    def leave(self, ch: _Channel) -> None:
+        """Reopen the stream elsewhere if it goes to ``ch``."""
+        with self._lock:
+            on_it = self._channel is ch and self._call is not None
+        if on_it:
+            self._reset(f"leaving {ch.endpoint}")
 
     def close(self) -> None:
         self._reset("closing")
@@ -617,6 +661,7 @@ class _EtcdWatch(Watch):
         self._prefix = prefix
         self._next_revision = start_revision
         self._call: Any = None
+        self._call_channel: _Channel | None = None
         self._call_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"efdl-watch{key}", daemon=True)
 
@@ -638,9 +683,9 @@ class _EtcdWatch(Watch):
 
             request_stream = _hold_open(self._create_request(), stream_done)
             try:
-                call = ch.watch.Watch(request_stream, metadata=md)
+                call = ch.watch.Watch(request_stream, metadata=(*(md or ()), _REQUIRE_LEADER))
                 with self._call_lock:
-                    self._call = call
+                    self._call, self._call_channel = call, ch
                 if self.cancelled:
                     call.cancel()
                 for response in call:
@@ -715,6 +760,12 @@ class _EtcdWatch(Watch):
     def _on_cancel(self) -> None:
         with self._call_lock:
             if self._call is not None:
+                self._call.cancel()
+
+    def leave(self, ch: _Channel) -> None:
+        """Resume on another member if the stream goes to ``ch`` (which does not answer)."""
+        with self._call_lock:
+            if self._call is not None and self._call_channel is ch:
                 self._call.cancel()
 
 

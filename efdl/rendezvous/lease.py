@@ -134,7 +134,8 @@ class LeaseSession:
                     self._ttl_s,
                     exc,
                 )
-                next_at = self._clock() + min(1.0, self._ttl_s / 6)  # retry soon
+                # Retry soon: the store has moved on to another member if this one hung.
+                next_at = self._clock() + min(0.25, self._ttl_s / 6)
                 continue
             if ttl <= 0:
                 self._declare_lost(
