@@ -12,12 +12,14 @@ own node record, so a leader whose lease is gone cannot write).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 from efdl.errors import DuplicateNodeError, LeaseLostError, RendezvousError, StoreError
 from efdl.rendezvous.api import (
@@ -36,7 +38,29 @@ from efdl.rendezvous.model import JobKeys, NodeRecord, RecordError, Round, Round
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _Item = tuple[str, WatchBatch | StoreError | None]
+# How long a one-off etcd call (a restart request, the job's end, a store publication) keeps
+# trying through an etcd blip before the agent gives up on it. Each attempt already fails over
+# between members within the request timeout; this spans a restart of etcd itself.
+BLIP_S = 30.0
+
+
+def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: float = 0.5) -> T:
+    """``fn()``, tried again (``pause_s`` apart) on a StoreError until ``timeout_s`` has passed,
+    then the last error is raised. ``fn`` must be safe to repeat: a retried write may have
+    been applied."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except (LeaseLostError, DuplicateNodeError):
+            raise
+        except StoreError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("Could not %s (%s); trying again.", what, exc)
+            time.sleep(pause_s)
 
 
 def parse_nodes(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, NodeView]:
@@ -158,9 +182,12 @@ class RendezvousAgent:
             [Put(key, self._node.to_json(), self._session.lease_id)],
             [Get(key)],
         )
+        existing = result.gets[0][0] if not result.succeeded and result.gets[0] else None
+        if existing is not None and existing.lease == self._session.lease_id:
+            # Our own record: a first attempt was applied, its answer lost, and retried.
+            result = replace(result, succeeded=True, revision=existing.create_revision)
         if not result.succeeded:
             self._session.close()
-            (existing,) = result.gets[0] or (None,)
             other = ""
             if existing is not None:
                 try:
@@ -221,10 +248,16 @@ class RendezvousAgent:
         assert self._session is not None, "join() first"
         self._node = replace(self._node, incarnation=self._node.incarnation + 1)
         key = self.keys.node(self.node_id)
-        ok = self._store.txn(
-            [Compare.create_revision_is(key, self._my_revision)],
-            [Put(key, self._node.to_json(), self._session.lease_id)],
-        ).succeeded
+        lease = self._session.lease_id
+        ok = retried(
+            "ask for a restart round",
+            lambda: (
+                self._store.txn(
+                    [Compare.create_revision_is(key, self._my_revision)],
+                    [Put(key, self._node.to_json(), lease)],
+                ).succeeded
+            ),
+        )
         if not ok:
             raise LeaseLostError(f"The node record of {self.node_id} is gone; it left the job.")
 
@@ -404,7 +437,7 @@ class RendezvousAgent:
             if isinstance(item, StoreError):
                 raise item
             if tag == "serve":
-                self._publish_store()
+                retried("publish the store's port", self._publish_store)
             elif tag == "round" and isinstance(item, WatchBatch):
                 for ev in item.events:
                     if ev.type is EventType.PUT:
@@ -415,7 +448,9 @@ class RendezvousAgent:
                 if any(ev.type is EventType.DELETE for ev in item.events):
                     if pred_watch is not None:
                         pred_watch.cancel()
-                    snap = self._store.get_prefix(self.keys.nodes)
+                    snap = retried(
+                        "list the job's nodes", lambda: self._store.get_prefix(self.keys.nodes)
+                    )
                     leads, pred_watch = self._follow(snap.kvs, snap.revision + 1)
                     if leads:
                         nodes_watch, nodes = self._lead(snap.kvs, snap.revision + 1)
@@ -528,7 +563,7 @@ def end_job(
     """
     keys = JobKeys(job_id)
     for _ in range(20):
-        kv = store.get(keys.round)
+        kv = retried("read the round", lambda: store.get(keys.round))
         current = parse_round(kv, keys)
         if current is not None and current.status.final:
             return current
@@ -542,9 +577,13 @@ def end_job(
             created=now,
             since=now,
         )
-        mod = kv.mod_revision if kv else 0
-        ok = store.txn(
-            [Compare.mod_revision_is(keys.round, mod)], [Put(keys.round, final.to_json())]
+        ok = retried(
+            "write the job's end",
+            functools.partial(
+                store.txn,
+                [Compare.mod_revision_is(keys.round, kv.mod_revision if kv else 0)],
+                [Put(keys.round, final.to_json())],
+            ),
         )
         if ok.succeeded:
             return final

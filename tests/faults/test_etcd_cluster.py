@@ -1,0 +1,99 @@
+"""Fault rows for a 3-member etcd (the shape users run): losing the member the agents talk to,
+or the raft leader, must be invisible to training: no new generation, no worker restarted,
+and the longest stall between two steps is recorded. Losing the quorum is an outage: the
+agents fence, as the single-member outage rows show."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from efdl.rendezvous.embedded import EmbeddedEtcd, EtcdCluster
+from tests.e2e.harness import last_step_of, latest_gen, pids_of
+from tests.faults.conftest import Recorder
+from tests.faults.test_faults import Jobs, check_after, start, status, stepped_since
+from tests.integration.test_etcd_cluster import leader_of
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture()
+def cluster() -> Iterator[EtcdCluster]:
+    with EtcdCluster(3) as c:
+        yield c
+
+
+class ClusterJobs(Jobs):
+    """Jobs on a 3-member etcd, every agent given all three members, m0 first."""
+
+    def __init__(self, cluster: EtcdCluster, tmp: Path) -> None:
+        super().__init__(cluster.endpoints, tmp)
+        self.cluster = cluster
+
+
+def goes_on(
+    jobs: ClusterJobs, record: Recorder, victim: Callable[[EtcdCluster], EmbeddedEtcd], how: str
+) -> None:
+    cluster = jobs.cluster
+    job = jobs.new()  # the agents list m0 first: they talk to it
+    rows = start(job, "a", "b")
+    g = latest_gen(rows)
+    workers = pids_of(rows, "a") | pids_of(rows, "b")
+    committed = max(last_step_of(rows, g).values())
+    member = victim(cluster)
+    assert member.pid is not None
+    pid = member.pid
+    t0 = time.time()
+    if how == "kill":
+        member.kill()
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        # Well past a lease TTL (3 s here): a fenced agent would have stopped its workers.
+        rows = job.wait_for("steps 10 s after", lambda rs: stepped_since(rs, t0 + 10), 60)
+    finally:
+        if how == "stop":
+            os.kill(pid, signal.SIGCONT)
+    stamps = sorted(float(r["t"]) for r in rows if r["rank"] == 0)  # type: ignore[arg-type]
+    around = [t0, *(t for t in stamps if t > t0)]
+    record.recovered(max(b - a for a, b in itertools.pairwise(around)))  # the longest stall
+    assert latest_gen(rows) == g, "a new generation: the fault was visible to training"
+    assert pids_of(rows, "a") | pids_of(rows, "b") == workers, "a worker was restarted"
+    for agent in job.agents.values():
+        assert "fenced" not in agent.output(), agent.output()[-3000:]
+    check_after(rows, g, committed, since_t=t0)
+    assert "world size 2" in status(job)
+
+
+@pytest.fixture()
+def jobs_on(cluster: EtcdCluster, tmp_path: Path) -> Iterator[ClusterJobs]:
+    js = ClusterJobs(cluster, tmp_path)
+    yield js
+    js.stop()
+
+
+def test_etcd_member_in_use_sigkilled(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
+    """3-member etcd: the member every agent talks to is SIGKILLed while the job trains: the
+    agents go on through another member within the lease TTL; no new generation, no worker
+    restarted, no agent fenced (recovery: the longest stall between two steps)."""
+    goes_on(jobs_on, record, lambda c: c.members[0], "kill")
+
+
+def test_etcd_member_in_use_hung(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
+    """3-member etcd: the member every agent talks to hangs (SIGSTOP: nothing refuses, nothing
+    answers): the agents leave it within the lease TTL; no new generation, no worker
+    restarted, no agent fenced (recovery: the longest stall between two steps)."""
+    goes_on(jobs_on, record, lambda c: c.members[0], "stop")
+
+
+def test_etcd_leader_sigkilled(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
+    """3-member etcd: the raft leader is SIGKILLed while the job trains: a new leader is
+    elected and training goes on; no new generation, no worker restarted, no agent fenced
+    (recovery: the longest stall between two steps)."""
+    goes_on(jobs_on, record, leader_of, "kill")
