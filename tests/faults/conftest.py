@@ -75,7 +75,49 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = os.environ.get("EFDL_RELIABILITY_REPORT")
     if path and OUTCOMES.doc:
-        Path(path).write_text(render(OUTCOMES))
+        fresh = render(OUTCOMES)
+        old = Path(path).read_text() if Path(path).exists() else ""
+        Path(path).write_text(merge(old, fresh, set(OUTCOMES.doc)) if old else fresh)
+
+
+def _row_name(line: str) -> str | None:
+    return line[4:].split("**", 1)[0] if line.startswith("| **") else None
+
+
+def merge(old: str, fresh: str, ran: set[str]) -> str:
+    """The existing report with the rows (and failures) of the faults that ran replaced by
+    this run's, and a line saying which rows were re-run when: a run of some faults (e.g. a
+    soak of one file) does not drop the others' rows."""
+    new_rows = {_row_name(ln): ln for ln in fresh.splitlines() if _row_name(ln)}
+    out, seen = [], set()
+    for line in old.splitlines():
+        name = _row_name(line)
+        if name is not None:
+            seen.add(name)
+            out.append(new_rows.get(name, line))
+            continue
+        if line.startswith("- ") and line[2:].split(":", 1)[0] in ran:
+            continue  # an old failure of a fault that ran again
+        out.append(line)
+    last_row = max(i for i, ln in enumerate(out) if _row_name(ln) is not None)
+    out[last_row + 1 : last_row + 1] = [ln for n, ln in new_rows.items() if n not in seen]
+    failures = [ln for ln in fresh.splitlines() if ln.startswith("- ")]
+    if failures:
+        if "Failures:" not in out:
+            out += ["", "Failures:", ""]
+        out += failures
+    note = (
+        f"Rows re-run on {datetime.date.today().isoformat()} with EFDL_SOAK={SOAK}: "
+        + ", ".join(sorted(ran))
+        + "."
+    )
+    out.insert(
+        out.index(
+            "| fault and expected outcome | runs | passed | recovery (s), median (min-max) |"
+        ),
+        note + "\n",
+    )
+    return "\n".join(out) + "\n"
 
 
 def render(o: Outcomes) -> str:
