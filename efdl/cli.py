@@ -26,7 +26,7 @@ from efdl.errors import ConfigError, EfdlError
 from efdl.launcher.agent import NodeAgent
 from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import default_host, local_node
-from efdl.rendezvous.agent import RendezvousAgent, close_job
+from efdl.rendezvous.agent import RendezvousAgent, close_job, start_job
 from efdl.rendezvous.api import Compare, EventType, Put
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
@@ -342,6 +342,12 @@ _IGNORED = {
     help="Persist when this many seconds passed since the last (default 60; 0: not by time).",
 )
 @click.option("--cache-keep", type=int, help="Complete snapshots to keep (default 2).")
+@click.option(
+    "--new-run",
+    is_flag=True,
+    default=None,
+    help="Start a new run of a job that finished, was stopped or failed (keeps its cache).",
+)
 @click.option("-m", "--module", "module", is_flag=True, help="Run SCRIPT as a module (python -m).")
 @click.option(
     "--no-python",
@@ -444,6 +450,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         policy = _policy(cfg, node.slots)
         job_id = check_job_id(cfg.job_id or "standalone")
         with EtcdStore(settings) as store:
+            start_job(store, job_id, cfg.new_run)
             log.info(
                 "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",
                 __version__,

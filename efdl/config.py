@@ -278,6 +278,8 @@ class LaunchConfig(EtcdClientConfig):
         cache_every_steps: persist every this many commits (0: not by count).
         cache_every_s: persist when this many seconds passed since the last (0: not by time).
         cache_keep: complete snapshots kept in the cache.
+        new_run: start a new run of a job that has ended (finished, stopped or failed); without
+            it efdl-run refuses such a job. The new run keeps the job's remote cache.
     """
 
     standalone: bool = False
@@ -303,6 +305,7 @@ class LaunchConfig(EtcdClientConfig):
     cache_every_steps: int = 0
     cache_every_s: float = 60.0
     cache_keep: int = 2
+    new_run: bool = False
 
     def __post_init__(self) -> None:
         word = self.nproc_per_node.strip().lower()

@@ -21,7 +21,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
-from efdl.errors import DuplicateNodeError, LeaseLostError, RendezvousError, StoreError
+from efdl.errors import (
+    DuplicateNodeError,
+    LeaseLostError,
+    RendezvousClosedError,
+    RendezvousError,
+    StoreError,
+)
 from efdl.rendezvous.api import (
     Compare,
     EventType,
@@ -588,6 +594,51 @@ def end_job(
         if ok.succeeded:
             return final
     raise RendezvousError(f"Could not end job {job_id!r}: its round kept changing.")
+
+
+def start_job(store: KVStore, job_id: str, new_run: bool) -> Round | None:
+    """Before a node joins: if the job has ended (finished, stopped or failed), start a new
+    run of it when ``new_run``, else refuse. A new run replaces the final round
+    (compare-and-swap) with a waiting round of the next generation, so its nodes join as at
+    a first start; the remote cache is the job's, so a resumed job goes on from its newest
+    snapshot. Returns the round that ended the last run, if one was reopened.
+
+    Raises:
+        RendezvousClosedError: the job has ended and ``new_run`` is off.
+    """
+    keys = JobKeys(job_id)
+    while True:
+        kv = retried("read the round", lambda: store.get(keys.round))
+        current = parse_round(kv, keys)
+        if kv is None or current is None or not current.status.final:
+            return None
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(current.created))
+        if not new_run:
+            raise RendezvousClosedError(
+                f"Job {job_id!r} {current.status.value} at {when} ({current.reason}); efdl-run "
+                "does not start an ended job again by itself. Start a new run of it with "
+                "--new-run (it keeps its remote cache: a resumed job goes on from its newest "
+                "snapshot), or give another --job-id."
+            )
+        now = time.time()
+        fresh = Round(
+            generation=current.generation + 1,
+            status=RoundStatus.WAITING,
+            reason=f"a new run (the last one {current.status.value} at {when})",
+            created=now,
+            since=now,
+        )
+        ok = retried(
+            "start a new run",
+            functools.partial(
+                store.txn,
+                [Compare.mod_revision_is(keys.round, kv.mod_revision)],
+                [Put(keys.round, fresh.to_json())],
+            ),
+        )
+        if ok.succeeded:
+            log.info("Job %s: a new run starts (generation %d).", job_id, fresh.generation)
+            return current
 
 
 def close_job(store: KVStore, job_id: str, reason: str = "stopped by efdl stop") -> Round:

@@ -70,7 +70,13 @@ def format_status(st: JobStatus) -> str:
             f"  generation {r.generation}, {r.status.value}, world size {r.world_size}, "
             f"leader {st.leader or '-'}"
         )
-        lines.append(f"  last rescale {_when(r.created)}: {r.reason or '-'}")
+        if r.status.final:
+            lines.append(
+                f"  ended {_when(r.created)}: {r.reason or '-'} (efdl-run --new-run starts a "
+                "new run of the job)"
+            )
+        else:
+            lines.append(f"  last rescale {_when(r.created)}: {r.reason or '-'}")
         if r.store_port:
             lines.append(f"  c10d store {r.store_host}:{r.store_port}")
     members = r.members if r else ()

@@ -354,3 +354,27 @@ def test_the_failing_ranks_recorded_error_is_reported(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "worker rank 0 (local rank 0" in result.stderr
     assert "failed with exit code 1: ValueError: the learning rate 42 is too large" in result.stderr
+
+
+def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(job: Job) -> None:
+    """Starting a job id that finished must not exit 0 doing nothing: it is refused with a
+    sentence saying how to start it again, and --new-run starts a new run of it."""
+    job.env.update(STEPS="4")
+    first = job.start("a", "--nproc-per-node", "1", "--min", "1", "--max", "1")
+    assert first.wait(120) == 0, first.output()[-3000:]
+    done = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
+    assert "finished" in done.stdout and "--new-run" in done.stdout, done.stdout
+    gens = {r["gen"] for r in job.events()}
+
+    again = job.start("b", "--nproc-per-node", "1", "--min", "1", "--max", "1")
+    assert again.wait(60) == 2, again.output()[-3000:]
+    out = again.output()
+    assert f"Job '{job.job_id}' finished at" in out and "--new-run" in out
+    assert "Traceback" not in out
+
+    job.env.update(STEPS="8")  # the script resumes from its own checkpoint: 4 more steps
+    new = job.start("c", "--nproc-per-node", "1", "--min", "1", "--max", "1", "--new-run")
+    assert new.wait(120) == 0, new.output()[-3000:]
+    later = [r for r in job.events() if r["gen"] not in gens]
+    assert later and max(int(r["step"]) for r in later) == 7  # type: ignore[call-overload]
+    assert min(int(r["gen"]) for r in later) > max(int(g) for g in gens)  # type: ignore[call-overload]
