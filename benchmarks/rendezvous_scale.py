@@ -180,7 +180,7 @@ class Fleet:
         for conn, part in zip(self.conns, parts, strict=True):
             conn.send(("add", part))
             for i in part:
-                self.owner[f"node{i:04d}"] = self.conns.index(conn)
+                self.owner[node_name(i)] = self.conns.index(conn)
         return max(conn.recv() for conn in self.conns)
 
     def act(self, cmd: str, node_id: str) -> float:

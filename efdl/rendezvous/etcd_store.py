@@ -453,8 +453,14 @@ class EtcdStore(KVStore):
     def refresh_lease(self, lease_id: int, timeout_s: float | None = None) -> int:
         if self._closed:
             raise StoreError(f"The connection to {self.description} is closed.")
-        limit = min(self._settings.request_timeout_s, self._attempt_s)
-        return self._keepalive.refresh(lease_id, min(limit, timeout_s) if timeout_s else limit)
+        limit = self._settings.request_timeout_s
+        wait_s = min(limit, timeout_s) if timeout_s else limit
+        if len(self._channels) > 1:
+            # Half the time left at most: a member that hangs leaves the other half to
+            # refresh through another before the lease runs out. (With one member, waiting
+            # longer is the only hope: an overloaded etcd answers late, not never.)
+            wait_s = min(wait_s / 2, self._attempt_s)
+        return self._keepalive.refresh(lease_id, wait_s)
 
     def revoke_lease(self, lease_id: int) -> None:
         request = etcdrpc.LeaseRevokeRequest(ID=lease_id)

@@ -116,11 +116,8 @@ class LeaseSession:
             # The server counts the TTL from a refresh it received, at the latest from `sent`:
             # never wait on one refresh past the moment the lease may have expired.
             left_s = self._ttl_s - (sent - self._last_ok)
-            # One attempt waits a third of the TTL at most: an etcd member that hangs leaves
-            # time to refresh through another before the lease runs out.
-            attempt_s = max(0.2, min(left_s, self._ttl_s / 3))
             try:
-                ttl = self._store.refresh_lease(self.lease_id, timeout_s=attempt_s)
+                ttl = self._store.refresh_lease(self.lease_id, timeout_s=max(0.2, left_s))
             except StoreError as exc:
                 silent_s = self._clock() - self._last_ok
                 if silent_s >= self._ttl_s:
