@@ -102,6 +102,8 @@ def merge(old: str, fresh: str, ran: set[str]) -> str:
     last_row = max(i for i, ln in enumerate(out) if _row_name(ln) is not None)
     out[last_row + 1 : last_row + 1] = [ln for n, ln in new_rows.items() if n not in seen]
     failures = [ln for ln in fresh.splitlines() if ln.startswith("- ")]
+    if "Failures:" in out and not failures and not any(ln.startswith("- ") for ln in out):
+        del out[out.index("Failures:") - 1 :]  # every failure listed ran again and passed
     if failures:
         if "Failures:" not in out:
             out += ["", "Failures:", ""]
@@ -111,12 +113,9 @@ def merge(old: str, fresh: str, ran: set[str]) -> str:
         + ", ".join(sorted(ran))
         + "."
     )
-    out.insert(
-        out.index(
-            "| fault and expected outcome | runs | passed | recovery (s), median (min-max) |"
-        ),
-        note + "\n",
-    )
+    header = "| fault and expected outcome | runs | passed | recovery (s), median (min-max) |"
+    if note not in out:  # the same rows re-run again the same day: one note
+        out.insert(out.index(header), note + "\n")
     return "\n".join(out) + "\n"
 
 
