@@ -60,7 +60,7 @@ def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: 
     while True:
         try:
             return fn()
-        except (LeaseLostError, DuplicateNodeError):
+        except LeaseLostError:  # not a blip: this node is no longer a member
             raise
         except StoreError as exc:
             if time.monotonic() >= deadline:

@@ -16,12 +16,11 @@ import enum
 import torch
 import torch.distributed as dist
 
-# How torch's backends word a broken connection (gloo raises plain RuntimeErrors) or an
-# aborted NCCL communicator; lower case.
+# How torch's backends word a connection the peer closed (gloo raises plain RuntimeErrors),
+# then other signs of a broken group or an aborted NCCL communicator; lower case.
+_CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe")
 _BROKEN = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
+    *_CLOSED,
     "gloo/transport",
     "communicator was aborted",
     "ncclremoteerror",
@@ -43,7 +42,7 @@ def classify(exc: BaseException) -> Failure:
         return Failure.OWN
     text = str(exc).lower()
     first = text.splitlines()[0] if text else ""
-    if any(word in first for word in _TIMEOUT) and not any(w in first for w in _BROKEN[:3]):
+    if any(word in first for word in _TIMEOUT) and not any(w in first for w in _CLOSED):
         return Failure.TIMEOUT
     if isinstance(exc, dist.DistError) or any(word in text for word in _BROKEN):
         return Failure.PEER
