@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 # Resolved here, in the parent: the child of a multi-threaded parent must not dlopen.
@@ -42,12 +46,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> int:
-    """SIGTERM ``proc``, wait up to ``grace_s``, then SIGKILL; returns its exit code."""
+# How long a SIGKILLed process may take to go: one stuck in the kernel (a GPU driver call, a
+# hung NFS read) cannot be killed until that call returns, and nothing waits on it for ever.
+REAP_S = 30.0
+
+
+def reap(proc: subprocess.Popen[Any], what: str, timeout_s: float = REAP_S) -> int | None:
+    """Wait up to ``timeout_s`` for a SIGKILLed ``proc`` to go; its exit code, or None (logged)
+    if it is still there (in uninterruptible sleep): the caller goes on without it."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        log.error(
+            "%s (pid %d) is still there %.0f s after SIGKILL (stuck in the kernel, e.g. in a GPU "
+            "driver call); going on without waiting for it.",
+            what,
+            proc.pid,
+            timeout_s,
+        )
+        return None
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
+    """SIGTERM ``proc``, wait up to ``grace_s``, then SIGKILL; returns its exit code (None if
+    it did not go within :data:`REAP_S` of the SIGKILL either)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             return proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return proc.wait()
+    return reap(proc, f"Process {proc.args!r}"[:200])

@@ -28,7 +28,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import (  # type: ignore[attr-defined]
+    DistStoreError,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -54,6 +59,10 @@ from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus, check
 log = logging.getLogger(__name__)
 
 BACKEND = "efdl"
+# How often a node waiting for the others to check in on a round looks for a newer round (a
+# dead member's store never answers, so the wait is in slices; c10d logs each slice that ends
+# without them).
+ARRIVAL_SLICE_S = 1.0
 _ETCD_KEYS = {
     "etcd_ca": "etcd_ca",
     "etcd_cert": "etcd_cert",
@@ -223,13 +232,12 @@ class EfdlRendezvousHandler(RendezvousHandler):
             store = PrefixStore(f"efdl/{r.generation}/", client)
             store.set(f"arrived/{self._node.node_id}", "1")
             keys = [f"arrived/{m.node_id}" for m in r.members]
-            while not store.check(keys):
+            while not self._arrived(store, keys, ARRIVAL_SLICE_S):
                 newer = self._agent.current_round
                 if newer is not None and newer.generation > r.generation:
                     return None
                 if time.monotonic() > deadline:
                     return None
-                time.sleep(0.05)
         except RuntimeError as exc:  # dist errors: the store closed with its round
             log.info(
                 "Round %d of job %s ended before it started: %s",
@@ -239,6 +247,19 @@ class EfdlRendezvousHandler(RendezvousHandler):
             )
             return None
         return self._info(r, store)
+
+    @staticmethod
+    def _arrived(store: PrefixStore, keys: list[str], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every key; False when the time is up first."""
+        if store.check(keys):
+            return True
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            return False
+        return True
 
     def _connect(self, r: Round, deadline: float) -> TCPStore | None:
         """A client of round ``r``'s store; None if a newer round came first (a superseded

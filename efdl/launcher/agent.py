@@ -540,4 +540,18 @@ class NodeAgent:
                         1, f"Could not join the job again after being fenced: {exc}"
                     ) from None
                 log.warning("%s: cannot join again yet (%s); retrying.", self._tag(), exc)
-                time.sleep(1.0)
+                self._pause(1.0)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep between attempts to join while the node is out of the job (no workers, no
+        rendezvous), but leave at once on SIGTERM or SIGINT; other events are of the run that
+        was fenced and are dropped."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = self._events.get(timeout=left)
+            except queue.Empty:
+                return
+            if isinstance(event, _Signal):
+                self._leave(event.signum)
+            log.debug("%s: out of the job; dropping %s.", self._tag(), event)

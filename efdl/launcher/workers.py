@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from efdl._process import die_with_parent
+from efdl._process import die_with_parent, reap
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class WorkerGroup:
                     grace_s,
                 )
                 w.signal_group(signal.SIGKILL)
-                w.proc.wait()
+                reap(w.proc, f"Worker rank {w.rank}")
         for w in self.workers:  # children the workers left behind in their groups
             w.signal_group(signal.SIGKILL)
 

@@ -529,9 +529,11 @@ def _collector(
         if p.rank != 0:
             return {}
         keys = [f"{prefix}{r}" for r in range(1, p.world_size)]
-        deadline = time.monotonic() + wait_s
-        while keys and not store.check(keys) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if keys:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=wait_s))
+            except dist.DistStoreError as exc:  # the ranks that reported are taken
+                log.warning("Step %d: not every rank reported its shard in time (%s).", step, exc)
         files = {}
         for key in keys:
             if store.check([key]):

@@ -122,11 +122,12 @@ class ReadinessGate:
         def run() -> None:
             try:
                 store = self.declare(p) or connect(p, self._timeout)
-                # Polled, not waited on: the wait must end at exit too (and c10d logs every
-                # wait timeout). A superseded generation's store is closed when the next one is
-                # served, which makes check() raise.
+                # Polled, not waited on: the wait must end at exit and when a newer generation
+                # comes (c10d's wait cannot be interrupted, and logs every slice that times
+                # out). A superseded generation's store is also closed when the next one is
+                # served, which makes check() raise; one whose server died never answers.
                 while not store.check([GO_KEY]):
-                    if self._closed.wait(0.1):
+                    if self._closed.wait(0.1) or superseded():
                         return
             except Exception as exc:  # the store is gone, or unreachable: pause now
                 if superseded():

@@ -388,6 +388,24 @@ def test_etcd_outage_longer_than_the_lease(
         stop_and_check_no_orphans(job, [])
 
 
+def test_sigterm_while_fenced(jobs: Jobs, own_etcd: EmbeddedEtcd) -> None:
+    """etcd gone for good: the agent is fenced and keeps trying to join again, up to its join
+    timeout (10 minutes here); a SIGTERM in between ends it at once, cleanly, instead of after
+    the back-off."""
+    job = jobs.new(own_etcd.endpoint.target)
+    start(job, "a")
+    agent = job.agents["a"]
+    own_etcd.stop(remove_data=False)
+    deadline = time.monotonic() + 120
+    while "cannot join again yet" not in agent.output():
+        assert time.monotonic() < deadline, agent.output()[-3000:]
+        assert agent.proc.poll() is None, agent.output()[-3000:]
+        time.sleep(0.2)
+    agent.signal(signal.SIGTERM)
+    assert agent.wait(timeout_s=60) == 0, agent.output()[-3000:]
+    assert "Left the job on SIGTERM" in agent.output()
+
+
 def test_hostile_records_in_etcd(
     jobs: Jobs, etcd_server: EmbeddedEtcd, record: Recorder, attempt: int
 ) -> None:
