@@ -28,6 +28,10 @@ class StoreAuthError(StoreError):
     """The store refused our credentials or our permissions."""
 
 
+class CompactedError(StoreError):
+    """A read asked for a revision the store has compacted away."""
+
+
 class LeaseLostError(StoreError):
     """Our lease expired or was revoked: every key bound to it is gone."""
 

@@ -159,8 +159,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
             return 0
         if latest.status is not RoundStatus.ACTIVE:
             return 1
-        old = {m.node_id for m in self._returned.members}
-        return max(1, sum(1 for m in latest.members if m.node_id not in old))
+        return max(1, latest.nodes - self._returned.nodes)
 
     def shutdown(self) -> bool:
         """Leave the job (revoke the lease: the others' next round comes at once)."""
@@ -212,7 +211,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
                 raise RendezvousTimeoutError(f"Job {self._run_id} failed: {r.reason}.")
             if r.status.final:
                 raise RendezvousClosedError(f"Job {self._run_id} ended: {r.reason}.")
-            member = r.member(self._node.node_id)
+            member = r.member
             if r.status is RoundStatus.ACTIVE and member is not None:
                 info = self._all_arrived(r, deadline)
                 if info is not None:
@@ -224,14 +223,14 @@ class EfdlRendezvousHandler(RendezvousHandler):
         assignment waits on all of them, and a member that died before the round was decided
         would make it fail instead of wait. None if a newer round came first (a dead member's
         lease expired, or a node joined), or ``r``'s store went away with it."""
-        assert self._agent is not None
+        assert self._agent is not None and r.member is not None
         try:
             client = self._connect(r, deadline)
             if client is None:
                 return None
             store = PrefixStore(f"efdl/{r.generation}/", client)
-            store.set(f"arrived/{self._node.node_id}", "1")
-            keys = [f"arrived/{m.node_id}" for m in r.members]
+            store.set(f"arrived/{r.member.group_rank}", "1")
+            keys = [f"arrived/{rank}" for rank in range(r.nodes)]
             while not self._arrived(store, keys, ARRIVAL_SLICE_S):
                 newer = self._agent.current_round
                 if newer is not None and newer.generation > r.generation:
@@ -285,19 +284,18 @@ class EfdlRendezvousHandler(RendezvousHandler):
 
     def _info(self, r: Round, store: Store) -> RendezvousInfo:
         self._returned = r
-        rank = [m.node_id for m in r.members].index(self._node.node_id)
+        assert r.member is not None
+        rank = r.member.group_rank
         log.info(
             "efdl rendezvous: job %s round %d: node %s is rank %d of %d (%s).",
             self._run_id,
             r.generation,
             self._node.node_id,
             rank,
-            len(r.members),
+            r.nodes,
             r.reason,
         )
-        return RendezvousInfo(
-            store, rank, len(r.members), RendezvousStoreInfo(r.store_host, r.store_port)
-        )
+        return RendezvousInfo(store, rank, r.nodes, RendezvousStoreInfo(r.store_host, r.store_port))
 
 
 def create_handler(params: RendezvousParameters) -> EfdlRendezvousHandler:

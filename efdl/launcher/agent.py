@@ -303,7 +303,7 @@ class NodeAgent:
                     self._channel.send_waiting(w.pid, self._cfg.join_timeout_s)
             log.info("%s: the job waits: %s.", self._tag(), r.reason)
             return  # in-place workers wait for the next round with their state in memory
-        member = r.member(self._node.node_id)
+        member = r.member
         if self._rebuilds_in_place():
             self._rebuild_in_place(r)
             return
@@ -328,9 +328,9 @@ class NodeAgent:
         not needed any more away at the next step boundary."""
         group = self._group
         assert group is not None
-        member = r.member(self._node.node_id)
+        member = r.member
         wanted = member.workers if member else 0
-        group_rank = [m.node_id for m in r.members].index(member.node_id) if member else 0
+        group_rank = member.group_rank if member else 0
         kept = set()
         for w in group.running():
             if w.pid in self._leaving:
@@ -346,7 +346,7 @@ class NodeAgent:
                         w.local_rank,
                         wanted,
                         group_rank,
-                        len(r.members),
+                        r.nodes,
                         r.store_host,
                         r.store_port,
                     ),
@@ -369,7 +369,7 @@ class NodeAgent:
         )
 
     def _start_workers(self, r: Round, local_ranks: range | list[int]) -> None:
-        member = r.member(self._node.node_id)
+        member = r.member
         assert member is not None
         held = self._group.gpu_slots() if self._group is not None else set()
         slots: dict[int, int | None] = dict.fromkeys(local_ranks)

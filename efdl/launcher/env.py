@@ -46,10 +46,10 @@ def worker_env(
     Raises:
         ValueError: this node is not a member of ``rnd``.
     """
-    member = rnd.member(ctx.node.node_id)
+    member = rnd.member
     if member is None:
         raise ValueError(f"Node {ctx.node.node_id} is not in round {rnd.generation}.")
-    group_rank = [m.node_id for m in rnd.members].index(member.node_id)
+    group_rank = member.group_rank
     rank = member.first_rank + local_rank
     env = {k: v for k, v in base.items() if k not in SECRET_VARIABLES}  # workers never see etcd
     env.update(
@@ -58,7 +58,7 @@ def worker_env(
         WORLD_SIZE=str(rnd.world_size),
         LOCAL_WORLD_SIZE=str(member.workers),
         GROUP_RANK=str(group_rank),
-        GROUP_WORLD_SIZE=str(len(rnd.members)),
+        GROUP_WORLD_SIZE=str(rnd.nodes),
         ROLE_RANK=str(rank),
         ROLE_WORLD_SIZE=str(rnd.world_size),
         ROLE_NAME=ctx.role,

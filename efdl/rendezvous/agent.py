@@ -1,13 +1,16 @@
 """One node's part in a job's rendezvous: register, elect, follow (or write) rounds.
 
 The etcd I/O around :func:`~efdl.rendezvous.decide.decide`. Traffic per agent is O(1) per
-round: every agent watches the round key and, for the election, only the node key just
-before its own (etcd's election pattern); only the leader watches all node records.
+round, in requests and in bytes: every agent watches the round key (whose size does not grow
+with the fleet), reads its own member record once per round, and, for the election, watches
+only the node key just before its own (etcd's election pattern, found with one sorted,
+limited range request); only the leader reads and watches all node records.
 
 Keys (``/efdl/<job>/``): ``nodes/<id>`` (the node record, bound to the agent's lease; the
-oldest is the leader), ``steps/<id>`` (the committed step, bound to the lease), ``round``
-(written by the leader with compare-and-swap on its previous revision and on the leader's
-own node record, so a leader whose lease is gone cannot write).
+oldest is the leader), ``steps/<id>`` (the committed step, bound to the lease),
+``members/<id>`` (the node's place in the newest active round, written by the leader before
+the round), ``round`` (written by the leader with compare-and-swap on its previous revision
+and on the leader's own node record, so a leader whose lease is gone cannot write).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from efdl.errors import (
+    CompactedError,
     DuplicateNodeError,
     LeaseLostError,
     RendezvousClosedError,
@@ -30,6 +34,7 @@ from efdl.errors import (
 )
 from efdl.rendezvous.api import (
     Compare,
+    Delete,
     EventType,
     Get,
     KeyValue,
@@ -40,7 +45,14 @@ from efdl.rendezvous.api import (
 )
 from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
 from efdl.rendezvous.lease import LeaseSession
-from efdl.rendezvous.model import JobKeys, NodeRecord, RecordError, Round, RoundStatus
+from efdl.rendezvous.model import (
+    JobKeys,
+    Member,
+    NodeRecord,
+    RecordError,
+    Round,
+    RoundStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +62,9 @@ _Item = tuple[str, WatchBatch | StoreError | None]
 # trying through an etcd blip before the agent gives up on it. Each attempt already fails over
 # between members within the request timeout; this spans a restart of etcd itself.
 BLIP_S = 30.0
+# Operations per transaction when the leader writes the members' records: etcd's default
+# --max-txn-ops.
+TXN_OPS = 128
 
 
 def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: float = 0.5) -> T:
@@ -60,7 +75,7 @@ def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: 
     while True:
         try:
             return fn()
-        except LeaseLostError:  # not a blip: this node is no longer a member
+        except (LeaseLostError, CompactedError):  # not a blip
             raise
         except StoreError as exc:
             if time.monotonic() >= deadline:
@@ -80,6 +95,31 @@ def parse_nodes(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, NodeView]
         except RecordError as exc:
             log.error("Job %s: ignoring a bad node record: %s", keys.job_id, exc)
     return nodes
+
+
+def parse_members(kvs: tuple[KeyValue, ...], r: Round | None, keys: JobKeys) -> tuple[Member, ...]:
+    """The members of round ``r`` (in rank order) among ``members/`` keys: the records that
+    carry its round id; others are left over from other rounds."""
+    if r is None or r.status is not RoundStatus.ACTIVE:
+        return ()
+    members = []
+    for kv in kvs:
+        try:
+            m = Member.from_json(kv.value, kv.key)
+        except RecordError as exc:
+            log.error("Job %s: ignoring a bad member record: %s", keys.job_id, exc)
+            continue
+        if m.round_id == r.round_id:
+            members.append(m)
+    if len(members) != r.nodes:
+        log.error(
+            "Job %s: round %d has %d nodes but %d member records.",
+            keys.job_id,
+            r.generation,
+            r.nodes,
+            len(members),
+        )
+    return tuple(sorted(members, key=lambda m: m.first_rank))
 
 
 def parse_round(kv: KeyValue | None, keys: JobKeys) -> Round | None:
@@ -143,6 +183,10 @@ class RendezvousAgent:
         self._round: Round | None = None  # the newest round seen, ready or not
         self._ready: Round | None = None  # the newest ready round: what the node acts on
         self._round_mod_revision = 0
+        # The members of the newest active round, while this node leads (it wrote them, or
+        # read them when it took over), and that round's id.
+        self._members: tuple[Member, ...] = ()
+        self._members_of = ""
         self._is_leader = False
         self._stopped = False
         self._failure = ""  # why the rendezvous thread died, if it did
@@ -322,13 +366,16 @@ class RendezvousAgent:
                 or (parsed.generation == latest.generation and parsed.ready and not latest.ready)
             ):
                 self._round = latest = parsed
-            if not latest.ready:
-                head = latest.members[0].node_id
-                if head == self.node_id:
-                    self._inbox.put(("serve", None))
-                return
-            if self._ready is not None and self._ready.generation >= latest.generation:
-                return
+            acted = self._ready.generation if self._ready is not None else 0
+        if not latest.ready:
+            if latest.head == self.node_id:
+                self._inbox.put(("serve", None))
+            return
+        if acted >= latest.generation:
+            return
+        if latest.status is RoundStatus.ACTIVE:
+            latest = replace(latest, member=self._own_member(latest))
+        with self._cond:
             self._ready = latest
             self._cond.notify_all()
         log.info(
@@ -342,6 +389,28 @@ class RendezvousAgent:
         )
         if self._on_round is not None:
             self._on_round(latest)
+
+    def _own_member(self, r: Round) -> Member | None:
+        """This node's record in active round ``r`` (None: not a member), as it was when the
+        leader had written them all: one small read, unless this node wrote the round."""
+        if self._members_of == r.round_id:
+            return next((m for m in self._members if m.node_id == self.node_id), None)
+        key = self.keys.member(self.node_id)
+        try:
+            kv = retried(
+                "read this node's place in the round",
+                lambda: self._store.get(key, revision=r.members_revision),
+            )
+        except CompactedError:  # an old round: nothing has been written since, as a rule
+            kv = retried("read this node's place in the round", lambda: self._store.get(key))
+        if kv is None:
+            return None
+        try:
+            member = Member.from_json(kv.value, key)
+        except RecordError as exc:
+            log.error("%s: ignoring a bad member record: %s", self._tag(), exc)
+            return None
+        return member if member.round_id == r.round_id else None
 
     def _serve(self, r: Round) -> int:
         try:
@@ -358,7 +427,7 @@ class RendezvousAgent:
         """As rank 0 of a new round: serve its fresh store, put the port into the round."""
         with self._cond:
             current, mod_revision = self._round, self._round_mod_revision
-        if current is None or current.ready or current.members[0].node_id != self.node_id:
+        if current is None or current.ready or current.head != self.node_id:
             return
         done = replace(current, store_port=self._serve(current))
         result = self._store.txn(
@@ -384,15 +453,15 @@ class RendezvousAgent:
     def _run(self) -> None:
         watches: list[Watch] = []
         try:
-            snap = self._store.get_prefix(self.keys.prefix)
-            round_kv = next((kv for kv in snap.kvs if kv.key == self.keys.round), None)
-            self._set_round(round_kv)
-            start = snap.revision + 1
+            # Two small reads, not the job's prefix: O(1) bytes per agent at any fleet size.
+            read = retried("read the round", lambda: self._store.txn([], [Get(self.keys.round)]))
+            self._set_round(read.gets[0][0] if read.gets[0] else None)
             watches.append(
-                self._store.watch(self.keys.round, start_revision=start, sink=self._sink("round"))
+                self._store.watch(
+                    self.keys.round, start_revision=read.revision + 1, sink=self._sink("round")
+                )
             )
-            node_kvs = tuple(kv for kv in snap.kvs if kv.key.startswith(self.keys.nodes))
-            self._loop(node_kvs, start)
+            self._loop()
         except LeaseLostError:
             pass
         except Exception as exc:
@@ -410,22 +479,26 @@ class RendezvousAgent:
             for w in watches:
                 w.cancel()
 
-    def _follow(self, node_kvs: tuple[KeyValue, ...], start: int) -> tuple[bool, Watch | None]:
-        """Watch the node just before ours; (True, None) if there is none: we lead."""
-        older = [kv for kv in node_kvs if kv.create_revision < self._my_revision]
-        if not older:
-            return True, None
-        pred = max(older, key=lambda kv: kv.create_revision)
-        return False, self._store.watch(pred.key, start_revision=start, sink=self._sink("pred"))
+    def _follow(self) -> Watch | None:
+        """Watch the node just before ours; None if there is none: we lead."""
+        snap = retried(
+            "find the node before this one",
+            lambda: self._store.last_created(self.keys.nodes, self._my_revision),
+        )
+        if not snap.kvs:
+            return None
+        return self._store.watch(
+            snap.kvs[0].key, start_revision=snap.revision + 1, sink=self._sink("pred")
+        )
 
-    def _loop(self, node_kvs: tuple[KeyValue, ...], start: int) -> None:
-        leads, pred_watch = self._follow(node_kvs, start)
+    def _loop(self) -> None:
+        pred_watch = self._follow()
         nodes_watch: Watch | None = None
         nodes: dict[str, NodeView] = {}
         last_change = self._clock()
         wake_at: float | None = None
-        if leads:
-            nodes_watch, nodes = self._lead(node_kvs, start)
+        if pred_watch is None:
+            nodes_watch, nodes = self._lead()
         while True:
             timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
             try:
@@ -454,12 +527,9 @@ class RendezvousAgent:
                 if any(ev.type is EventType.DELETE for ev in item.events):
                     if pred_watch is not None:
                         pred_watch.cancel()
-                    snap = retried(
-                        "list the job's nodes", lambda: self._store.get_prefix(self.keys.nodes)
-                    )
-                    leads, pred_watch = self._follow(snap.kvs, snap.revision + 1)
-                    if leads:
-                        nodes_watch, nodes = self._lead(snap.kvs, snap.revision + 1)
+                    pred_watch = self._follow()
+                    if pred_watch is None:
+                        nodes_watch, nodes = self._lead()
                         last_change = self._clock()
             elif tag == "nodes" and isinstance(item, WatchBatch):
                 if item.reset:
@@ -483,23 +553,41 @@ class RendezvousAgent:
             if w is not None:
                 w.cancel()
 
-    def _lead(
-        self, node_kvs: tuple[KeyValue, ...], start: int
-    ) -> tuple[Watch, dict[str, NodeView]]:
+    def _lead(self) -> tuple[Watch, dict[str, NodeView]]:
+        """Become the leader: read every node record (the one agent that does) and watch them."""
         with self._cond:
             self._is_leader = True
         log.info("%s: this node leads the job.", self._tag())
+        snap = retried("list the job's nodes", lambda: self._store.get_prefix(self.keys.nodes))
         watch = self._store.watch(
-            self.keys.nodes, prefix=True, start_revision=start, sink=self._sink("nodes")
+            self.keys.nodes, prefix=True, start_revision=snap.revision + 1, sink=self._sink("nodes")
         )
         self._inbox.put(("wake", None))
-        return watch, parse_nodes(node_kvs, self.keys)
+        return watch, parse_nodes(snap.kvs, self.keys)
+
+    def _current_members(self, r: Round | None) -> tuple[Member, ...]:
+        """The members of round ``r``: known if this node wrote it, else read (once)."""
+        if r is None or r.status is not RoundStatus.ACTIVE:
+            return ()
+        if self._members_of != r.round_id:
+            try:
+                snap = self._store.get_prefix(self.keys.members, revision=r.members_revision)
+            except CompactedError:
+                snap = self._store.get_prefix(self.keys.members)
+            self._members, self._members_of = parse_members(snap.kvs, r, self.keys), r.round_id
+        return self._members
 
     def _decide(self, nodes: dict[str, NodeView], last_change: float) -> float | None:
         """Decide once as leader; write the round if there is one. Returns when to wake."""
         with self._cond:
             current = self._round
-        view = JobView(nodes, current, {}, last_change, self.node_id)
+        view = JobView(
+            nodes,
+            current,
+            last_change=last_change,
+            leader=self.node_id,
+            members=self._current_members(current),
+        )
         now = self._clock()
         decision = decide(view, self._policy, now)
         if decision.round is None:
@@ -510,7 +598,10 @@ class RendezvousAgent:
         if decision.round is None:
             return decision.wake_at
         new = decision.round
-        if new.status is RoundStatus.ACTIVE and new.members[0].node_id == self.node_id:
+        if decision.members:
+            gone = {m.node_id for m in view.members} - {m.node_id for m in decision.members}
+            new = replace(new, members_revision=self._write_members(decision.members, gone))
+        if new.status is RoundStatus.ACTIVE and new.head == self.node_id:
             new = replace(new, store_port=self._serve(new))  # one write, not two
         result = self._store.txn(
             [
@@ -521,21 +612,43 @@ class RendezvousAgent:
             [Get(self.keys.round), Get(self.keys.node(self.node_id))],
         )
         if result.succeeded:
+            if decision.members:
+                self._members, self._members_of = decision.members, new.round_id
             kv = KeyValue(self.keys.round, new.to_json(), 0, result.revision)
             self._set_round(kv)
             return None
         round_kvs, mine = result.gets
         if not mine or mine[0].create_revision != self._my_revision:
-            log.error("%s: our node record is gone; no longer leading.", self._tag())
-            with self._cond:
-                self._is_leader = False
-            raise LeaseLostError("The node record is gone.")
+            self._not_leading()
         log.info("%s: the round changed under us; deciding again.", self._tag())
         if round_kvs:
             self._set_round(round_kvs[0])
         else:
             self._round_deleted()
         return self._clock()
+
+    def _write_members(self, members: tuple[Member, ...], gone: set[str]) -> int:
+        """Write the members' records of the next round (and delete those of the nodes that
+        left), TXN_OPS per transaction, each only while this node's record stands (a leader
+        whose lease is gone cannot write); returns the revision after the last."""
+        ops: list[Put | Delete] = [Put(self.keys.member(m.node_id), m.to_json()) for m in members]
+        ops += [Delete(self.keys.member(n)) for n in sorted(gone)]
+        revision = 0
+        for i in range(0, len(ops), TXN_OPS):
+            result = self._store.txn(
+                [Compare.create_revision_is(self.keys.node(self.node_id), self._my_revision)],
+                ops[i : i + TXN_OPS],
+            )
+            if not result.succeeded:
+                self._not_leading()
+            revision = result.revision
+        return revision
+
+    def _not_leading(self) -> NoReturn:
+        log.error("%s: our node record is gone; no longer leading.", self._tag())
+        with self._cond:
+            self._is_leader = False
+        raise LeaseLostError("The node record is gone.")
 
     def _read_steps(self) -> dict[str, int]:
         snap = self._store.get_prefix(self.keys.steps)

@@ -256,11 +256,23 @@ class KVStore(abc.ABC):
         """Where the store is, for log lines and error messages."""
 
     @abc.abstractmethod
-    def get(self, key: str) -> KeyValue | None: ...
+    def get(self, key: str, revision: int = 0) -> KeyValue | None:
+        """``key`` as it is (``revision`` 0) or was at ``revision``.
+
+        Raises:
+            CompactedError: ``revision`` was compacted.
+        """
 
     @abc.abstractmethod
-    def get_prefix(self, prefix: str) -> PrefixSnapshot:
-        """Every key starting with ``prefix`` (sorted by key) and the revision it was read at."""
+    def get_prefix(self, prefix: str, revision: int = 0) -> PrefixSnapshot:
+        """Every key starting with ``prefix`` (sorted by key), as it is or was at ``revision``
+        (as :meth:`get`), and the revision it was read at."""
+
+    @abc.abstractmethod
+    def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
+        """The key under ``prefix`` created last before revision ``before`` (none: an empty
+        snapshot), and the revision it was read at: etcd's election pattern, one key in the
+        answer however many there are."""
 
     @abc.abstractmethod
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:

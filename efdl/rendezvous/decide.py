@@ -22,6 +22,7 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -82,6 +83,7 @@ class JobView:
         steps: the committed step each node published (missing: none yet).
         last_change: when the leader last saw a node join (for the settle window).
         leader: the deciding node's id (written into the round).
+        members: the members of ``round`` when it is active, in rank order.
     """
 
     nodes: Mapping[str, NodeView]
@@ -89,6 +91,7 @@ class JobView:
     steps: Mapping[str, int] = field(default_factory=dict)
     last_change: float = 0.0
     leader: str = ""
+    members: tuple[Member, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ class Decision:
 
     Attributes:
         round: the round to write (compare-and-swap on the current one), or None.
+        members: its members, in rank order, each stamped with the round (written first).
         wake_at: decide again at this time even if nothing happens (settle, timeout).
         reason: why, for the log line and the round record.
     """
@@ -104,6 +108,7 @@ class Decision:
     round: Round | None
     wake_at: float | None
     reason: str
+    members: tuple[Member, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +124,7 @@ class Assignment:
 def assign(view: JobView, policy: Policy) -> Assignment:
     """Who trains, with how many workers, at which ranks (see the module rules)."""
     prev = view.round
-    prev_members = prev.members if prev and prev.status is RoundStatus.ACTIVE else ()
+    prev_members = view.members if prev and prev.status is RoundStatus.ACTIVE else ()
     step = {n: view.steps.get(n, NO_STEP) for n in view.nodes}
     survivors = [m for m in prev_members if m.node_id in view.nodes]
     surviving = {m.node_id for m in survivors}
@@ -147,7 +152,7 @@ def assign(view: JobView, policy: Policy) -> Assignment:
     if order:
         best = max(range(len(order)), key=lambda i: (step[order[i]], -i))
         order.insert(0, order.pop(best))
-    members = []
+    members: list[Member] = []
     rank = 0
     for node_id in order:
         node = view.nodes[node_id]
@@ -159,6 +164,7 @@ def assign(view: JobView, policy: Policy) -> Assignment:
                 node.record.host,
                 node.record.incarnation,
                 node.joined_revision,
+                group_rank=len(members),
             )
         )
         rank += counts[node_id]
@@ -204,16 +210,16 @@ def _changes(view: JobView, assignment: Assignment) -> _Changes:
     prev = view.round
     if prev is None or prev.status is not RoundStatus.ACTIVE:
         return _Changes([], [], [], [m.node_id for m in assignment.members])
-    kept = [m for m in prev.members if m.node_id in view.nodes]
+    kept = [m for m in view.members if m.node_id in view.nodes]
     # A member whose record was made again (its agent was fenced, or restarted under the same
     # id, and the leader never saw the old record go) is a new member. Revision 0: a round
     # written before revisions were recorded, which says nothing.
     rejoined = [
         m.node_id for m in kept if m.revision not in (0, view.nodes[m.node_id].joined_revision)
     ]
-    before = {m.node_id for m in prev.members}
+    before = {m.node_id for m in view.members}
     return _Changes(
-        departed=[m.node_id for m in prev.members if m.node_id not in view.nodes],
+        departed=[m.node_id for m in view.members if m.node_id not in view.nodes],
         restarted=[
             m.node_id
             for m in kept
@@ -235,7 +241,7 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     base = Round(
         generation=generation,
         status=RoundStatus.WAITING,
-        spares=assignment.spares,
+        spares=len(assignment.spares),
         leader=view.leader,
         created=now,
         since=now,
@@ -254,17 +260,16 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
             return Decision(None, deadline, f"waiting: {waiting}")
         lost = ""
         if prev is not None and prev.status is RoundStatus.ACTIVE:
-            gone = [m.node_id for m in prev.members if m.node_id not in view.nodes]
+            gone = [m.node_id for m in view.members if m.node_id not in view.nodes]
             lost = f"{names(gone)} left; " if gone else ""
         reason = f"{lost}waiting: {waiting}"
-        spares = tuple(sorted(view.nodes, key=lambda n: view.nodes[n].joined_revision))
-        return Decision(_with(base, spares=spares, reason=reason), None, reason)
+        return Decision(_with(base, spares=len(view.nodes), reason=reason), None, reason)
 
     changes = _changes(view, assignment)
     same_shape = (
         prev is not None
         and prev.status is RoundStatus.ACTIVE
-        and (prev.shape() == tuple((m.node_id, m.workers) for m in assignment.members))
+        and _shape(view.members) == _shape(assignment.members)
     )
     if same_shape and not (changes.restarted or changes.rejoined):
         return Decision(None, None, "no change")
@@ -275,15 +280,29 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     if not urgent and now < settle_until:
         return Decision(None, settle_until, f"settling ({reason})")
     head = view.nodes[assignment.members[0].node_id].record
+    round_id = hashlib.blake2b(
+        f"{view.leader}|{generation}|{now!r}".encode(), digest_size=8
+    ).hexdigest()
     new = _with(
         base,
         status=RoundStatus.ACTIVE,
-        members=assignment.members,
+        world_size=assignment.workers,
+        nodes=len(assignment.members),
+        head=head.node_id,
+        round_id=round_id,
         store_host=head.host,
         store_port=0,  # the rank-0 node's agent fills it in once its fresh store serves
         reason=reason,
     )
-    return Decision(new, None, reason)
+    members = tuple(
+        replace(m, generation=generation, round_id=round_id) for m in assignment.members
+    )
+    return Decision(new, None, reason, members)
+
+
+def _shape(members: tuple[Member, ...]) -> tuple[tuple[str, int], ...]:
+    """The (node, workers) layout in rank order: equal shapes need no new round."""
+    return tuple((m.node_id, m.workers) for m in members)
 
 
 def _with(base: Round, **changes: object) -> Round:

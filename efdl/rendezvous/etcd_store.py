@@ -33,7 +33,7 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
-from efdl.errors import StoreAuthError, StoreConnectionError, StoreError
+from efdl.errors import CompactedError, StoreAuthError, StoreConnectionError, StoreError
 from efdl.rendezvous.api import (
     NO_LEASE,
     Compare,
@@ -265,6 +265,8 @@ class EtcdStore(KVStore):
                 f"etcd at {endpoint} refused {what} for {who}: {details}. Check the user, the "
                 "password (EFDL_ETCD_PASSWORD or --etcd-password-file) and the user's role."
             )
+        if code is grpc.StatusCode.OUT_OF_RANGE and "compacted" in (details or ""):
+            return CompactedError(f"etcd at {endpoint} could not {what}: {details}.")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return StoreConnectionError(
                 f"etcd at {endpoint} did not answer {what} ({code.name}: {details})."
@@ -344,19 +346,37 @@ class EtcdStore(KVStore):
 
     # ---------------------------------------------------------------- KV
 
-    def get(self, key: str) -> KeyValue | None:
+    def get(self, key: str, revision: int = 0) -> KeyValue | None:
+        request = etcdrpc.RangeRequest(key=_b(key), revision=revision)
         resp = self._call(
-            f"get {key}",
-            lambda ch, md, t: ch.kv.Range(
-                etcdrpc.RangeRequest(key=_b(key)), timeout=t, metadata=md
-            ),
+            f"get {key}" + (f" at revision {revision}" if revision else ""),
+            lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
         return _kv(resp.kvs[0]) if resp.kvs else None
 
-    def get_prefix(self, prefix: str) -> PrefixSnapshot:
-        request = etcdrpc.RangeRequest(key=_b(prefix), range_end=prefix_range_end(_b(prefix)))
+    def get_prefix(self, prefix: str, revision: int = 0) -> PrefixSnapshot:
+        request = etcdrpc.RangeRequest(
+            key=_b(prefix), range_end=prefix_range_end(_b(prefix)), revision=revision
+        )
         resp = self._call(
-            f"get prefix {prefix}",
+            f"get prefix {prefix}" + (f" at revision {revision}" if revision else ""),
+            lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+        )
+        return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
+
+    def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
+        request = etcdrpc.RangeRequest(
+            key=_b(prefix),
+            range_end=prefix_range_end(_b(prefix)),
+            limit=1,
+            sort_order=etcdrpc.RangeRequest.DESCEND,
+            sort_target=etcdrpc.RangeRequest.CREATE,
+            # 0 would mean no bound to etcd; nothing is created before revision 1 (count only).
+            max_create_revision=before - 1,
+            count_only=before <= 1,
+        )
+        resp = self._call(
+            f"get the last key created under {prefix} before revision {before}",
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)

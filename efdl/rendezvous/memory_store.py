@@ -10,10 +10,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from efdl.errors import StoreError
+from efdl.errors import CompactedError, StoreError
 from efdl.rendezvous.api import (
     NO_LEASE,
     Compare,
@@ -63,6 +63,7 @@ class MemoryStore(KVStore):
         self._revision = 1
         self._compacted = 0
         self._history: list[WatchEvent] = []
+        self._base: dict[str, KeyValue] = {}  # the keys before revision _compacted
         self._leases: dict[int, _Lease] = {}
         self._lease_ids = itertools.count(0x1000)
         self._watchers: list[_Watcher] = []
@@ -176,17 +177,41 @@ class MemoryStore(KVStore):
 
     # ---------------------------------------------------------------- KVStore
 
-    def get(self, key: str) -> KeyValue | None:
+    def get(self, key: str, revision: int = 0) -> KeyValue | None:
         with self._cond:
             self._check_open()
             self._expire()
+            if revision:
+                return self._at(revision).get(key)
             return self._kvs.get(key)
 
-    def get_prefix(self, prefix: str) -> PrefixSnapshot:
+    def get_prefix(self, prefix: str, revision: int = 0) -> PrefixSnapshot:
         with self._cond:
             self._check_open()
             self._expire()
+            if revision:
+                kvs = self._at(revision)
+                return PrefixSnapshot(
+                    tuple(kvs[k] for k in sorted(kvs) if k.startswith(prefix)), self._revision
+                )
             return PrefixSnapshot(self._range(prefix, True), self._revision)
+
+    def _at(self, revision: int) -> dict[str, KeyValue]:
+        """Every key as it was at ``revision`` (hold _cond)."""
+        if revision < self._compacted:
+            raise CompactedError(
+                f"The {self.description} compacted revision {revision} (compacted up to "
+                f"{self._compacted})."
+            )
+        return _replay(self._base, (e for e in self._history if e.kv.mod_revision <= revision))
+
+    def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
+        with self._cond:
+            self._check_open()
+            self._expire()
+            older = [kv for kv in self._range(prefix, True) if kv.create_revision < before]
+            newest = max(older, key=lambda kv: kv.create_revision, default=None)
+            return PrefixSnapshot((newest,) if newest else (), self._revision)
 
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         return self.txn([], [Put(key, value, lease)]).revision
@@ -287,7 +312,11 @@ class MemoryStore(KVStore):
                     f"Cannot compact the {self.description} to revision {revision}: "
                     f"it is only at {self._revision}."
                 )
-            self._compacted = max(self._compacted, revision)
+            if revision > self._compacted:
+                self._base = _replay(
+                    self._base, (e for e in self._history if e.kv.mod_revision < revision)
+                )
+                self._compacted = revision
             self._history = [e for e in self._history if e.kv.mod_revision >= revision]
 
     def close(self) -> None:
@@ -297,6 +326,16 @@ class MemoryStore(KVStore):
                 w.watch.cancel()
             self._watchers.clear()
             self._cond.notify_all()
+
+
+def _replay(base: dict[str, KeyValue], events: Iterable[WatchEvent]) -> dict[str, KeyValue]:
+    kvs = dict(base)
+    for e in events:
+        if e.type is EventType.PUT:
+            kvs[e.kv.key] = e.kv
+        else:
+            kvs.pop(e.kv.key, None)
+    return kvs
 
 
 __all__ = ["MemoryStore"]

@@ -80,20 +80,27 @@ class JobKeys:
         return self.steps + node_id
 
     @property
+    def members(self) -> str:
+        return self.prefix + "members/"
+
+    def member(self, node_id: str) -> str:
+        return self.members + node_id
+
+    @property
     def cache(self) -> str:
         """The newest persisted snapshot (not bound to a lease: it outlives every node)."""
         return self.prefix + "cache"
 
     def node_id_of(self, key: str) -> str:
-        """The node id at the end of a ``nodes/`` or ``steps/`` key."""
+        """The node id at the end of a ``nodes/``, ``steps/`` or ``members/`` key."""
         return key.rsplit("/", 1)[-1]
 
 
 # ---------------------------------------------------------------- validation helpers
 
 
-# etcd's default request limit (--max-request-bytes): no record efdl writes comes near it (a
-# round of 4096 nodes with 64-character ids is about 0.8 MB; tests/unit/test_model.py).
+# etcd's default request limit (--max-request-bytes): no record efdl writes comes near it (no
+# record grows with the fleet; tests/unit/test_model.py writes one of 4096 nodes).
 RECORD_LIMIT = 3 << 19
 
 
@@ -278,31 +285,72 @@ class RoundStatus(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One node in a round: how many workers it runs and the global rank of its first one."""
+    """One node's place in a round, under ``members/<node_id>``: how many workers it runs and
+    the global rank of its first one. The leader writes every member's record before the
+    round; a node reads only its own (so no record and no watch grows with the fleet).
+
+    Attributes:
+        group_rank: the node's index in rank order (torchrun's GROUP_RANK).
+        incarnation, revision: what the node's record said when the round was made: its
+            incarnation (a higher one later: it restarted its workers) and the etcd revision
+            that created it (another one later: it joined again under the same id, e.g. after
+            being fenced). 0: not recorded.
+        generation, round_id: the round it was written for; a record whose ``round_id`` is
+            not the round's is left over from another round (its node is not a member).
+    """
 
     node_id: str
     workers: int
     first_rank: int
     host: str = ""
-    # What the node's record said when the round was made: its incarnation (a higher one
-    # later: it restarted its workers) and the etcd revision that created it (another one
-    # later: it joined again under the same id, e.g. after being fenced). 0: not recorded.
     incarnation: int = 0
     revision: int = 0
+    group_rank: int = 0
+    generation: int = 0
+    round_id: str = ""
 
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.workers)
 
+    def to_json(self) -> bytes:
+        return _dump(asdict(self))
+
+    @staticmethod
+    def from_json(raw: bytes, key: str) -> Member:
+        where = f"The member record at {key}"
+        data = _load(raw, where)
+        member = Member(
+            _text(data, "node_id", where, 128),
+            _count(data, "workers", where, 1, 4096),
+            _count(data, "first_rank", where, 0, 1 << 20),
+            _text(data, "host", where),
+            _count(data, "incarnation", where, 0, 1 << 40),
+            _count(data, "revision", where, 0, 1 << 62),
+            _count(data, "group_rank", where, 0, 1 << 20),
+            _count(data, "generation", where, 1, 1 << 40),
+            _text(data, "round_id", where, 64),
+        )
+        if key.rsplit("/", 1)[-1] != member.node_id:
+            raise RecordError(f"{where} names node {member.node_id!r}, not the node of its key.")
+        return member
+
 
 @dataclass(frozen=True, slots=True)
 class Round:
-    """One generation of the job, written by the leader alone with compare-and-swap.
+    """One generation of the job, written by the leader alone with compare-and-swap, under
+    ``round``; every agent watches it, so its size does not depend on the fleet's: the
+    members are in records of their own (:class:`Member`).
 
     Attributes:
         generation: 1, 2, ...; each round is acted on exactly once.
         status: what agents do with it.
-        members: in rank order; ranks within a node are contiguous.
-        spares: admitted nodes are members; these wait beyond --max.
+        world_size: workers in the round.
+        nodes: member nodes in the round.
+        head: the node that runs rank 0 (serves the generation's c10d store).
+        round_id: names this round; its members' records carry it.
+        members_revision: the etcd revision at which the leader had written every member's
+            record (later writes may be of the next round's); a node reads its own there.
+        spares: live nodes beyond the members (waiting beyond --max, or below --min).
         store_host, store_port: the c10d store of this generation, served fresh by the rank-0
             node's agent; port 0 until that agent has published it.
         store_prefix: key prefix in that store; fresh per generation so nothing stale is read.
@@ -310,22 +358,25 @@ class Round:
         leader: the node that wrote it.
         since: wall-clock seconds when the current state (e.g. WAITING) began.
         created: wall-clock seconds when this round was written.
+        member: the reading node's own member record (None: not a member); filled in by the
+            node's agent, not part of the round key.
     """
 
     generation: int
     status: RoundStatus
-    members: tuple[Member, ...] = ()
-    spares: tuple[str, ...] = ()
+    world_size: int = 0
+    nodes: int = 0
+    head: str = ""
+    round_id: str = ""
+    members_revision: int = 0
+    spares: int = 0
     store_host: str = ""
     store_port: int = 0
     reason: str = ""
     leader: str = ""
     since: float = 0.0
     created: float = 0.0
-
-    @property
-    def world_size(self) -> int:
-        return sum(m.workers for m in self.members)
+    member: Member | None = None
 
     @property
     def ready(self) -> bool:
@@ -338,18 +389,11 @@ class Round:
     def store_prefix(self) -> str:
         return f"efdl/gen{self.generation}/"
 
-    def member(self, node_id: str) -> Member | None:
-        return next((m for m in self.members if m.node_id == node_id), None)
-
-    def shape(self) -> tuple[tuple[str, int], ...]:
-        """The (node, workers) layout in rank order: equal shapes need no new round."""
-        return tuple((m.node_id, m.workers) for m in self.members)
-
     def to_json(self) -> bytes:
         data = asdict(self)
+        del data["member"]
         data["status"] = self.status.value
         # Derived, but written out for people reading the key with etcdctl.
-        data["world_size"] = self.world_size
         data["store_prefix"] = self.store_prefix
         return _dump(data)
 
@@ -365,34 +409,23 @@ class Round:
                 f"{where} has status {status_text!r}; expected one of "
                 f"{', '.join(s.value for s in RoundStatus)}."
             ) from None
-        members = []
-        next_rank = 0
-        for i, m in enumerate(_field(data, "members", list, where)):
-            mw = f"{where} (members[{i}])"
-            m = _obj(m, mw)
-            member = Member(
-                _text(m, "node_id", mw, 128),
-                _count(m, "workers", mw, 1, 4096),
-                _count(m, "first_rank", mw, 0, 1 << 20),
-                _text(m, "host", mw),
-                _count(m, "incarnation", mw, 0, 1 << 40) if "incarnation" in m else 0,
-                _count(m, "revision", mw, 0, 1 << 62) if "revision" in m else 0,
-            )
-            if member.first_rank != next_rank:
-                raise RecordError(f"{mw} starts at rank {member.first_rank}; expected {next_rank}.")
-            next_rank += member.workers
-            members.append(member)
-        if len({m.node_id for m in members}) != len(members):
-            raise RecordError(f"{where} lists a node twice.")
-        if "world_size" in data and data["world_size"] != next_rank:
+        world_size = _count(data, "world_size", where, 0, 1 << 20)
+        nodes = _count(data, "nodes", where, 0, 1 << 20)
+        head = _text(data, "head", where, 128)
+        if status is RoundStatus.ACTIVE and not (0 < nodes <= world_size and head):
             raise RecordError(
-                f"{where} says world size {data['world_size']!r} but its members have {next_rank}."
+                f"{where} is active with {nodes} nodes, {world_size} workers and head {head!r}; "
+                "expected at least one node, no more nodes than workers, and a head node."
             )
         return Round(
             generation=_count(data, "generation", where, 1, 1 << 40),
             status=status,
-            members=tuple(members),
-            spares=tuple(str(s) for s in _field(data, "spares", list, where)),
+            world_size=world_size,
+            nodes=nodes,
+            head=head,
+            round_id=_text(data, "round_id", where, 64),
+            members_revision=_count(data, "members_revision", where, 0, 1 << 62),
+            spares=_count(data, "spares", where, 0, 1 << 20),
             store_host=_text(data, "store_host", where),
             store_port=_count(data, "store_port", where, 0, 65535),
             reason=_text(data, "reason", where, 4096),

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 from dataclasses import asdict, dataclass
 
-from efdl.rendezvous.agent import parse_nodes, parse_round
+from efdl.errors import CompactedError
+from efdl.rendezvous.agent import parse_members, parse_nodes, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
-from efdl.rendezvous.model import CacheRecord, JobKeys, RecordError, Round
+from efdl.rendezvous.model import CacheRecord, JobKeys, Member, RecordError, Round
 
 log = logging.getLogger(__name__)
 
@@ -23,18 +25,20 @@ class JobStatus:
     steps: dict[str, int]
     leader: str | None
     cache: CacheRecord | None = None
+    members: tuple[Member, ...] = ()  # of the round, in rank order
 
     @property
     def spares(self) -> list[str]:
         """Live nodes that are not in the current round (waiting beyond --max, or new)."""
-        members = {m.node_id for m in self.round.members} if self.round else set()
+        members = {m.node_id for m in self.members}
         return sorted(
             (n for n in self.nodes if n not in members), key=lambda n: self.nodes[n].joined_revision
         )
 
 
 def read_status(store: KVStore, job_id: str) -> JobStatus:
-    """One consistent read of the job's keys (a single range request)."""
+    """The job's keys in one range request, and the round's members as they were when the
+    round was written."""
     keys = JobKeys(job_id)
     snap = store.get_prefix(keys.prefix)
     nodes = parse_nodes(tuple(kv for kv in snap.kvs if kv.key.startswith(keys.nodes)), keys)
@@ -51,7 +55,14 @@ def read_status(store: KVStore, job_id: str) -> JobStatus:
             cache = CacheRecord.from_json(cache_kv.value, keys.cache)
         except RecordError as exc:
             log.error("Ignoring a bad cache record: %s", exc)
-    return JobStatus(job_id, parse_round(round_kv, keys), nodes, steps, leader, cache)
+    r = parse_round(round_kv, keys)
+    member_kvs = tuple(kv for kv in snap.kvs if kv.key.startswith(keys.members))
+    if r is not None and r.members_revision:
+        # Compacted: the records as they are now (those of this round still carry its id).
+        with contextlib.suppress(CompactedError):
+            member_kvs = store.get_prefix(keys.members, revision=r.members_revision).kvs
+    members = parse_members(member_kvs, r, keys)
+    return JobStatus(job_id, r, nodes, steps, leader, cache, members)
 
 
 def _when(ts: float) -> str:
@@ -79,10 +90,9 @@ def format_status(st: JobStatus) -> str:
             lines.append(f"  last rescale {_when(r.created)}: {r.reason or '-'}")
         if r.store_port:
             lines.append(f"  c10d store {r.store_host}:{r.store_port}")
-    members = r.members if r else ()
-    if members:
+    if st.members:
         lines.append("  members:")
-    for m in members:
+    for m in st.members:
         view = st.nodes.get(m.node_id)
         gpus = ", ".join(f"{g.index}:{g.model}" for g in view.record.gpus) if view else ""
         state = "" if view else "  (gone)"
@@ -110,6 +120,7 @@ def status_json(st: JobStatus) -> str:
         {
             "job_id": st.job_id,
             "round": json.loads(st.round.to_json()) if st.round else None,
+            "members": [asdict(m) for m in st.members],
             "leader": st.leader,
             "nodes": {n: asdict(v.record) for n, v in st.nodes.items()},
             "steps": st.steps,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from efdl.errors import LeaseLostError
+from efdl.errors import CompactedError, LeaseLostError
 from efdl.rendezvous.api import Compare, Delete, EventType, Get, KVStore, Put, WatchBatch
 from efdl.rendezvous.lease import LeaseSession
 
@@ -38,6 +38,41 @@ def test_put_get_delete_and_prefix_with_revision(store: KVStore, prefix: str) ->
     assert store.get(prefix + "a") is None
     assert store.delete(prefix, prefix=True) == 1
     assert store.get_prefix(prefix).kvs == ()
+
+
+def test_reads_at_a_past_revision_until_it_is_compacted(store: KVStore, prefix: str) -> None:
+    r1 = store.put(prefix + "a", b"1")
+    store.put(prefix + "b", b"x")
+    r3 = store.put(prefix + "a", b"2")
+    store.delete(prefix + "b")
+    r5 = store.put(prefix + "c", b"3")
+    old = store.get(prefix + "a", revision=r1)
+    assert old is not None and old.value == b"1" and old.mod_revision == r1
+    assert [(kv.key, kv.value) for kv in store.get_prefix(prefix, revision=r3).kvs] == [
+        (prefix + "a", b"2"),
+        (prefix + "b", b"x"),
+    ]
+    assert store.get(prefix + "c", revision=r3) is None
+    store.compact(r3)
+    with pytest.raises(CompactedError, match="compacted"):
+        store.get(prefix + "a", revision=r1)
+    kv = store.get(prefix + "a", revision=r3)  # the compaction revision itself stays
+    assert kv is not None and kv.value == b"2"
+    assert [kv.key for kv in store.get_prefix(prefix, revision=r5).kvs] == [
+        prefix + "a",
+        prefix + "c",
+    ]
+
+
+def test_last_created_finds_the_one_key_before_a_revision(store: KVStore, prefix: str) -> None:
+    """etcd's election pattern: one key in the answer however many nodes there are."""
+    revs = [store.put(f"{prefix}n{i}", b"x") for i in (3, 1, 2)]
+    store.put(prefix + "n3", b"y")  # a change keeps the create revision
+    snap = store.last_created(prefix, revs[2])
+    assert [kv.key for kv in snap.kvs] == [prefix + "n1"] and snap.revision >= revs[2]
+    assert [kv.key for kv in store.last_created(prefix, revs[2] + 10).kvs] == [prefix + "n2"]
+    assert store.last_created(prefix, revs[0]).kvs == ()
+    assert store.last_created(prefix, 1).kvs == ()
 
 
 def test_cas_on_create_and_mod_revision(store: KVStore, prefix: str) -> None:

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from efdl.errors import ConfigError
-from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
-from efdl.rendezvous.model import NodeRecord, Round, RoundStatus
+from efdl.rendezvous.decide import Decision, JobView, NodeView, Policy, decide
+from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
 
 T0 = 1_000.0
 
@@ -26,23 +26,26 @@ def node(node_id: str, slots: int = 1, rev: int = 0, incarnation: int = 0) -> tu
 
 def view(
     *nodes: tuple[str, NodeView],
-    round: Round | None = None,
+    round: Decision | None = None,
     steps: dict[str, int] | None = None,
     last_change: float = T0,
 ) -> JobView:
-    return JobView(dict(nodes), round, steps or {}, last_change, leader="a")
+    """What the leader sees after writing ``round`` (a decision: the round and its members)."""
+    current = round.round if round else None
+    members = round.members if round else ()
+    return JobView(dict(nodes), current, steps or {}, last_change, leader="a", members=members)
 
 
-def layout(r: Round | None) -> list[tuple[str, int, int]]:
-    assert r is not None
-    return [(m.node_id, m.workers, m.first_rank) for m in r.members]
+def layout(d: Decision) -> list[tuple[str, int, int]]:
+    assert d.round is not None
+    return [(m.node_id, m.workers, m.first_rank) for m in d.members]
 
 
-def settled(v: JobView, policy: Policy) -> Round:
+def settled(v: JobView, policy: Policy) -> Decision:
     """The round written once the settle window has passed."""
     d = decide(v, policy, T0 + policy.settle_s + 0.01)
     assert d.round is not None, d.reason
-    return d.round
+    return d
 
 
 P = Policy(min_workers=2, max_workers=4, settle_s=1.0, join_timeout_s=60)
@@ -62,9 +65,9 @@ def test_policy_validation() -> None:
 def test_below_min_writes_a_waiting_round_then_waits_then_fails() -> None:
     d = decide(view(node("a")), P, T0)
     assert d.round is not None and d.round.status is RoundStatus.WAITING
-    assert d.round.generation == 1 and d.round.spares == ("a",)
+    assert d.round.generation == 1 and d.round.spares == 1
     assert "1 of the 2 workers needed" in d.reason
-    waiting = d.round
+    waiting = d
     d2 = decide(view(node("a"), round=waiting), P, T0 + 30)
     assert d2.round is None and d2.wake_at == T0 + 60  # no new round while waiting
     d3 = decide(view(node("a"), round=waiting), P, T0 + 60)
@@ -76,31 +79,37 @@ def test_joins_settle_into_one_round() -> None:
     v = view(node("a"), node("b"), last_change=T0)
     early = decide(v, P, T0 + 0.5)
     assert early.round is None and early.wake_at == T0 + 1.0 and "settling" in early.reason
-    r = settled(v, P)
-    assert r.status is RoundStatus.ACTIVE and layout(r) == [("a", 1, 0), ("b", 1, 1)]
+    d = settled(v, P)
+    r = d.round
+    assert r is not None and r.status is RoundStatus.ACTIVE
+    assert layout(d) == [("a", 1, 0), ("b", 1, 1)] and (r.nodes, r.head) == (2, "a")
     assert r.world_size == 2 and (r.store_host, r.store_port) == ("10.0.0.97", 0)
     assert not r.ready  # until the rank-0 node's agent publishes its fresh store
+    assert [(m.group_rank, m.generation, m.round_id) for m in d.members] == [
+        (0, 1, r.round_id),
+        (1, 1, r.round_id),
+    ]
 
 
 def test_reaching_max_skips_the_settle_window() -> None:
     d = decide(view(node("a", 2), node("b", 2)), P, T0)
-    assert d.round is not None and layout(d.round) == [("a", 2, 0), ("b", 2, 2)]
+    assert d.round is not None and layout(d) == [("a", 2, 0), ("b", 2, 2)]
 
 
 def test_partial_node_keeps_the_job_within_max() -> None:
     r = settled(view(node("a", 3), node("b", 8)), P)
     assert layout(r) == [("a", 3, 0), ("b", 1, 3)]
-    assert r.world_size == 4 and r.spares == ()
+    assert r.round is not None and r.round.world_size == 4 and r.round.spares == 0
 
 
 def test_spares_wait_and_take_a_departed_members_place_at_once() -> None:
     r1 = settled(view(node("a", 2), node("b", 2), node("c", 2)), P)
-    assert layout(r1) == [("a", 2, 0), ("b", 2, 2)] and r1.spares == ("c",)
+    assert layout(r1) == [("a", 2, 0), ("b", 2, 2)] and r1.round and r1.round.spares == 1
     # c is a spare: nothing changes while a and b stay
     assert decide(view(node("a", 2), node("b", 2), node("c", 2), round=r1), P, T0 + 5).round is None
     # b dies: c is admitted in the very next round, no settle wait
     d = decide(view(node("a", 2), node("c", 2), round=r1, last_change=T0 + 5), P, T0 + 5)
-    assert d.round is not None and layout(d.round) == [("a", 2, 0), ("c", 2, 2)]
+    assert d.round is not None and layout(d) == [("a", 2, 0), ("c", 2, 2)]
     assert "b left" in d.reason and "c joined" in d.reason and d.round.generation == 2
 
 
@@ -113,18 +122,18 @@ def test_survivors_keep_order_and_ranks_newcomers_appended() -> None:
         T0,
     )
     assert d.round is not None
-    assert layout(d.round) == [("a", 1, 0), ("c", 1, 1), ("d", 1, 2), ("e", 1, 3)]
+    assert layout(d) == [("a", 1, 0), ("c", 1, 1), ("d", 1, 2), ("e", 1, 3)]
 
 
 def test_rank0_goes_to_the_survivor_with_the_newest_step() -> None:
     r1 = settled(view(node("a"), node("b"), node("c")), Policy(2, 8, 1))
     # a (rank 0) died; c committed a newer step than b
     d = decide(view(node("b"), node("c"), round=r1, steps={"b": 10, "c": 12}), Policy(2, 8, 1), T0)
-    assert d.round is not None and layout(d.round) == [("c", 1, 0), ("b", 1, 1)]
+    assert d.round is not None and layout(d) == [("c", 1, 0), ("b", 1, 1)]
     assert d.round.store_host == "10.0.0.99"  # the store moves with rank 0
     # equal steps: the old order stands
     d = decide(view(node("b"), node("c"), round=r1, steps={"b": 12, "c": 12}), Policy(2, 8, 1), T0)
-    assert d.round is not None and layout(d.round) == [("b", 1, 0), ("c", 1, 1)]
+    assert d.round is not None and layout(d) == [("b", 1, 0), ("c", 1, 1)]
 
 
 def test_rank0_is_never_a_newcomer_without_state() -> None:
@@ -134,7 +143,7 @@ def test_rank0_is_never_a_newcomer_without_state() -> None:
         Policy(2, 8, 1),
         T0 + 2,
     )
-    assert d.round is not None and layout(d.round)[0][0] == "a"
+    assert d.round is not None and layout(d)[0][0] == "a"
 
 
 def test_survivor_grows_into_free_slots_before_newcomers() -> None:
@@ -142,7 +151,7 @@ def test_survivor_grows_into_free_slots_before_newcomers() -> None:
     r1 = settled(view(node("a", 3), node("b", 4)), p)
     assert layout(r1) == [("a", 3, 0), ("b", 1, 3)]
     d = decide(view(node("b", 4), node("c", 4), round=r1), p, T0)
-    assert d.round is not None and layout(d.round) == [("b", 4, 0)] and d.round.spares == ("c",)
+    assert d.round is not None and layout(d) == [("b", 4, 0)] and d.round.spares == 1
 
 
 def test_nothing_changes_when_nothing_changed() -> None:
@@ -155,9 +164,9 @@ def test_a_member_restarting_its_workers_gets_a_new_round_at_once() -> None:
     r1 = settled(view(node("a"), node("b")), P)
     d = decide(view(node("a"), node("b", incarnation=1), round=r1, last_change=T0 + 5), P, T0 + 5)
     assert d.round is not None and d.round.generation == 2 and "b restarted its workers" in d.reason
-    assert layout(d.round) == layout(r1) and d.round.members[1].incarnation == 1
+    assert layout(d) == layout(r1) and d.members[1].incarnation == 1
     # and that incarnation is not acted on twice
-    assert decide(view(node("a"), node("b", incarnation=1), round=d.round), P, T0 + 6).round is None
+    assert decide(view(node("a"), node("b", incarnation=1), round=d), P, T0 + 6).round is None
 
 
 def test_members_that_joined_again_under_their_ids_get_a_new_round_at_once() -> None:
@@ -168,8 +177,8 @@ def test_members_that_joined_again_under_their_ids_get_a_new_round_at_once() -> 
     again = view(node("a", rev=500), node("b", rev=501), round=r1, last_change=T0 + 5)
     d = decide(again, P, T0 + 5)
     assert d.round is not None and d.round.generation == 2 and "a, b joined again" in d.reason
-    assert [(m.node_id, m.revision) for m in d.round.members] == [("a", 500), ("b", 501)]
-    assert decide(replace(again, round=d.round), P, T0 + 6).round is None  # acted on once
+    assert [(m.node_id, m.revision) for m in d.members] == [("a", 500), ("b", 501)]
+    assert decide(replace(again, round=d.round, members=d.members), P, T0 + 6).round is None
     # A round written before revisions were recorded: no news, no round.
     old = replace(r1, members=tuple(replace(m, revision=0) for m in r1.members))
     assert decide(view(node("a", rev=500), node("b"), round=old), P, T0 + 6).round is None
@@ -180,10 +189,10 @@ def test_dropping_below_min_stops_training_then_recovers() -> None:
     d = decide(view(node("a"), round=r1), P, T0 + 10)
     assert d.round is not None and d.round.status is RoundStatus.WAITING
     assert "b left" in d.reason and d.round.since == T0 + 10
-    v = view(node("a"), node("c"), round=d.round, last_change=T0 + 20)
+    v = view(node("a"), node("c"), round=d, last_change=T0 + 20)
     back = decide(v, P, T0 + 21.5)
     assert back.round is not None and back.round.status is RoundStatus.ACTIVE
-    assert back.round.generation == 3 and layout(back.round) == [("a", 1, 0), ("c", 1, 1)]
+    assert back.round.generation == 3 and layout(back) == [("a", 1, 0), ("c", 1, 1)]
 
 
 def test_a_new_leader_decides_the_same_and_doubles_nothing() -> None:
@@ -191,23 +200,22 @@ def test_a_new_leader_decides_the_same_and_doubles_nothing() -> None:
     # a (the leader) crashes; b takes over with a fresh view of its own
     d = decide(replace(view(node("b"), node("c"), round=r1), leader="b"), P, T0 + 7)
     assert d.round is not None and d.round.generation == 2 and d.round.leader == "b"
-    assert layout(d.round) == [("b", 1, 0), ("c", 1, 1)]
+    assert layout(d) == [("b", 1, 0), ("c", 1, 1)]
     # once written, the same view yields nothing more
-    assert (
-        decide(replace(view(node("b"), node("c"), round=d.round), leader="b"), P, T0 + 8).round
-        is None
-    )
+    assert decide(replace(view(node("b"), node("c"), round=d), leader="b"), P, T0 + 8).round is None
 
 
 def test_closed_and_failed_jobs_get_no_more_rounds() -> None:
     for status in (RoundStatus.CLOSED, RoundStatus.FAILED):
-        d = decide(view(node("a"), node("b"), round=Round(5, status)), P, T0)
+        d = decide(view(node("a"), node("b"), round=Decision(Round(5, status), None, "")), P, T0)
         assert d.round is None and status.value in d.reason
 
 
 def test_round_roundtrips_through_json() -> None:
-    r = settled(view(node("a", 2), node("b", 2), steps={"a": 3}), P)
-    assert Round.from_json(r.to_json(), "/efdl/j/round") == r
+    d = settled(view(node("a", 2), node("b", 2), steps={"a": 3}), P)
+    assert d.round is not None and Round.from_json(d.round.to_json(), "/efdl/j/round") == d.round
+    for m in d.members:
+        assert Member.from_json(m.to_json(), f"/efdl/j/members/{m.node_id}") == m
 
 
 def test_reasons_name_a_few_nodes_and_count_the_rest() -> None:

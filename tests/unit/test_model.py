@@ -10,6 +10,7 @@ from efdl.errors import ConfigError
 from efdl.rendezvous.model import (
     GpuInfo,
     JobKeys,
+    Member,
     NodeRecord,
     RecordError,
     Round,
@@ -65,29 +66,34 @@ def test_garbage_is_a_record_error(raw: bytes) -> None:
 
 
 def test_bad_rounds() -> None:
-    good = json.loads(Round(3, RoundStatus.ACTIVE).to_json())
+    good = json.loads(
+        Round(3, RoundStatus.ACTIVE, world_size=2, nodes=1, head="a", round_id="x").to_json()
+    )
     for mutate, message in [
         (lambda d: d.update(status="running"), "status 'running'; expected one of active"),
-        (
-            lambda d: d.update(
-                members=[{"node_id": "a", "workers": 1, "first_rank": 1, "host": ""}]
-            ),
-            "starts at rank 1; expected 0",
-        ),
+        (lambda d: d.update(nodes=3), "active with 3 nodes, 2 workers"),
+        (lambda d: d.update(head=""), "and a head node"),
         (lambda d: d.update(generation=0), "'generation' is 0"),
-        (
-            lambda d: d.update(
-                members=[
-                    {"node_id": "a", "workers": 1, "first_rank": 0, "host": "", "revision": -1}
-                ]
-            ),
-            "'revision' is -1",
-        ),
+        (lambda d: d.update(members_revision=-1), "'members_revision' is -1"),
     ]:
         data = dict(good)
         mutate(data)
         with pytest.raises(RecordError, match=message):
             Round.from_json(json.dumps(data).encode(), "/efdl/j/round")
+
+
+def test_bad_members() -> None:
+    good = Member("a", 2, 4, "10.0.0.1", 0, 17, 1, 3, "x")
+    assert Member.from_json(good.to_json(), "/efdl/j/members/a") == good
+    for patch, message in [
+        ({"node_id": "b"}, "names node 'b', not the node of its key"),
+        ({"workers": 0}, "'workers' is 0"),
+        ({"revision": -1}, "'revision' is -1"),
+        ({"round_id": 5}, "'round_id' is 5; expected str"),
+    ]:
+        data = {**json.loads(good.to_json()), **patch}
+        with pytest.raises(RecordError, match=message):
+            Member.from_json(json.dumps(data).encode(), "/efdl/j/members/a")
 
 
 @pytest.mark.parametrize("job_id", ["a/b", "..", "a..b", "", "/abs", "-x", "x" * 200, "a b"])
@@ -133,7 +139,8 @@ def fleet_ids(n: int) -> list[str]:
 
 
 def test_a_round_of_4096_nodes_is_well_inside_etcds_request_limit_and_reads_back() -> None:
-    """What efdl writes, efdl reads: at 4096 nodes of 8 workers with 64-character ids."""
+    """What efdl writes, efdl reads: at 4096 nodes of 8 workers with 64-character ids, the
+    round and every member's record, none of which grows with the fleet."""
     from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
 
     ids = fleet_ids(4096)
@@ -145,15 +152,22 @@ def test_a_round_of_4096_nodes_is_well_inside_etcds_request_limit_and_reads_back
         for i, n in enumerate(ids)
     }
     policy = Policy(1, 8 * 4096, settle_s=1)
-    first = decide(JobView(nodes, None, last_change=0.0, leader=ids[0]), policy, 10.0).round
-    assert first is not None and first.world_size == 8 * 4096
-    raw = first.to_json()
-    assert len(raw) < 1 << 20, f"{len(raw)} bytes: not well inside etcd's 1.5 MiB"
-    assert Round.from_json(raw, "/efdl/j/round") == first
+    first = decide(JobView(nodes, None, last_change=0.0, leader=ids[0]), policy, 10.0)
+    assert first.round is not None and first.round.world_size == 8 * 4096
+    raw = first.round.to_json()
+    # Every agent watches the round: it does not grow with the fleet.
+    assert len(raw) < 1024, f"{len(raw)} bytes"
+    assert Round.from_json(raw, "/efdl/j/round") == first.round
+    assert len(first.members) == 4096
+    for m in first.members:
+        raw = m.to_json()
+        assert len(raw) < 512, f"{len(raw)} bytes"
+        assert Member.from_json(raw, f"/efdl/j/members/{m.node_id}") == m
     # A crash of half the fleet: the next round (and its reason) stay as small.
     half = {n: v for i, (n, v) in enumerate(nodes.items()) if i % 2}
-    second = decide(JobView(half, first, last_change=0.0, leader=ids[1]), policy, 20.0).round
-    assert second is not None and len(second.reason) < 400
+    view = JobView(half, first.round, last_change=0.0, leader=ids[1], members=first.members)
+    second = decide(view, policy, 20.0).round
+    assert second is not None and len(second.reason) < 400 and len(second.to_json()) < 1024
     assert Round.from_json(second.to_json(), "/efdl/j/round") == second
 
 

@@ -39,7 +39,7 @@ def test_a_join_applied_then_retried_is_not_a_duplicate() -> None:
     try:
         agent.join()  # raised DuplicateNodeError when a retried first attempt had been applied
         r = agent.next_round(after=0, timeout_s=10)
-        assert r is not None and r.member(record.node_id) is not None
+        assert r is not None and r.member is not None and r.member.node_id == record.node_id
     finally:
         agent.leave()
         store.close()
