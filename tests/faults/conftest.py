@@ -20,6 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults import netns
+from tests.faults.netns import Net
+
 SOAK = int(os.environ.get("EFDL_SOAK", "1") or "1")
 
 
@@ -148,3 +151,14 @@ def render(o: Outcomes) -> str:
     if failures:
         lines += ["", "Failures:", ""] + [f"- {n}: `{f}`" for n, f in failures]
     return "\n".join(lines) + "\n"
+
+
+@pytest.fixture()
+def net() -> Iterator[Net]:
+    """Two network namespaces of the test's own (see tests/faults/netns.py)."""
+    why = netns.available()
+    if why is not None:
+        pytest.fail(f"network namespaces are needed for the partition tests: {why}")
+    n = Net().up()
+    yield n
+    n.down()

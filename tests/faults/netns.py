@@ -15,9 +15,11 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
+from efdl._process import free_port
 from efdl.rendezvous.api import Endpoint
-from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.rendezvous.embedded import EmbeddedEtcd, EtcdCluster
 
 
 def _ip(*args: str) -> None:
@@ -80,8 +82,8 @@ class Net:
 class NetnsEtcd(EmbeddedEtcd):
     """The embedded etcd, run inside a namespace on that namespace's address."""
 
-    def __init__(self, ns: str, address: str) -> None:
-        super().__init__()
+    def __init__(self, ns: str, address: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._ns, self._address = ns, address
 
     @property
@@ -114,6 +116,25 @@ class NetnsEtcd(EmbeddedEtcd):
                 return True
             time.sleep(0.2)
         return False
+
+
+class NetnsCluster(EtcdCluster):
+    """A 3-member etcd with member m0 alone in ``net.cut`` and m1, m2 in ``net.main``: a
+    partition cuts m0 off from its peers and from every client in ``net.main`` (it loses the
+    quorum; the others keep it)."""
+
+    def __init__(self, net: Net) -> None:
+        places = [(net.cut, net.cut_addr), (net.main, net.main_addr), (net.main, net.main_addr)]
+        ports = [(free_port(), free_port()) for _ in places]
+        initial = ",".join(
+            f"m{i}=http://{addr}:{peer}"
+            for i, ((_, addr), (_, peer)) in enumerate(zip(places, ports, strict=True))
+        )
+        self.members = []
+        for i, ((ns, addr), (client, peer)) in enumerate(zip(places, ports, strict=True)):
+            member = NetnsEtcd(ns, addr, name=f"m{i}", cluster=initial)
+            member.client_port, member.peer_port = client, peer
+            self.members.append(member)
 
 
 def run_in(ns: str, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

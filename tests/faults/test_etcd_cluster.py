@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd, EtcdCluster
-from tests.e2e.harness import last_step_of, latest_gen, pids_of
+from tests.e2e.harness import last_step_of, latest_gen, pids_of, steps_at_world
 from tests.faults.conftest import Recorder
-from tests.faults.test_faults import Jobs, check_after, start, status, stepped_since
+from tests.faults.netns import Net, NetnsCluster
+from tests.faults.test_faults import Jobs, check_after, status, stepped_since
 from tests.integration.test_etcd_cluster import leader_of, not_leading
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,29 +38,51 @@ class ClusterJobs(Jobs):
         self.cluster = cluster
 
 
+# A fault done to the cluster; it returns what undoes it (if anything) once the row is done.
+Fault = Callable[[EtcdCluster], Callable[[], None]]
+
+
+def kill(pick: Callable[[EtcdCluster], EmbeddedEtcd]) -> Fault:
+    def do(cluster: EtcdCluster) -> Callable[[], None]:
+        pick(cluster).kill()
+        return lambda: None
+
+    return do
+
+
+def pause(pick: Callable[[EtcdCluster], EmbeddedEtcd]) -> Fault:
+    def do(cluster: EtcdCluster) -> Callable[[], None]:
+        pid = pick(cluster).pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        return lambda: os.kill(pid, signal.SIGCONT)
+
+    return do
+
+
 def goes_on(
-    jobs: ClusterJobs, record: Recorder, victim: Callable[[EtcdCluster], EmbeddedEtcd], how: str
+    jobs: ClusterJobs,
+    record: Recorder,
+    fault: Fault,
+    wrap: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
 ) -> None:
-    cluster = jobs.cluster
+    """Two nodes train; the fault happens; training must go on unseen (``wrap``: the command
+    prefix the agents run under, e.g. a network namespace, where ``host`` is theirs)."""
     job = jobs.new()  # the agents list m0 first: they talk to it
-    rows = start(job, "a", "b")
+    for name in ("a", "b"):
+        job.start(name, script="elastic_steps.py", host=host, wrap=wrap)
+    rows = job.wait_for("2 workers", steps_at_world(2))
     g = latest_gen(rows)
     workers = pids_of(rows, "a") | pids_of(rows, "b")
     committed = max(last_step_of(rows, g).values())
-    member = victim(cluster)
-    assert member.pid is not None
-    pid = member.pid
     t0 = time.time()
-    if how == "kill":
-        member.kill()
-    else:
-        os.kill(pid, signal.SIGSTOP)
+    undo = fault(jobs.cluster)
     try:
         # Well past a lease TTL (3 s here): a fenced agent would have stopped its workers.
         rows = job.wait_for("steps 10 s after", lambda rs: stepped_since(rs, t0 + 10), 60)
     finally:
-        if how == "stop":
-            os.kill(pid, signal.SIGCONT)
+        undo()
     stamps = sorted(float(r["t"]) for r in rows if r["rank"] == 0)  # type: ignore[arg-type]
     around = [t0, *(t for t in stamps if t > t0)]
     record.recovered(max(b - a for a, b in itertools.pairwise(around)))  # the longest stall
@@ -68,7 +91,7 @@ def goes_on(
     for agent in job.agents.values():
         assert "fenced" not in agent.output(), agent.output()[-3000:]
     check_after(rows, g, committed, since_t=t0)
-    assert "world size 2" in status(job)
+    assert "world size 2" in status(job, wrap)
 
 
 @pytest.fixture()
@@ -82,7 +105,7 @@ def test_etcd_member_in_use_sigkilled(jobs_on: ClusterJobs, record: Recorder, at
     """3-member etcd: the member every agent talks to is SIGKILLed while the job trains: the
     agents go on through another member within the lease TTL; no new generation, no worker
     restarted, no agent fenced (recovery: the longest stall between two steps)."""
-    goes_on(jobs_on, record, lambda c: c.members[0], "kill")
+    goes_on(jobs_on, record, kill(lambda c: c.members[0]))
 
 
 def test_etcd_member_in_use_hung(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
@@ -90,11 +113,32 @@ def test_etcd_member_in_use_hung(jobs_on: ClusterJobs, record: Recorder, attempt
     answers; a follower: a paused leader that resumes revokes leases in etcd < 3.5.8): the
     agents leave it within the lease TTL; no new generation, no worker restarted, no agent
     fenced (recovery: the longest stall between two steps)."""
-    goes_on(jobs_on, record, lambda c: not_leading(c, c.members[0]), "stop")
+    goes_on(jobs_on, record, pause(lambda c: not_leading(c, c.members[0])))
 
 
 def test_etcd_leader_sigkilled(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
     """3-member etcd: the raft leader is SIGKILLed while the job trains: a new leader is
     elected and training goes on; no new generation, no worker restarted, no agent fenced
     (recovery: the longest stall between two steps)."""
-    goes_on(jobs_on, record, leader_of, "kill")
+    goes_on(jobs_on, record, kill(leader_of))
+
+
+def test_etcd_member_in_use_partitioned(
+    net: Net, tmp_path: Path, record: Recorder, attempt: int
+) -> None:
+    """3-member etcd: the member every agent talks to is cut off by a partition (its link goes
+    down in a network namespace of the test's own: packets just stop, nothing refuses), from
+    the agents and from the other two members: the agents go on through the majority within
+    the lease TTL; no new generation, no worker restarted, no agent fenced (recovery: the
+    longest stall between two steps)."""
+
+    def cut(_: EtcdCluster) -> Callable[[], None]:
+        net.partition()
+        return net.heal
+
+    with NetnsCluster(net) as cluster:
+        jobs = ClusterJobs(cluster, tmp_path)
+        try:
+            goes_on(jobs, record, cut, wrap=Net.exec(net.main), host=net.main_addr)
+        finally:
+            jobs.stop()

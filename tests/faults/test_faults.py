@@ -45,7 +45,6 @@ from tests.e2e.test_cache import (
     start_persisting,
     wait_new_entries,
 )
-from tests.faults import netns
 from tests.faults.conftest import Recorder
 from tests.faults.netns import Net, NetnsEtcd
 
@@ -495,16 +494,6 @@ def test_every_agent_killed_then_restarted(
         assert "cache: step" in status(job)
     finally:
         stop_and_check_no_orphans(job, [])
-
-
-@pytest.fixture()
-def net() -> Iterator[Net]:
-    why = netns.available()
-    if why is not None:
-        pytest.fail(f"network namespaces are needed for the partition test: {why}")
-    n = Net().up()
-    yield n
-    n.down()
 
 
 def test_network_partition(
