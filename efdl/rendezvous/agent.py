@@ -336,6 +336,17 @@ class RendezvousAgent:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
+    def _retried(self, what: str, fn: Callable[[], T]) -> T:
+        """:func:`retried`, ended by the lease: once it is lost this node is no longer a member
+        and its agent is fenced (not failed), however long etcd stays away."""
+
+        def attempt() -> T:
+            if self._session is not None and self._session.lost:
+                raise LeaseLostError(f"The lease of node {self.node_id} is lost.")
+            return fn()
+
+        return retried(what, attempt)
+
     def _lease_gone(self, reason: str) -> None:
         with self._cond:
             self._is_leader = False
@@ -397,12 +408,12 @@ class RendezvousAgent:
             return next((m for m in self._members if m.node_id == self.node_id), None)
         key = self.keys.member(self.node_id)
         try:
-            kv = retried(
+            kv = self._retried(
                 "read this node's place in the round",
                 lambda: self._store.get(key, revision=r.members_revision),
             )
         except CompactedError:  # an old round: nothing has been written since, as a rule
-            kv = retried("read this node's place in the round", lambda: self._store.get(key))
+            kv = self._retried("read this node's place in the round", lambda: self._store.get(key))
         if kv is None:
             return None
         try:
@@ -454,7 +465,9 @@ class RendezvousAgent:
         watches: list[Watch] = []
         try:
             # Two small reads, not the job's prefix: O(1) bytes per agent at any fleet size.
-            read = retried("read the round", lambda: self._store.txn([], [Get(self.keys.round)]))
+            read = self._retried(
+                "read the round", lambda: self._store.txn([], [Get(self.keys.round)])
+            )
             self._set_round(read.gets[0][0] if read.gets[0] else None)
             watches.append(
                 self._store.watch(
@@ -481,7 +494,7 @@ class RendezvousAgent:
 
     def _follow(self) -> Watch | None:
         """Watch the node just before ours; None if there is none: we lead."""
-        snap = retried(
+        snap = self._retried(
             "find the node before this one",
             lambda: self._store.last_created(self.keys.nodes, self._my_revision),
         )
@@ -516,7 +529,7 @@ class RendezvousAgent:
             if isinstance(item, StoreError):
                 raise item
             if tag == "serve":
-                retried("publish the store's port", self._publish_store)
+                self._retried("publish the store's port", self._publish_store)
             elif tag == "round" and isinstance(item, WatchBatch):
                 for ev in item.events:
                     if ev.type is EventType.PUT:
@@ -558,7 +571,9 @@ class RendezvousAgent:
         with self._cond:
             self._is_leader = True
         log.info("%s: this node leads the job.", self._tag())
-        snap = retried("list the job's nodes", lambda: self._store.get_prefix(self.keys.nodes))
+        snap = self._retried(
+            "list the job's nodes", lambda: self._store.get_prefix(self.keys.nodes)
+        )
         watch = self._store.watch(
             self.keys.nodes, prefix=True, start_revision=snap.revision + 1, sink=self._sink("nodes")
         )

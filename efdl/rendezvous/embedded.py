@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from efdl._process import die_with_parent, free_port, stop_process
+from efdl._process import die_with_parent, free_port, reap, stop_process
 from efdl.errors import EtcdServerError, StoreError
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -252,7 +252,7 @@ class EmbeddedEtcd:
         """SIGKILL the server, keeping its data (to test a crash and a restart)."""
         if self._proc is not None:
             self._proc.kill()
-            self._proc.wait()
+            reap(self._proc, f"etcd {self.name}")
             self._proc = None
 
     def restart(self) -> None:
