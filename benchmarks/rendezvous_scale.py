@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
+import os
 import queue
 import re
 import statistics
@@ -26,15 +27,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from benchmarks.report import verdict
 from efdl.rendezvous.agent import RendezvousAgent
 from efdl.rendezvous.api import EtcdSettings
-from efdl.rendezvous.decide import Policy
+from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
 
-WAVE = 32  # agents a worker process starts joining at once
+# Agents per shared connection: each holds 3 streams (its keep-alive and two watches), and
+# etcd 3.5 serves at most 100 or so concurrent streams per connection (the rest wait).
+SHARE = 24
 
 
 def node_name(i: int) -> str:
@@ -81,12 +86,25 @@ class Phase:
     after_expiry_s: float | None = None
     round_bytes: int = 0  # the round record, which every agent watches
     member_bytes: int = 0  # one member's record, which its agent reads once per round
+    idle_agent_ms: float = 0.0  # CPU ms per second per agent while nothing happens: agents
+    idle_etcd_ms: float = 0.0  # ... and etcd
+    threads: float = 0.0  # threads per agent
 
 
 class _Group:
     """Some of the fleet's agents, living in one worker process."""
 
-    def __init__(self, endpoint: str, job: str, policy: Policy, ttl_s: int, seen: Any) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        job: str,
+        policy: Policy,
+        ttl_s: int,
+        seen: Any,
+        shared: bool,
+        wave: int,
+    ) -> None:
+        self.wave = wave  # agents this process starts joining at once
         self.endpoint, self.job, self.policy, self.ttl_s, self.seen = (
             endpoint,
             job,
@@ -97,11 +115,26 @@ class _Group:
         self.agents: dict[str, RendezvousAgent] = {}
         self.stores: list[EtcdStore] = []
         self.lock = threading.Lock()
+        # Agents share connections, each by up to SHARE agents (each agent still with its own
+        # lease, watches and requests), or have one each, as on a real fleet.
+        self.shared = shared
+        self.pool: list[EtcdStore] = []
 
-    def add(self, i: int) -> None:
+    def connect(self) -> EtcdStore:
         store = EtcdStore(
             EtcdSettings.from_list(self.endpoint, request_timeout_s=10, connect_timeout_s=30)
         )
+        self.stores.append(store)
+        return store
+
+    def add(self, i: int) -> None:
+        if self.shared:
+            with self.lock:
+                if not self.pool or len(self.agents) >= SHARE * len(self.pool):
+                    self.pool.append(self.connect())
+                store = self.pool[-1]
+        else:
+            store = self.connect()
         node_id = node_name(i)
 
         def on_round(r: Round) -> None:
@@ -119,7 +152,6 @@ class _Group:
         agent.join()
         with self.lock:
             self.agents[node_id] = agent
-            self.stores.append(store)
 
     def serve(self, conn: Any) -> None:
         while True:
@@ -127,9 +159,9 @@ class _Group:
             if cmd == "add":
                 # In waves, as agents of a fleet come up: a process that started thousands of
                 # joins in the same instant would starve the lease refreshes of the first.
-                for k in range(0, len(arg), WAVE):
+                for k in range(0, len(arg), self.wave):
                     threads = [
-                        threading.Thread(target=self.add, args=(i,)) for i in arg[k : k + WAVE]
+                        threading.Thread(target=self.add, args=(i,)) for i in arg[k : k + self.wave]
                     ]
                     for t in threads:
                         t.start()
@@ -149,9 +181,18 @@ class _Group:
                 return
 
 
-def _group_main(conn: Any, endpoint: str, job: str, policy: Policy, ttl_s: int, seen: Any) -> None:
+def _group_main(
+    conn: Any,
+    endpoint: str,
+    job: str,
+    policy: Policy,
+    ttl_s: int,
+    seen: Any,
+    shared: bool,
+    wave: int,
+) -> None:
     logging.basicConfig(level=logging.ERROR)
-    _Group(endpoint, job, policy, ttl_s, seen).serve(conn)
+    _Group(endpoint, job, policy, ttl_s, seen, shared, wave).serve(conn)
 
 
 class Fleet:
@@ -159,7 +200,14 @@ class Fleet:
     their timestamps compare); records when each agent saw a round of each world size."""
 
     def __init__(
-        self, server: EmbeddedEtcd, n: int, settle_s: float, ttl_s: int, procs: int
+        self,
+        server: EmbeddedEtcd,
+        n: int,
+        settle_s: float,
+        ttl_s: int,
+        procs: int,
+        shared: bool = False,
+        wave: int = 32,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.job = f"bench-{uuid.uuid4().hex[:6]}"
@@ -175,7 +223,16 @@ class Fleet:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_group_main,
-                args=(child, str(server.endpoint), self.job, policy, ttl_s, self.seen_q),
+                args=(
+                    child,
+                    str(server.endpoint),
+                    self.job,
+                    policy,
+                    ttl_s,
+                    self.seen_q,
+                    shared,
+                    wave,
+                ),
                 daemon=True,
             )
             p.start()
@@ -196,7 +253,7 @@ class Fleet:
         conn.send((cmd, node_id))
         return float(conn.recv())
 
-    def wait_all(self, world: int, names: set[str], timeout_s: float = 120) -> float:
+    def wait_all(self, world: int, names: set[str], timeout_s: float = 300) -> float:
         """When the last of ``names`` saw a round of ``world`` workers (monotonic seconds)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -222,10 +279,45 @@ class Fleet:
             p.join(timeout=10)
 
 
-def run_size(n: int, settle_s: float, ttl_s: int, procs: int) -> list[Phase]:
+def idle_cost(
+    fleet: Fleet, server: EmbeddedEtcd, n: int, window_s: float = 5.0
+) -> tuple[float, float, float]:
+    """CPU milliseconds per second per agent while nothing happens (keep-alives, gRPC's
+    own timers), in the agents' processes and in etcd; and threads per agent."""
+    agents = [psutil.Process(p.pid) for p in fleet.procs if p.pid is not None]
+    etcd = psutil.Process(server.pid) if server.pid is not None else None
+
+    def used() -> tuple[float, float]:
+        a = sum(sum(p.cpu_times()[:2]) for p in agents)
+        return a, sum(etcd.cpu_times()[:2]) if etcd else 0.0
+
+    a0, e0 = used()
+    time.sleep(window_s)
+    a1, e1 = used()
+    threads = sum(p.num_threads() for p in agents) / n
+    return (a1 - a0) / window_s / n * 1e3, (e1 - e0) / window_s / n * 1e3, threads
+
+
+def records_at(n: int) -> tuple[int, int]:
+    """The round's and one member's record sizes when ``n`` nodes of 8 GPUs with 64-character
+    ids start (what the leader writes; no etcd needed)."""
+    nodes = {
+        node_name(i): NodeView(
+            NodeRecord(node_name(i), f"10.0.{i // 256}.{i % 256}", 29500, 8), i + 1
+        )
+        for i in range(n)
+    }
+    d = decide(JobView(nodes, None, leader=node_name(0)), Policy(1, 8 * n, settle_s=0), 1.0)
+    assert d.round is not None
+    return len(d.round.to_json()), max(len(m.to_json()) for m in d.members)
+
+
+def run_size(
+    n: int, settle_s: float, ttl_s: int, procs: int, shared: bool, wave: int
+) -> list[Phase]:
     phases: list[Phase] = []
     with EmbeddedEtcd() as server:
-        fleet = Fleet(server, n, settle_s, ttl_s, procs)
+        fleet = Fleet(server, n, settle_s, ttl_s, procs, shared, wave)
         observer = EtcdStore(server.settings())
         try:
             before = etcd_metrics(server)
@@ -234,6 +326,7 @@ def run_size(n: int, settle_s: float, ttl_s: int, procs: int) -> list[Phase]:
             done = fleet.wait_all(n, names)
             time.sleep(0.2)
             delta = etcd_metrics(server) - before
+            agents_ms, etcd_ms, threads = idle_cost(fleet, server, n)
             phases.append(
                 Phase(
                     "join",
@@ -241,6 +334,9 @@ def run_size(n: int, settle_s: float, ttl_s: int, procs: int) -> list[Phase]:
                     fleet.generation,
                     requests_of(delta),
                     delta["watch_msgs"],
+                    idle_agent_ms=agents_ms,
+                    idle_etcd_ms=etcd_ms,
+                    threads=threads,
                 )
             )
 
@@ -310,6 +406,15 @@ def main() -> None:
     parser.add_argument("--ttl", type=int, default=5, help="lease TTL, seconds")
     parser.add_argument("--repeat", type=int, default=3, help="runs per size (median shown)")
     parser.add_argument("--procs", type=int, default=4, help="processes the agents run in")
+    parser.add_argument(
+        "--wave", type=int, default=32, help="agents a process starts joining at once"
+    )
+    parser.add_argument(
+        "--shared-connections",
+        action="store_true",
+        help=f"agents share etcd connections, {SHARE} to one (each still with its own lease, "
+        "watches and requests): how thousands of agents fit on a small machine",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -317,7 +422,12 @@ def main() -> None:
         f"Rendezvous scale: settle window {args.settle:g} s, lease TTL {args.ttl} s, "
         f"median of {args.repeat} runs (min-max); one local etcd; simulated agents (the real "
         f"RendezvousAgent, no torch) as threads in {args.procs} processes, each agent with its "
-        "own etcd connection, lease and watches. `join`: from the last agent's join returning "
+        + (
+            f"own lease, watches and requests, sharing an etcd connection by {SHARE}"
+            if args.shared_connections
+            else "own etcd connection, lease and watches"
+        )
+        + ". `join`: from the last agent's join returning "
         "to every agent seeing the round with all of them (it includes the settle window that "
         "batches joins); `leave`: from a member's graceful leave; `crash`: from a member that "
         "stops refreshing its lease, and the column after it is the part after etcd expired "
@@ -332,9 +442,21 @@ def main() -> None:
     worst: dict[str, float] = {}
     join_requests: dict[int, float] = {}
     round_bytes: dict[int, tuple[int, int]] = {}
+    failed: dict[int, str] = {}
+    idle: dict[int, tuple[float, float, float]] = {}
     for n in sizes:
-        runs = [run_size(n, args.settle, args.ttl, args.procs) for _ in range(args.repeat)]
+        try:
+            runs = [
+                run_size(n, args.settle, args.ttl, args.procs, args.shared_connections, args.wave)
+                for _ in range(args.repeat)
+            ]
+        except TimeoutError as exc:
+            failed[n] = str(exc).split(";")[0]
+            print(f"| {n} | join | did not converge: {failed[n]} | - | - | - | - | - |", flush=True)
+            continue
         round_bytes[n] = (runs[0][2].round_bytes, runs[0][2].member_bytes)
+        first = runs[0][0]
+        idle[n] = (first.idle_agent_ms, first.idle_etcd_ms, first.threads)
         for i, name in enumerate(("join", "leave", "crash")):
             ps = [r[i] for r in runs]
             worst["join" if i == 0 else name] = statistics.median(p.seconds for p in ps)
@@ -358,9 +480,14 @@ def main() -> None:
                 f"| {reqs / n:.2f} | {statistics.median(p.watch_msgs for p in ps):g} |",
                 flush=True,
             )
+    largest = max(round_bytes, default=0)
+    if not largest:
+        print(f"\nNo size converged on this machine: {failed}.")
+        return
     join = worst["join"] - args.settle
     print(
-        f"\nGoal, at the largest size ({sizes[-1]} agents): a round reaches every agent "
+        f"\nGoal, at the largest size that converged ({largest} agents): a round reaches every "
+        "agent "
         f"{join:.2f} s after the settle window on a join (goal < 2 s: {verdict(join < 2)}), "
         f"{worst['leave']:.2f} s after a leave (goal < 1 s: {verdict(worst['leave'] < 1)}), "
         f"and {worst['after expiry']:.2f} s after a crashed member's lease expired (goal < 1 s: "
@@ -370,6 +497,32 @@ def main() -> None:
         "which its agent reads once per round (64-character node ids): "
         + ", ".join(f"{r} and {m} bytes at {n}" for n, (r, m) in round_bytes.items())
         + " agents.\n"
+    )
+    r4k, m4k = records_at(4096)
+    print(
+        f"At 4096 nodes of 8 GPUs (what the leader writes, from the decision itself): the round "
+        f"record is {r4k} bytes and a member's record at most {m4k} bytes, so a rescale moves "
+        f"about {4096 * (r4k + 2 * m4k) / 1e6:.1f} MB through etcd in all (the members' records "
+        "written once and read once, the round sent once to each agent), where a round that "
+        f"listed its members would have been sent 4096 times.\n"
+    )
+    a_ms, e_ms, threads = idle[largest]
+    cores = 4096 * (a_ms + e_ms) / 1e3
+    print(
+        f"What limits the simulation here: at {largest} agents, an agent that does nothing costs "
+        f"{a_ms:.2f} ms of CPU per second in its process (lease keep-alives every TTL/3, gRPC's "
+        f"timers on its streams) and {e_ms:.2f} ms in etcd, and runs {threads:.1f} threads; "
+        f"4096 such agents would need {cores:.1f} of this machine's {os.cpu_count()} cores "
+        f"before any round, and {threads * 4096:.0f} threads (the kernel's default pid_max is "
+        "32768). On a real fleet each agent has a host of its own."
+        + (
+            " Sizes that did not converge: "
+            + "; ".join(f"{n} agents ({why})" for n, why in failed.items())
+            + "."
+            if failed
+            else ""
+        )
+        + "\n"
     )
 
 
