@@ -91,44 +91,38 @@ class Phase:
     threads: float = 0.0  # threads per agent
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a worker process's agents are: their job, policy and lease TTL, whether they share
+    connections (by SHARE; else one each, as on a real fleet), and how many join at once."""
+
+    endpoint: str
+    job: str
+    policy: Policy
+    ttl_s: int
+    shared: bool
+    wave: int
+
+
 class _Group:
     """Some of the fleet's agents, living in one worker process."""
 
-    def __init__(
-        self,
-        endpoint: str,
-        job: str,
-        policy: Policy,
-        ttl_s: int,
-        seen: Any,
-        shared: bool,
-        wave: int,
-    ) -> None:
-        self.wave = wave  # agents this process starts joining at once
-        self.endpoint, self.job, self.policy, self.ttl_s, self.seen = (
-            endpoint,
-            job,
-            policy,
-            ttl_s,
-            seen,
-        )
+    def __init__(self, spec: GroupSpec, seen: Any) -> None:
+        self.spec, self.seen = spec, seen
         self.agents: dict[str, RendezvousAgent] = {}
         self.stores: list[EtcdStore] = []
         self.lock = threading.Lock()
-        # Agents share connections, each by up to SHARE agents (each agent still with its own
-        # lease, watches and requests), or have one each, as on a real fleet.
-        self.shared = shared
         self.pool: list[EtcdStore] = []
 
     def connect(self) -> EtcdStore:
         store = EtcdStore(
-            EtcdSettings.from_list(self.endpoint, request_timeout_s=10, connect_timeout_s=30)
+            EtcdSettings.from_list(self.spec.endpoint, request_timeout_s=10, connect_timeout_s=30)
         )
         self.stores.append(store)
         return store
 
     def add(self, i: int) -> None:
-        if self.shared:
+        if self.spec.shared:
             with self.lock:
                 if not self.pool or len(self.agents) >= SHARE * len(self.pool):
                     self.pool.append(self.connect())
@@ -143,10 +137,10 @@ class _Group:
 
         agent = RendezvousAgent(
             store,
-            self.job,
+            self.spec.job,
             NodeRecord(node_id, "127.0.0.1", 30000 + i, 1),
-            self.policy,
-            lease_ttl_s=self.ttl_s,
+            self.spec.policy,
+            lease_ttl_s=self.spec.ttl_s,
             on_round=on_round,
         )
         agent.join()
@@ -159,9 +153,10 @@ class _Group:
             if cmd == "add":
                 # In waves, as agents of a fleet come up: a process that started thousands of
                 # joins in the same instant would starve the lease refreshes of the first.
-                for k in range(0, len(arg), self.wave):
+                for k in range(0, len(arg), self.spec.wave):
                     threads = [
-                        threading.Thread(target=self.add, args=(i,)) for i in arg[k : k + self.wave]
+                        threading.Thread(target=self.add, args=(i,))
+                        for i in arg[k : k + self.spec.wave]
                     ]
                     for t in threads:
                         t.start()
@@ -181,18 +176,9 @@ class _Group:
                 return
 
 
-def _group_main(
-    conn: Any,
-    endpoint: str,
-    job: str,
-    policy: Policy,
-    ttl_s: int,
-    seen: Any,
-    shared: bool,
-    wave: int,
-) -> None:
+def _group_main(conn: Any, spec: GroupSpec, seen: Any) -> None:
     logging.basicConfig(level=logging.ERROR)
-    _Group(endpoint, job, policy, ttl_s, seen, shared, wave).serve(conn)
+    _Group(spec, seen).serve(conn)
 
 
 class Fleet:
@@ -219,20 +205,12 @@ class Fleet:
         self.conns = []
         self.procs = []
         policy = Policy(min_workers=1, max_workers=10 * n, settle_s=settle_s)
+        spec = GroupSpec(str(server.endpoint), self.job, policy, ttl_s, shared, wave)
         for _ in range(min(procs, n)):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_group_main,
-                args=(
-                    child,
-                    str(server.endpoint),
-                    self.job,
-                    policy,
-                    ttl_s,
-                    self.seen_q,
-                    shared,
-                    wave,
-                ),
+                args=(child, spec, self.seen_q),
                 daemon=True,
             )
             p.start()
