@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from efdl._process import free_port
 from efdl.state import ready
+from efdl.state import values as state_values
 from efdl.state.breaker import Breaker
 from efdl.state.cache import CacheSettings, FileInfo, Manifest, SnapshotError, rank_file
 from efdl.state.channel import (
@@ -262,8 +263,12 @@ class ElasticState:
             model and optimizer state on their own device (memory: about 3x the parameter
             bytes with Adam; time: one device-to-device copy of those bytes, no host sync).
             A crash loses the steps since the last copy; raise it if copies show in the step.
-        **values: any picklable user values (hyper-parameters, counters), read and written as
-            attributes (``state.lr``); they are synced and rolled back with the rest.
+        **values: user values (hyper-parameters, counters), read and written as attributes
+            (``state.lr``); they are synced and rolled back with the rest. Plain data only
+            (numbers, strings, bytes, tensors, and lists, tuples, sets and dicts of them):
+            anything else is refused here, on assignment and at ``commit()``
+            (:class:`efdl.state.values.StateValueError`), since no rank or snapshot could
+            read it back.
     """
 
     def __init__(
@@ -275,6 +280,7 @@ class ElasticState:
         snapshot_every: int = 1,
         **values: Any,
     ) -> None:
+        state_values.check_all(values)
         object.__setattr__(self, "_values", dict(values))
         self.model = model
         self.optimizer = optimizer
@@ -306,6 +312,7 @@ class ElasticState:
     def __setattr__(self, name: str, value: Any) -> None:
         values = object.__getattribute__(self, "_values")
         if name in values:
+            state_values.check(name, value)
             values[name] = value
             if name == "epoch" and self.sampler is not None:
                 self.sampler.set_epoch(int(value))
@@ -319,8 +326,11 @@ class ElasticState:
         ``snapshot_every`` commits, and pause here if all ranks agree that the agent has news.
 
         Cost: one asynchronous one-integer all-reduce on a CPU gloo group per call, waited at
-        the next call (so it overlaps the step); no GPU synchronisation.
+        the next call (so it overlaps the step), and a walk of the user values; no GPU
+        synchronisation.
         """
+        # Values changed in place (a list appended to) are checked here, before they spread.
+        state_values.check_all(object.__getattribute__(self, "_values"))
         self.step += 1
         if self.sampler is not None:
             self.sampler.advance()
