@@ -97,6 +97,19 @@ def parse_nodes(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, NodeView]
     return nodes
 
 
+def read_members(store: KVStore, keys: JobKeys, r: Round | None) -> tuple[Member, ...]:
+    """The members of round ``r`` as they were when the leader had written them all (its
+    ``members_revision``; compacted: as they are now, which still carry its id unless a newer
+    round is being written)."""
+    if r is None or r.status is not RoundStatus.ACTIVE:
+        return ()
+    try:
+        snap = store.get_prefix(keys.members, revision=r.members_revision)
+    except CompactedError:
+        snap = store.get_prefix(keys.members)
+    return parse_members(snap.kvs, r, keys)
+
+
 def parse_members(kvs: tuple[KeyValue, ...], r: Round | None, keys: JobKeys) -> tuple[Member, ...]:
     """The members of round ``r`` (in rank order) among ``members/`` keys: the records that
     carry its round id; others are left over from other rounds."""
@@ -341,8 +354,10 @@ class RendezvousAgent:
         and its agent is fenced (not failed), however long etcd stays away."""
 
         def attempt() -> T:
-            if self._session is not None and self._session.lost:
-                raise LeaseLostError(f"The lease of node {self.node_id} is lost.")
+            # A declared loss only: a late refresh makes the lease count as lost for an
+            # instant, and the keep-alive may still renew it (see _loop).
+            if self._session is not None and self._session.lost_reason:
+                raise LeaseLostError(self._session.lost_reason)
             return fn()
 
         return retried(what, attempt)
@@ -585,11 +600,8 @@ class RendezvousAgent:
         if r is None or r.status is not RoundStatus.ACTIVE:
             return ()
         if self._members_of != r.round_id:
-            try:
-                snap = self._store.get_prefix(self.keys.members, revision=r.members_revision)
-            except CompactedError:
-                snap = self._store.get_prefix(self.keys.members)
-            self._members, self._members_of = parse_members(snap.kvs, r, self.keys), r.round_id
+            self._members = read_members(self._store, self.keys, r)
+            self._members_of = r.round_id
         return self._members
 
     def _decide(self, nodes: dict[str, NodeView], last_change: float) -> float | None:

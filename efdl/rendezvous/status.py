@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 from dataclasses import asdict, dataclass
 
-from efdl.errors import CompactedError
-from efdl.rendezvous.agent import parse_members, parse_nodes, parse_round
+from efdl.rendezvous.agent import parse_nodes, parse_round, read_members
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
 from efdl.rendezvous.model import CacheRecord, JobKeys, Member, RecordError, Round
@@ -56,13 +54,7 @@ def read_status(store: KVStore, job_id: str) -> JobStatus:
         except RecordError as exc:
             log.error("Ignoring a bad cache record: %s", exc)
     r = parse_round(round_kv, keys)
-    member_kvs = tuple(kv for kv in snap.kvs if kv.key.startswith(keys.members))
-    if r is not None and r.members_revision:
-        # Compacted: the records as they are now (those of this round still carry its id).
-        with contextlib.suppress(CompactedError):
-            member_kvs = store.get_prefix(keys.members, revision=r.members_revision).kvs
-    members = parse_members(member_kvs, r, keys)
-    return JobStatus(job_id, r, nodes, steps, leader, cache, members)
+    return JobStatus(job_id, r, nodes, steps, leader, cache, read_members(store, keys, r))
 
 
 def _when(ts: float) -> str:

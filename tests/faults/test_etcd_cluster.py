@@ -6,20 +6,18 @@ agents fence, as the single-member outage rows show."""
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from efdl.rendezvous.embedded import EmbeddedEtcd, EtcdCluster
+from efdl.rendezvous.embedded import EtcdCluster
 from tests.e2e.harness import last_step_of, latest_gen, pids_of, steps_at_world
 from tests.faults.conftest import Recorder
 from tests.faults.netns import Net, NetnsCluster
 from tests.faults.test_faults import Jobs, check_after, status, stepped_since
-from tests.integration.test_etcd_cluster import leader_of, not_leading
+from tests.integration.test_etcd_cluster import break_member, leader_of, not_leading
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,24 +38,6 @@ class ClusterJobs(Jobs):
 
 # A fault done to the cluster; it returns what undoes it (if anything) once the row is done.
 Fault = Callable[[EtcdCluster], Callable[[], None]]
-
-
-def kill(pick: Callable[[EtcdCluster], EmbeddedEtcd]) -> Fault:
-    def do(cluster: EtcdCluster) -> Callable[[], None]:
-        pick(cluster).kill()
-        return lambda: None
-
-    return do
-
-
-def pause(pick: Callable[[EtcdCluster], EmbeddedEtcd]) -> Fault:
-    def do(cluster: EtcdCluster) -> Callable[[], None]:
-        pid = pick(cluster).pid
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
-        return lambda: os.kill(pid, signal.SIGCONT)
-
-    return do
 
 
 def goes_on(
@@ -105,7 +85,7 @@ def test_etcd_member_in_use_sigkilled(jobs_on: ClusterJobs, record: Recorder, at
     """3-member etcd: the member every agent talks to is SIGKILLed while the job trains: the
     agents go on through another member within the lease TTL; no new generation, no worker
     restarted, no agent fenced (recovery: the longest stall between two steps)."""
-    goes_on(jobs_on, record, kill(lambda c: c.members[0]))
+    goes_on(jobs_on, record, lambda c: break_member(c.members[0], "kill"))
 
 
 def test_etcd_member_in_use_hung(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
@@ -113,14 +93,14 @@ def test_etcd_member_in_use_hung(jobs_on: ClusterJobs, record: Recorder, attempt
     answers; a follower: a paused leader that resumes revokes leases in etcd < 3.5.8): the
     agents leave it within the lease TTL; no new generation, no worker restarted, no agent
     fenced (recovery: the longest stall between two steps)."""
-    goes_on(jobs_on, record, pause(lambda c: not_leading(c, c.members[0])))
+    goes_on(jobs_on, record, lambda c: break_member(not_leading(c, c.members[0]), "stop"))
 
 
 def test_etcd_leader_sigkilled(jobs_on: ClusterJobs, record: Recorder, attempt: int) -> None:
     """3-member etcd: the raft leader is SIGKILLed while the job trains: a new leader is
     elected and training goes on; no new generation, no worker restarted, no agent fenced
     (recovery: the longest stall between two steps)."""
-    goes_on(jobs_on, record, kill(leader_of))
+    goes_on(jobs_on, record, lambda c: break_member(leader_of(c), "kill"))
 
 
 def test_etcd_member_in_use_partitioned(

@@ -47,6 +47,7 @@ from tests.e2e.test_cache import (
 )
 from tests.faults.conftest import Recorder
 from tests.faults.netns import Net, NetnsEtcd
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 Rows = list[dict[str, object]]
@@ -395,11 +396,12 @@ def test_sigterm_while_fenced(jobs: Jobs, own_etcd: EmbeddedEtcd) -> None:
     start(job, "a")
     agent = job.agents["a"]
     own_etcd.stop(remove_data=False)
-    deadline = time.monotonic() + 120
-    while "cannot join again yet" not in agent.output():
-        assert time.monotonic() < deadline, agent.output()[-3000:]
-        assert agent.proc.poll() is None, agent.output()[-3000:]
-        time.sleep(0.2)
+    wait_until(
+        "the fenced agent to try joining again",
+        lambda: "cannot join again yet" in agent.output() or agent.proc.poll() is not None,
+        120,
+    )
+    assert agent.proc.poll() is None, agent.output()[-3000:]
     agent.signal(signal.SIGTERM)
     assert agent.wait(timeout_s=60) == 0, agent.output()[-3000:]
     assert "Left the job on SIGTERM" in agent.output()

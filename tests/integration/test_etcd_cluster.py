@@ -17,6 +17,7 @@ from efdl.rendezvous.api import EtcdSettings, WatchBatch
 from efdl.rendezvous.embedded import EmbeddedEtcd, EtcdCluster
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 TTL_S = 5
@@ -60,13 +61,6 @@ def not_leading(cluster: EtcdCluster, member: EmbeddedEtcd) -> EmbeddedEtcd:
             )
         wait_until("the leadership to move", lambda: leader_of(cluster) is target, 10)
     return member
-
-
-def wait_until(what: str, pred: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def break_member(member: EmbeddedEtcd, how: str) -> Callable[[], None]:

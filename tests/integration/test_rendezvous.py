@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 
 from efdl.errors import LeaseLostError, RendezvousError
-from efdl.rendezvous.agent import RendezvousAgent, close_job
+from efdl.rendezvous.agent import RendezvousAgent, close_job, read_members
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
@@ -386,3 +387,26 @@ def test_a_store_that_cannot_start_makes_the_node_leave(cluster: Callable[..., C
     with pytest.raises(RendezvousError, match=r"could not serve the c10d store .*Address already"):
         a.next_round(after=0, timeout_s=10)
     assert c.stores[0].get(JobKeys(c.job).node("a")) is None  # it left the job
+
+
+def test_a_node_reads_its_place_as_it_was_when_the_round_was_written(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """The leader may already be writing the next round's member records when a node reads its
+    own: it reads at the revision the round names, so it gets this round's place; the status
+    reads every member there too. Once that revision is compacted, the newest record counts,
+    and one of another round means: not a member of this one."""
+    c = cluster(ttl_s=10)
+    c.add("a")
+    c.add("b")
+    r = c.wait(shape(("a", 1), ("b", 1)))
+    store, keys = c.stores[0], JobKeys(c.job)
+    mine = c.agents["b"].current_round
+    assert mine is not None and mine.member is not None and mine.member.first_rank == 1
+    next_round = replace(mine.member, generation=r.generation + 1, round_id="next", first_rank=0)
+    store.put(keys.member("b"), next_round.to_json())
+    assert c.agents["b"]._own_member(mine) == mine.member
+    assert [m.node_id for m in read_members(store, keys, r)] == ["a", "b"]
+    store.compact(store.put(keys.prefix + "tick", b"1"))
+    assert c.agents["b"]._own_member(mine) is None
+    assert [m.node_id for m in read_members(store, keys, r)] == ["a"]

@@ -10,13 +10,7 @@ import pytest
 from efdl.errors import StoreError
 from efdl.launcher import publish
 from efdl.launcher.publish import LatestPublisher
-
-
-def wait_until(cond: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+from tests.wait import wait_until
 
 
 def test_offers_never_wait_and_only_the_newest_is_written_after_a_slow_put() -> None:
@@ -35,7 +29,7 @@ def test_offers_never_wait_and_only_the_newest_is_written_after_a_slow_put() -> 
         time.sleep(0.02)
     assert time.monotonic() - t0 < 1.0  # the put of "1" blocks its thread, not the caller
     slow.set()
-    wait_until(lambda: written and written[-1] == b"5")
+    wait_until("the newest value written", lambda: written and written[-1] == b"5", 5)
     p.close(1.0)
     assert written == [b"1", b"5"]
 
@@ -51,7 +45,7 @@ def test_a_failed_put_is_retried_until_it_succeeds(monkeypatch: pytest.MonkeyPat
 
     p = LatestPublisher(put, "test")
     p.offer(b"7")
-    wait_until(lambda: len(attempts) >= 3)
+    wait_until("three attempts", lambda: len(attempts) >= 3, 5)
     time.sleep(0.2)
     p.close(1.0)
     assert attempts == [b"7", b"7", b"7"]

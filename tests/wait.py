@@ -1,0 +1,16 @@
+"""Waiting on a condition with a deadline (never a fixed sleep standing for "until X")."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def wait_until(
+    what: str, pred: Callable[[], object], timeout_s: float, poll_s: float = 0.05
+) -> None:
+    """Return once ``pred()`` is true; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(poll_s)
