@@ -15,10 +15,10 @@ __version__ = "0.1.0"
 _STATE_API = {
     "ElasticSampler": "efdl.state.sampler",
     "ElasticBatchSampler": "efdl.state.sampler",
-    "ElasticState": "efdl.state.elastic",
+    "ElasticState": "efdl.state.state",
     "elastic": "efdl.state.elastic",
-    "elastic_state": "efdl.state.elastic",
-    "init_process_group": "efdl.state.elastic",
+    "elastic_state": "efdl.state.state",
+    "init_process_group": "efdl.state.runtime",
     "device": "efdl.state.device",
 }
 

@@ -54,3 +54,7 @@ class RendezvousTimeoutError(RendezvousError):
 
 class RendezvousClosedError(RendezvousError):
     """The job was stopped; no further rounds will be formed."""
+
+
+class StateLostError(EfdlError):
+    """No rank holds the job's committed state and no snapshot can bring it back."""

@@ -1,35 +1,42 @@
 """The remote cache: committed state on storage, for a job that lost every node.
 
 Any fsspec URL (``s3://bucket/jobs/resnet``, ``memory://x``, ``gs://...``) or a local path.
-One snapshot per persisted step::
+One snapshot per persisted step, written by every rank at once::
 
-    <url>/step-000000001234/state.pt        rank 0: model, optimizer, scheduler, sampler,
-                                            step and user values (DDP replicas are identical)
-    <url>/step-000000001234/rank-00003.pt   rank 3: what is its own (its RNG states)
-    <url>/step-000000001234/manifest.json   written last, by rank 0
+    <url>/step-000000001234/state.pt          rank 0: the state's structure and every value
+                                              that is not a tensor (sampler, step, user
+                                              values, optimizer settings), and which part
+                                              holds each tensor
+    <url>/step-000000001234/part-00007.pt     tensors (a few hundred MB at most): the
+                                              replicated state is cut into parts, and the
+                                              ranks write the parts in parallel
+    <url>/step-000000001234/rank-00003.pt     rank 3: what is its own (its RNG states)
+    <url>/step-000000001234/report-00003.json rank 3: the size and digest of what it wrote
+    <url>/step-000000001234/manifest.json     written last, by rank 0, once every rank
+                                              reported
 
 A snapshot exists only if its manifest is complete and valid: step, epoch, world size, the
-size and sha256 of every file, efdl and torch versions. A file that does not match its
-manifest (truncated, flipped byte, missing) makes the whole snapshot invalid; the restore
+size and xxh3-128 digest of every file, efdl and torch versions. A file that does not match
+its manifest (truncated, flipped byte, missing) makes the whole snapshot invalid; the restore
 then takes the one before, with a warning naming the file. Files are read with
-``torch.load(weights_only=True)``: a hostile file cannot run code.
+``torch.load(weights_only=True)``: a hostile file cannot run code (the digest guards against
+corruption, not against someone who can write the cache: that one can write the manifest too).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import hashlib
 import io
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import fsspec  # type: ignore[import-untyped]
+import xxhash
 
 from efdl import __version__
 from efdl.errors import ConfigError, EfdlError
@@ -38,10 +45,11 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STATE = "state.pt"
-FORMAT = 1
+FORMAT = 2
+DIGEST = "xxh3_128"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_FILE_NAME = re.compile(r"^(state|rank-\d{5})\.pt$")
+_HEX = re.compile(r"^[0-9a-f]{32}$")
+_FILE_NAME = re.compile(r"^(state|rank-\d{5}|part-\d{5})\.pt$")
 
 
 def _torch() -> Any:
@@ -59,10 +67,18 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def part_file(part: int) -> str:
+    return f"part-{part:05d}.pt"
+
+
+def report_file(rank: int) -> str:
+    return f"report-{rank:05d}.json"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileInfo:
     size: int
-    sha256: str
+    digest: str  # xxh3-128, hex
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,17 +96,13 @@ class Manifest:
 
     def to_json(self) -> bytes:
         data = dataclasses.asdict(self)
+        data["files"] = _files_to_json(self.files)
         return json.dumps(data, indent=1, sort_keys=True).encode()
 
     @staticmethod
     def parse(raw: bytes, where: str) -> Manifest:
         """Validate a manifest strictly; SnapshotError names what is wrong."""
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise SnapshotError(f"{where} is not valid JSON ({exc}).") from None
-        if not isinstance(data, dict):
-            raise SnapshotError(f"{where} is not a JSON object.")
+        data = _json_object(raw, where)
 
         def field(name: str, kind: type | tuple[type, ...]) -> Any:
             value = data.get(name)
@@ -99,20 +111,14 @@ class Manifest:
             return value
 
         if field("format", int) != FORMAT:
-            raise SnapshotError(f"{where}: format {data['format']} is not {FORMAT}.")
+            raise SnapshotError(
+                f"{where}: format {data['format']} is not {FORMAT} (written by another "
+                "version of efdl)."
+            )
         epoch = data.get("epoch")
         if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
             raise SnapshotError(f"{where}: 'epoch' is {epoch!r}; expected an integer or null.")
-        files: dict[str, FileInfo] = {}
-        for name, info in field("files", dict).items():
-            if not _FILE_NAME.match(name) or not isinstance(info, dict):
-                raise SnapshotError(f"{where}: unexpected file entry {name!r}.")
-            size, sha = info.get("size"), info.get("sha256")
-            if not isinstance(size, int) or size < 0 or not isinstance(sha, str):
-                raise SnapshotError(f"{where}: bad size or sha256 for {name!r}.")
-            if not _SHA256.match(sha):
-                raise SnapshotError(f"{where}: {name!r} has a malformed sha256 {sha!r}.")
-            files[name] = FileInfo(size, sha)
+        files = _files_from_json(field("files", dict), where)
         if STATE not in files:
             raise SnapshotError(f"{where} lists no {STATE}.")
         step, world = field("step", int), field("world_size", int)
@@ -129,37 +135,57 @@ class Manifest:
         )
 
 
-class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes and counts what passes through it. A large write is
-    hashed on a helper thread while it goes to the file (hashlib and file writes release the
-    GIL), so hashing and writing overlap instead of adding up."""
+def _json_object(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise SnapshotError(f"{where} is not valid JSON ({exc}).") from None
+    if not isinstance(data, dict):
+        raise SnapshotError(f"{where} is not a JSON object.")
+    return data
 
-    _PARALLEL = 1 << 20
+
+def _files_to_json(files: Mapping[str, FileInfo]) -> dict[str, dict[str, object]]:
+    return {name: {"size": f.size, DIGEST: f.digest} for name, f in files.items()}
+
+
+def _files_from_json(raw: dict[str, Any], where: str) -> dict[str, FileInfo]:
+    """File entries of a manifest or report, each name and digest checked."""
+    files: dict[str, FileInfo] = {}
+    for name, info in raw.items():
+        if not _FILE_NAME.match(name) or not isinstance(info, dict):
+            raise SnapshotError(f"{where}: unexpected file entry {name!r}.")
+        size, digest = info.get("size"), info.get(DIGEST)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise SnapshotError(f"{where}: bad size {size!r} for {name!r}.")
+        if not isinstance(digest, str) or not _HEX.match(digest):
+            raise SnapshotError(f"{where}: {name!r} has a malformed {DIGEST} {digest!r}.")
+        files[name] = FileInfo(size, digest)
+    return files
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that digests and counts what passes through it (xxh3-128: over
+    10 GB/s on one core, so the digest never limits the write)."""
 
     def __init__(self, f: Any) -> None:
         self._f = f
-        self.sha = hashlib.sha256()
+        self.hash = xxhash.xxh3_128()
         self.size = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="efdl-sha256")
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        if len(view) < self._PARALLEL:
-            self.sha.update(view)
-            self._f.write(view)
-        else:  # the caller may reuse its buffer once we return: both finish before that
-            hashed = self._pool.submit(self.sha.update, view)
-            self._f.write(view)
-            hashed.result()
+        self.hash.update(view)
+        self._f.write(view)
         self.size += len(view)
         return len(view)
 
-    def close(self) -> None:
-        self._pool.shutdown()
-        super().close()
+
+def digest(data: bytes) -> str:
+    return str(xxhash.xxh3_128(data).hexdigest())
 
 
 class SnapshotStore:
@@ -187,7 +213,7 @@ class SnapshotStore:
         return f"{d}/{name}" if name else d
 
     def write(self, step: int, name: str, obj: Any) -> FileInfo:
-        """``torch.save`` ``obj`` as file ``name`` of snapshot ``step``; its size and sha256."""
+        """``torch.save`` ``obj`` as file ``name`` of snapshot ``step``; its size and digest."""
         if self.local:
             self.fs.makedirs(self.path(step), exist_ok=True)
         with self.fs.open(self.path(step, name), "wb") as f, _HashingWriter(f) as writer:
@@ -195,20 +221,41 @@ class SnapshotStore:
             if self.local:
                 f.flush()
                 os.fsync(f.fileno())
-        return FileInfo(writer.size, writer.sha.hexdigest())
+        return FileInfo(writer.size, writer.hash.hexdigest())
 
-    def commit(self, manifest: Manifest) -> None:
-        """Write the manifest: from now on the snapshot exists."""
-        target = self.path(manifest.step, MANIFEST)
-        if self.local:  # atomic: a reader sees the whole manifest or none
+    def _put(self, target: str, data: bytes) -> None:
+        """Write a small file atomically: a reader sees all of it or none."""
+        if self.local:
+            self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
             tmp = target + ".tmp"
             with open(tmp, "wb") as f:
-                f.write(manifest.to_json())
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
-        else:
-            self.fs.pipe_file(target, manifest.to_json())
+        else:  # an object store's PUT is atomic
+            self.fs.pipe_file(target, data)
+
+    def report(self, step: int, rank: int, files: Mapping[str, FileInfo]) -> None:
+        """Say what ``rank`` wrote for snapshot ``step`` (rank 0 gathers the reports)."""
+        data = json.dumps({"rank": rank, "files": _files_to_json(files)}).encode()
+        self._put(self.path(step, report_file(rank)), data)
+
+    def reported(self, step: int, rank: int) -> dict[str, FileInfo] | None:
+        """What ``rank`` reported for ``step``; None if it has not (yet)."""
+        where = self.path(step, report_file(rank))
+        try:
+            raw = self.fs.cat_file(where)
+        except FileNotFoundError:
+            return None
+        data = _json_object(raw, where)
+        if data.get("rank") != rank or not isinstance(data.get("files"), dict):
+            raise SnapshotError(f"{where} is not rank {rank}'s report.")
+        return _files_from_json(data["files"], where)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write the manifest: from now on the snapshot exists."""
+        self._put(self.path(manifest.step, MANIFEST), manifest.to_json())
 
     def steps(self) -> list[int]:
         """Steps that have a snapshot directory (complete or not), newest first."""
@@ -236,17 +283,8 @@ class SnapshotStore:
         return m
 
     def read(self, m: Manifest, name: str) -> Any:
-        """File ``name`` of snapshot ``m``, checked against the manifest, loaded safely."""
-        where = self.path(m.step, name)
-        data = self._bytes(m, name)
-        try:
-            return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:  # a valid checksum of a file that was bad when written
-            raise SnapshotError(f"{where} cannot be loaded: {exc}") from None
-
-    def _bytes(self, m: Manifest, name: str) -> bytes:
-        """File ``name`` of snapshot ``m``, checked against the manifest (in memory: the
-        restore needs about twice the file's size)."""
+        """File ``name`` of snapshot ``m``, checked against the manifest, loaded safely (in
+        memory: about twice the file's size while it loads)."""
         where = self.path(m.step, name)
         info = m.files.get(name)
         if info is None:
@@ -257,27 +295,67 @@ class SnapshotStore:
             raise SnapshotError(f"{where} is missing.") from None
         if len(data) != info.size:
             raise SnapshotError(f"{where} has {len(data)} bytes; its manifest says {info.size}.")
-        if hashlib.sha256(data).hexdigest() != info.sha256:
-            raise SnapshotError(f"{where} does not match the sha256 in its manifest.")
-        return data
+        if digest(data) != info.digest:
+            raise SnapshotError(f"{where} does not match the {DIGEST} digest in its manifest.")
+        try:
+            return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:  # a valid digest of a file that was bad when written
+            raise SnapshotError(f"{where} cannot be loaded: {exc}") from None
 
-    def newest(self) -> tuple[Manifest, dict[str, Any]] | None:
-        """The newest snapshot that is complete and intact, with its state; older ones are
-        tried when a newer one is broken (each skip is logged with the file that broke it)."""
+    def layout(self, m: Manifest) -> Layout:
+        """Snapshot ``m``'s structure: ``state.pt``, checked."""
+        state = self.read(m, STATE)
+        where = self.path(m.step, STATE)
+        if not isinstance(state, dict) or not isinstance(state.get("tree"), dict):
+            raise SnapshotError(f"{where} holds no state tree.")
+        parts = state.get("parts")
+        if not isinstance(parts, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in parts.items()
+        ):
+            raise SnapshotError(f"{where} has no valid map of tensors to parts.")
+        missing = sorted(set(parts.values()) - set(m.files))
+        if missing:
+            raise SnapshotError(f"{where} names parts its manifest lacks: {missing[:3]}.")
+        if "model" not in state["tree"]:
+            raise SnapshotError(f"{where}: the state has no model.")
+        devices = state.get("devices", {})
+        if not isinstance(devices, dict):
+            raise SnapshotError(f"{where} has no valid map of tensors to devices.")
+        layout = Layout(m, state["tree"], parts, devices)
+        unplaced = [k for k in layout.tensor_keys() if k not in parts]
+        if unplaced:
+            raise SnapshotError(f"{where}: tensor {unplaced[0]} is in no part.")
+        return layout
+
+    def newest_layout(self, below: int | None = None) -> Layout | None:
+        """The newest snapshot (older than step ``below``, if given) whose manifest and
+        structure read; broken ones are skipped with a warning naming the file."""
         for step in self.steps():
+            if below is not None and step >= below:
+                continue
             try:
-                m = self.manifest(step)
-                state = self.read(m, STATE)
-                for name in m.files:
-                    if name != STATE:
-                        self._bytes(m, name)  # every rank's file is there and intact
+                return self.layout(self.manifest(step))
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", step, exc)
-                continue
-            if not isinstance(state, dict) or "model" not in state:
-                log.warning("Skipping cached snapshot of step %d: state has no model.", step)
-                continue
-            return m, state
+        return None
+
+    def newest(self) -> tuple[Manifest, dict[str, Any]] | None:
+        """The newest complete, intact snapshot read whole in this process: its manifest and
+        its state tree with every tensor in place (tools and tests; a job resumes with every
+        rank reading some of the parts, see efdl.state.resume)."""
+        below: int | None = None
+        while (layout := self.newest_layout(below)) is not None:
+            try:
+                tensors: dict[str, Any] = {}
+                for name in layout.part_names():
+                    tensors.update(self.read(layout.manifest, name))
+                for name in layout.manifest.files:
+                    if name.startswith("rank-"):
+                        self.read(layout.manifest, name)  # every rank's file is intact
+                return layout.manifest, layout.fill(tensors)
+            except SnapshotError as exc:
+                log.warning("Skipping cached snapshot of step %d: %s", layout.manifest.step, exc)
+                below = layout.manifest.step
         return None
 
     def prune(self, keep: int) -> None:
@@ -293,6 +371,70 @@ class SnapshotStore:
                 complete += 1
             except SnapshotError:
                 pass  # maybe still being written
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+    """A snapshot's structure: the state tree with every tensor a meta tensor of the right
+    shape and dtype, and which part file holds each tensor (by its pytree key path)."""
+
+    manifest: Manifest
+    tree: dict[str, Any]
+    parts: dict[str, str]  # tensor key path -> part file
+    devices: dict[str, str]  # tensor key path -> the device type it was persisted from
+
+    def part_names(self) -> list[str]:
+        return sorted(set(self.parts.values()))
+
+    def tensor_keys(self) -> list[str]:
+        import torch.utils._pytree as pytree
+
+        leaves, _ = pytree.tree_flatten_with_path(self.tree)
+        return [pytree.keystr(p) for p, leaf in leaves if isinstance(leaf, _torch().Tensor)]
+
+    def fill(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """The tree with each meta tensor replaced by ``tensors[its key path]``."""
+        import torch.utils._pytree as pytree
+
+        leaves, spec = pytree.tree_flatten_with_path(self.tree)
+        out = []
+        for path, leaf in leaves:
+            if isinstance(leaf, _torch().Tensor):
+                key = pytree.keystr(path)
+                if key not in tensors:
+                    raise SnapshotError(
+                        f"{self.manifest.step}: tensor {key} is in no part of the snapshot."
+                    )
+                leaf = tensors[key]
+            out.append(leaf)
+        filled: dict[str, Any] = pytree.tree_unflatten(out, spec)
+        return filled
+
+
+def split_parts(sizes: Sequence[int], part_bytes: int) -> list[list[int]]:
+    """Consecutive leaves packed into parts of at most ``part_bytes`` (a larger leaf is a part
+    by itself). Pure."""
+    parts: list[list[int]] = []
+    size = part_bytes  # start a new part at the first leaf
+    for i, n in enumerate(sizes):
+        if size + n > part_bytes or not parts:
+            parts.append([])
+            size = 0
+        parts[-1].append(i)
+        size += n
+    return parts
+
+
+def assign_parts(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Which rank writes each part: the largest parts first, each to the rank with the fewest
+    bytes so far (lowest rank on ties), so the ranks' writes take about as long. Pure."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

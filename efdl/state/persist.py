@@ -1,35 +1,101 @@
-"""Asynchronous persistence: a commit hands its state to a background writer and returns.
+"""Asynchronous persistence: at a persisted commit every rank writes its share, in parallel.
 
-At most one snapshot is in flight. While one is being written, later commits are not queued
-(there is nothing to replace: the next due commit after it is the newest), so memory stays
-bounded: one CPU copy of the model and optimizer state, whose buffers are reused from one
-snapshot to the next.
+Every rank persists the same step (the decision travels in the per-commit agreement) and
+holds the same replicated state, so each cuts the state's tensors, in key-path order, into
+the same parts of at most ``part_bytes`` and writes the parts assigned to it
+(:func:`efdl.state.cache.split_parts`, :func:`~efdl.state.cache.assign_parts`): the ranks write
+in parallel, each copying and writing about ``1/world`` of the state. Then:
 
-What the training loop waits for: small values (step, sampler, user values, scheduler) and
-the model's buffers (BatchNorm statistics change in the forward pass) are copied at the
-commit. Parameters and optimizer state are copied to the CPU by the writer's thread while the
-next step's forward and backward run (neither changes them), and the next
-``optimizer.step()`` waits until that copy is done (a step pre-hook). Code that changes
-parameters in place outside the optimizer between a commit and the next step must call
-``state.fence()`` first.
+- each rank writes its own file (its RNG states) and a report of what it wrote;
+- rank 0 also writes the state's structure (``state.pt``), waits for every rank's report on
+  the storage itself (a rescale may end the generation, and its store, in between; the wait
+  is bounded), and writes the manifest. A rank that died before reporting leaves the
+  snapshot incomplete: no manifest, and the next due commit tries again.
+
+What the training loop waits for: the model's buffers (BatchNorm statistics change in the
+forward pass) are copied at the commit. Parameters and optimizer state are copied to CPU
+buffers by the writer's thread while the next step's forward and backward run (neither
+changes them), and the next ``optimizer.step()`` waits until that copy is done (a step
+pre-hook; ``state.fence()`` for code that changes parameters elsewhere). On a GPU the copies
+are non-blocking device-to-host copies into pinned buffers, on a CUDA stream of their own,
+ordered after the committed step by an event: they neither wait for later kernels nor hold
+them up.
+
+At most one snapshot is in flight; memory is one CPU copy of this rank's share, its buffers
+reused from one snapshot to the next.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-from efdl.state.cache import STATE, CacheSettings, FileInfo, Manifest, SnapshotStore, rank_file
+from efdl.state.cache import (
+    STATE,
+    CacheSettings,
+    FileInfo,
+    Manifest,
+    SnapshotStore,
+    assign_parts,
+    part_file,
+    rank_file,
+    split_parts,
+)
 
 log = logging.getLogger(__name__)
 
-Collect = Callable[[int, str, FileInfo], dict[str, FileInfo]]
+PART_BYTES = 512 << 20  # the largest part (a larger tensor is a part by itself)
+MIN_PART_BYTES = 16 << 20  # parts are no smaller than this, however many ranks share the work
+REPORT_WAIT_S = 30.0  # rank 0 waits this long for the other ranks' reports, plus 3x its write
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a state tree is cut into parts, the same on every rank."""
+
+    keys: list[str]  # tensor leaves' key paths, sorted
+    part_of: list[int]  # per leaf, its part
+    owner: list[int]  # per part, the rank that writes it
+
+    @staticmethod
+    def of(sizes: dict[str, int], world: int, part_bytes: int = PART_BYTES) -> Layout:
+        keys = sorted(sizes)
+        total = sum(sizes.values())
+        target = min(part_bytes, max(MIN_PART_BYTES, math.ceil(total / world)))
+        parts = split_parts([sizes[k] for k in keys], target)
+        part_of = [0] * len(keys)
+        for p, members in enumerate(parts):
+            for i in members:
+                part_of[i] = p
+        part_sizes = [sum(sizes[keys[i]] for i in members) for members in parts]
+        return Layout(keys, part_of, assign_parts(part_sizes, world))
+
+
+@dataclass(slots=True)
+class _Job:
+    """One snapshot being written by this rank."""
+
+    step: int
+    epoch: int | None
+    rank: int
+    world: int
+    parts: dict[str, dict[str, torch.Tensor]]  # this rank's part files: key path -> buffer
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer, source) to copy in the thread
+    own: dict[str, Any]
+    structure: dict[str, Any] | None  # rank 0: what state.pt holds
+    expected: set[str]  # rank 0: every part file of the snapshot
+    on_done: Callable[[Manifest], None]
+    ready: Any = None  # a CUDA event: the committed step's kernels are done
+    started: float = field(default_factory=time.perf_counter)
 
 
 class Persister:
@@ -37,21 +103,24 @@ class Persister:
 
     Args:
         settings: where and how often.
+        part_bytes: the largest part file (tests make it small).
     """
 
-    def __init__(self, settings: CacheSettings) -> None:
+    def __init__(self, settings: CacheSettings, part_bytes: int = PART_BYTES) -> None:
         self.settings = settings
+        self.part_bytes = part_bytes
         self.store = SnapshotStore(settings.url)
         self._buffers: dict[str, torch.Tensor] = {}
         self._copied = threading.Event()
         self._copied.set()
         self._thread: threading.Thread | None = None
+        self._stream: Any = None
         self._last_step = 0
         self._last_time = time.monotonic()
-        self._started = 0.0
         self.last_persisted: int | None = None
         self.blocked_s = 0.0  # time the training loop spent waiting for copies (for benchmarks)
-        self.durations: list[float] = []  # start to manifest, per snapshot (for benchmarks)
+        self.durations: list[float] = []  # start to this rank's part written, per snapshot
+        self.written: list[int] = []  # bytes this rank wrote, per snapshot
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be persisted (by count or time), the writer being free."""
@@ -81,95 +150,154 @@ class Persister:
         self,
         step: int,
         epoch: int | None,
-        world: int,
         rank: int,
-        tree: dict[str, Any] | None,
-        sync_paths: set[str],
+        world: int,
+        tree: dict[str, Any],
+        copy_now: set[str],
         own: dict[str, Any],
-        collect: Collect,
         on_done: Callable[[Manifest], None],
     ) -> None:
-        """Persist ``step``: ``tree`` (rank 0: the replicated state, tensors by reference;
-        None elsewhere) and ``own`` (this rank's shard, already a private copy). ``collect``
-        reports this rank's file and, on rank 0, returns every rank's files that came."""
+        """Persist ``step``: this rank's share of ``tree`` (the replicated state, tensors by
+        reference), and ``own`` (what is this rank's alone, already a private copy).
+
+        Args:
+            copy_now: key paths of tensors the next forward pass changes (the model's
+                buffers): copied now rather than in the background.
+            on_done: called on rank 0 with the manifest once the snapshot is complete.
+        """
         self.fence()
         self._last_step, self._last_time = step, time.monotonic()
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        cpu_tree = self._stage(tree, "", sync_paths, pairs) if tree is not None else None
+        leaves, _ = pytree.tree_flatten_with_path(tree)
+        tensors = {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
+        layout = Layout.of({k: t.nbytes for k, t in tensors.items()}, world, self.part_bytes)
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        buffers: dict[str, torch.Tensor] = {}
+        for key, p in zip(layout.keys, layout.part_of, strict=True):
+            if layout.owner[p] != rank:
+                continue
+            src = tensors[key].detach()
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            buffers[key] = buf
+            parts.setdefault(part_file(p), {})[key] = buf
+            if key in copy_now:
+                buf.copy_(src)
+            else:
+                copies.append((buf, src))
+        self._buffers = buffers  # a share no longer this rank's is freed
+        structure = None
+        if rank == 0:
+            names = {k: part_file(p) for k, p in zip(layout.keys, layout.part_of, strict=True)}
+            devices = {k: t.device.type for k, t in tensors.items()}
+            skeleton = pytree.tree_map(
+                lambda x: (
+                    torch.empty(x.shape, dtype=x.dtype, device="meta")
+                    if isinstance(x, torch.Tensor)
+                    else copy.deepcopy(x)
+                ),
+                tree,
+            )
+            structure = {"tree": skeleton, "parts": names, "devices": devices}
+        job = _Job(
+            step,
+            epoch,
+            rank,
+            world,
+            parts,
+            copies,
+            own,
+            structure,
+            {part_file(p) for p in range(len(layout.owner))},
+            on_done,
+        )
+        if any(src.is_cuda for _, src in copies):
+            job.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            job.ready.record()
         self._copied.clear()
-        self._started = time.perf_counter()
         self._thread = threading.Thread(
-            target=self._write,
-            args=(step, epoch, world, rank, cpu_tree, pairs, own, collect, on_done),
-            name=f"efdl-persist-{step}",
-            daemon=True,
+            target=self._write, args=(job,), name=f"efdl-persist-{step}", daemon=True
         )
         self._thread.start()
 
-    def _stage(
-        self,
-        obj: Any,
-        path: str,
-        sync_paths: set[str],
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> Any:
-        """``obj`` with every tensor replaced by its (reused) CPU buffer; the copies to make
-        go to ``pairs``, except for ``sync_paths``, copied now."""
-        if isinstance(obj, torch.Tensor):
-            src = obj.detach()
-            buf = self._buffers.get(path)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                buf = torch.empty(
-                    src.shape, dtype=src.dtype, pin_memory=src.is_cuda and torch.cuda.is_available()
-                )
-                self._buffers[path] = buf
-            if path in sync_paths:
-                buf.copy_(src)
-            else:
-                pairs.append((buf, src))
-            return buf
-        if isinstance(obj, dict):
-            return {k: self._stage(v, f"{path}/{k}", sync_paths, pairs) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            items = [self._stage(v, f"{path}/{i}", sync_paths, pairs) for i, v in enumerate(obj)]
-            return type(obj)(items)
-        return copy.deepcopy(obj)
+    def _copy(self, job: _Job) -> None:
+        with torch.no_grad():
+            if job.ready is None:
+                for buf, src in job.copies:
+                    buf.copy_(src)
+                return
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(job.ready)
+                for buf, src in job.copies:
+                    buf.copy_(src, non_blocking=True)
+            self._stream.synchronize()
 
-    def _write(
-        self,
-        step: int,
-        epoch: int | None,
-        world: int,
-        rank: int,
-        cpu_tree: Any,
-        pairs: list[tuple[torch.Tensor, torch.Tensor]],
-        own: dict[str, Any],
-        collect: Collect,
-        on_done: Callable[[Manifest], None],
-    ) -> None:
+    def _write(self, job: _Job) -> None:
+        store = self.store
         try:
             try:
-                with torch.no_grad():
-                    for buf, src in pairs:
-                        buf.copy_(src)
+                self._copy(job)
             finally:
                 self._copied.set()
             files: dict[str, FileInfo] = {}
-            if cpu_tree is not None:
-                files[STATE] = self.store.write(step, STATE, cpu_tree)
-            name = rank_file(rank)
-            info = self.store.write(step, name, own)
-            files.update(collect(step, name, info))
-            if rank != 0:
+            for name, part in sorted(job.parts.items()):
+                files[name] = store.write(job.step, name, part)
+            files[rank_file(job.rank)] = store.write(job.step, rank_file(job.rank), job.own)
+            took = time.perf_counter() - job.started
+            self.durations.append(took)
+            self.written.append(sum(f.size for f in files.values()))
+            if job.rank != 0:
+                store.report(job.step, job.rank, files)
                 return
-            files[name] = info
-            manifest = Manifest(step, epoch, world, files)
-            self.store.commit(manifest)
-            self.last_persisted = step
-            self.durations.append(time.perf_counter() - self._started)
-            self.store.prune(self.settings.keep)
-            on_done(manifest)
+            assert job.structure is not None
+            files[STATE] = store.write(job.step, STATE, job.structure)
+            others = self._gather(job, REPORT_WAIT_S + 3 * took)
+            if others is None:
+                return
+            files.update(others)
+            missing = sorted(job.expected - set(files))
+            if missing:
+                log.warning(
+                    "Step %d is not persisted: no rank wrote %s.", job.step, ", ".join(missing[:3])
+                )
+                return
+            manifest = Manifest(job.step, job.epoch, job.world, files)
+            store.commit(manifest)
+            self.last_persisted = job.step
+            store.prune(self.settings.keep)
+            job.on_done(manifest)
         except Exception as exc:  # storage trouble must not stop training
             log.warning(
-                "Persisting step %d to %s failed: %s", step, self.settings.url, exc, exc_info=True
+                "Persisting step %d to %s failed: %s",
+                job.step,
+                self.settings.url,
+                exc,
+                exc_info=True,
             )
+
+    def _gather(self, job: _Job, wait_s: float) -> dict[str, FileInfo] | None:
+        """Rank 0: every other rank's report of ``job``'s step, read from storage (polled:
+        storage has no watch; off the training path and bounded by ``wait_s``)."""
+        deadline = time.monotonic() + wait_s
+        waiting = set(range(1, job.world))
+        files: dict[str, FileInfo] = {}
+        while True:
+            for r in sorted(waiting):
+                found = self.store.reported(job.step, r)
+                if found is not None:
+                    files.update(found)
+                    waiting.discard(r)
+            if not waiting:
+                return files
+            if time.monotonic() > deadline:
+                log.warning(
+                    "Step %d is not persisted: rank(s) %s did not report within %.0f s.",
+                    job.step,
+                    ", ".join(map(str, sorted(waiting)[:5])),
+                    wait_s,
+                )
+                return None
+            time.sleep(0.1)

@@ -204,13 +204,26 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def check_consistent(rows: list[dict[str, object]]) -> None:
-    """All ranks of a generation hold bit-identical parameters at every step, and a worker's
-    step never goes back beyond its last commit."""
+    """All ranks of a generation hold bit-identical parameters at every step; every update
+    starts from parameters some rank held after the step before (an update applied twice, or
+    applied and not counted, breaks that chain); and a worker's step never goes back beyond
+    its last commit."""
     digests: dict[tuple[object, object], set[object]] = defaultdict(set)
+    after: dict[int, set[object]] = defaultdict(set)
     for r in rows:
         digests[(r["gen"], r["step"])].add(r["digest"])
+        after[int(r["step"])].add(r["digest"])  # type: ignore[call-overload]
     bad = {k: v for k, v in digests.items() if len(v) > 1}
     assert not bad, f"ranks disagree on parameters: {list(bad.items())[:3]}"
+    missing = sorted(set(range(min(after, default=1), max(after, default=0) + 1)) - set(after))
+    assert not missing, f"steps counted that no rank trained: {missing[:5]}"
+    for r in rows:
+        step = int(r["step"])  # type: ignore[call-overload]
+        if step > 1 and "before" in r and (step - 1) in after:
+            assert r["before"] in after[step - 1], (
+                f"step {step} (pid {r['pid']}, generation {r['gen']}) started from parameters "
+                f"no rank held after step {step - 1}"
+            )
     last: dict[object, int] = {}
     for r in rows:
         pid, step = r["pid"], int(r["step"])  # type: ignore[call-overload]

@@ -32,8 +32,8 @@ def test_cuda_out_of_memory_ends_the_worker_and_the_job_without_restarts(tmp_pat
         result.stderr
     )
     lines = (result.stdout + result.stderr).splitlines()
-    # The failing rank was not taken for a dead peer (its partner may roll back: it lost one).
-    assert not [line for line in lines if line.startswith("[rank1]") and "rolling back" in line]
+    # The failing rank was not taken for a dead peer (its partner may recover: it lost one).
+    assert not [line for line in lines if line.startswith("[rank1]") and "recovering" in line]
 
 
 def test_cuda_out_of_memory_is_restarted_by_the_restart_policy(tmp_path: Path) -> None:
@@ -41,8 +41,8 @@ def test_cuda_out_of_memory_is_restarted_by_the_restart_policy(tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replacing the failed worker (restart 1 of 1)" in result.stderr
     assert "OutOfMemoryError: CUDA out of memory" in result.stderr
-    # The other rank rolled back (its peer's exit broke a collective) and the job went on.
-    assert "rolling back" in result.stdout + result.stderr
+    # The other rank recovered (its peer's exit broke a collective) and the job went on.
+    assert "recovering:" in result.stdout + result.stderr
 
 
 def test_a_user_barrier_timeout_ends_the_worker_with_the_timeout(tmp_path: Path) -> None:

@@ -1,15 +1,20 @@
-"""The remote cache's snapshot store, on a local directory, fsspec's memory:// and real S3
-(moto's server on 127.0.0.1, through s3fs): complete snapshots only, corruption skipped with
-the file named, hostile files refused, old snapshots pruned, background writes consistent."""
+"""The remote cache's snapshots, on a local directory, fsspec's memory:// and real S3 (moto's
+server on 127.0.0.1, through s3fs), written as ranks write them (every rank its parts, rank 0
+the structure and, once every rank reported, the manifest): complete snapshots only,
+corruption skipped with the file named, hostile files refused, old snapshots pruned,
+background writes consistent, and a snapshot resumed by a different number of ranks."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import os
 import pickle
+import subprocess
+import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,9 +27,12 @@ from efdl.state.cache import (
     Manifest,
     SnapshotError,
     SnapshotStore,
-    rank_file,
+    digest,
 )
 from efdl.state.persist import Persister
+from efdl.state.rng import rng_state
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume_state.py"
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -36,16 +44,28 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("s3_bucket")) + "/jobs/a"
 
 
-def snapshot(store: SnapshotStore, step: int, world: int = 2) -> Manifest:
-    """A snapshot as rank 0 and the others write it."""
-    files = {
-        STATE: store.write(step, STATE, {"model": {"w": torch.full((4,), float(step))}}),
+def tree_at(step: int) -> dict[str, Any]:
+    """A state tree of three tensors (12 KiB, 4 KiB, 4 B) and some plain values."""
+    return {
+        "model": {"w": torch.full((3072,), float(step)), "b": torch.full((1024,), -float(step))},
+        "optimizer": {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": []},
+        "step": step,
+        "values": {"epoch": step // 10},
     }
-    for r in range(world):
-        files[rank_file(r)] = store.write(step, rank_file(r), {"rng": torch.get_rng_state()})
-    m = Manifest(step, step // 10, world, files)
-    store.commit(m)
-    return m
+
+
+def persist(url: str, step: int, world: int = 2, part_bytes: int = 8192) -> Manifest:
+    """Snapshot ``step`` as ``world`` ranks write it (one Persister per rank: their reports
+    meet on storage, as the ranks' do); the manifest rank 0 wrote."""
+    done: list[Manifest] = []
+    writers = [Persister(CacheSettings(url), part_bytes) for _ in range(world)]
+    for rank in range(world - 1, -1, -1):  # rank 0 last: it waits for the others' reports
+        own = {"rng": rng_state()}
+        writers[rank].start(step, step // 10, rank, world, tree_at(step), set(), own, done.append)
+    for w in writers:
+        assert w.flush(60)
+    assert len(done) == 1
+    return done[0]
 
 
 def corrupt(store: SnapshotStore, step: int, name: str, how: str) -> str:
@@ -62,40 +82,65 @@ def corrupt(store: SnapshotStore, step: int, name: str, how: str) -> str:
     return path
 
 
-def test_the_newest_complete_snapshot_is_restored_with_its_manifest(url: str) -> None:
+def test_the_ranks_write_their_parts_and_the_newest_snapshot_reads_back_whole(url: str) -> None:
     store = SnapshotStore(url)
     assert store.newest() is None  # a cold start
-    snapshot(store, 10)
-    written = snapshot(store, 20)
+    persist(url, 10)
+    written = persist(url, 20)
     found = store.newest()
     assert found is not None
     m, state = found
     assert m == written and m.step == 20 and m.epoch == 2 and m.world_size == 2
     assert m.torch_version == torch.__version__ and m.efdl_version
-    assert torch.equal(state["model"]["w"], torch.full((4,), 20.0))
+    for key, value in tree_at(20)["model"].items():
+        assert torch.equal(state["model"][key], value)
+    assert state["values"] == {"epoch": 2} and state["step"] == 20
     raw = json.loads(store.fs.cat_file(store.path(20, MANIFEST)))
-    assert set(raw["files"]) == {STATE, "rank-00000.pt", "rank-00001.pt"}
-    assert all(len(f["sha256"]) == 64 and f["size"] > 0 for f in raw["files"].values())
+    parts = sorted(n for n in raw["files"] if n.startswith("part-"))
+    assert parts == ["part-00000.pt", "part-00001.pt", "part-00002.pt"]  # 4 KiB, 12 KiB, 4 B
+    assert {STATE, "rank-00000.pt", "rank-00001.pt"} <= set(raw["files"])
+    assert all(len(f["xxh3_128"]) == 32 and f["size"] > 0 for f in raw["files"].values())
 
 
 def test_a_snapshot_without_its_manifest_does_not_exist(url: str) -> None:
     store = SnapshotStore(url)
-    snapshot(store, 10)
-    store.write(20, STATE, {"model": {"w": torch.zeros(4)}})  # the writer died before the rest
+    persist(url, 10)
+    store.write(20, STATE, {"tree": {}, "parts": {}})  # the writers died before the rest
     found = store.newest()
     assert found is not None and found[0].step == 10
 
 
+def test_rank_0_writes_no_manifest_while_a_rank_has_not_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("efdl.state.persist.REPORT_WAIT_S", 0.5)
+    url = str(tmp_path / "cache")
+    writer = Persister(CacheSettings(url), 8192)
+    published: list[Manifest] = []
+    own = {"rng": rng_state()}
+    with caplog.at_level(logging.WARNING):
+        writer.start(30, 3, 0, 2, tree_at(30), set(), own, published.append)  # rank 1 is gone
+        assert writer.flush(30)
+    assert not published and SnapshotStore(url).newest() is None
+    assert "rank(s) 1 did not report" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("name", "how"),
-    [(STATE, "flip"), (STATE, "truncate"), ("rank-00001.pt", "flip"), ("rank-00000.pt", "delete")],
+    [
+        (STATE, "flip"),
+        (STATE, "truncate"),
+        ("part-00001.pt", "flip"),
+        ("rank-00001.pt", "flip"),
+        ("part-00000.pt", "delete"),
+    ],
 )
 def test_a_corrupt_snapshot_is_skipped_naming_the_file(
     url: str, name: str, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = SnapshotStore(url)
-    snapshot(store, 10)
-    snapshot(store, 20)
+    persist(url, 10)
+    persist(url, 20)
     path = corrupt(store, 20, name, how)
     with caplog.at_level(logging.WARNING):
         found = store.newest()
@@ -107,10 +152,11 @@ def test_a_corrupt_snapshot_is_skipped_naming_the_file(
     ("patch", "message"),
     [
         ({"step": "20"}, "'step'"),
-        ({"files": {"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}}, "unexpected file"),
-        ({"files": {STATE: {"size": 1, "sha256": "nothex"}}}, "malformed sha256"),
+        ({"files": {"../../etc/passwd": {"size": 1, "xxh3_128": "0" * 32}}}, "unexpected file"),
+        ({"files": {STATE: {"size": 1, "xxh3_128": "nothex"}}}, "malformed xxh3_128"),
+        ({"files": {STATE: {"size": -1, "xxh3_128": "0" * 32}}}, "bad size"),
         ({"files": {}}, "lists no state.pt"),
-        ({"format": 99}, "format 99"),
+        ({"format": 1}, "format 1 is not 2"),
         ({"world_size": 0}, "out of range"),
     ],
 )
@@ -118,7 +164,7 @@ def test_a_hostile_manifest_is_rejected_by_name(
     tmp_path: Path, patch: dict[str, object], message: str
 ) -> None:
     store = SnapshotStore(str(tmp_path))
-    m = snapshot(store, 20)
+    m = persist(str(tmp_path), 20)
     data = json.loads(m.to_json())
     data.update(patch)
     store.fs.pipe_file(store.path(20, MANIFEST), json.dumps(data).encode())
@@ -129,6 +175,18 @@ def test_a_hostile_manifest_is_rejected_by_name(
         store.manifest(20)
 
 
+def test_a_structure_that_misplaces_a_tensor_is_rejected(tmp_path: Path) -> None:
+    store = SnapshotStore(str(tmp_path))
+    m = persist(str(tmp_path), 20)
+    state = store.read(m, STATE)
+    del state["parts"]["['model']['w']"]
+    files = dict(m.files)
+    files[STATE] = store.write(20, STATE, state)
+    store.commit(Manifest(20, 2, 2, files))
+    with pytest.raises(SnapshotError, match=r"tensor \['model'\]\['w'\] is in no part"):
+        store.layout(store.manifest(20))
+
+
 class Boom:
     def __reduce__(self) -> tuple[object, tuple[str]]:
         return (print, ("pwned",))
@@ -136,12 +194,12 @@ class Boom:
 
 def test_a_snapshot_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
     store = SnapshotStore(str(tmp_path))
-    m = snapshot(store, 20)
-    evil = pickle.dumps({"model": Boom()})
+    m = persist(str(tmp_path), 20)
+    evil = pickle.dumps({"tree": Boom()})
     path = Path(store.path(20, STATE))
-    path.write_bytes(evil)  # and a manifest that matches it: the checksum is not the defence
+    path.write_bytes(evil)  # and a manifest that matches it: the digest is not the defence
     files = dict(m.files)
-    files[STATE] = FileInfo(len(evil), hashlib.sha256(evil).hexdigest())
+    files[STATE] = FileInfo(len(evil), digest(evil))
     store.commit(Manifest(20, 2, 2, files))
     with pytest.raises(SnapshotError, match="cannot be loaded"):
         store.read(store.manifest(20), STATE)
@@ -150,8 +208,8 @@ def test_a_snapshot_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
 def test_only_the_last_k_snapshots_are_kept(url: str) -> None:
     store = SnapshotStore(url)
     for step in (10, 20, 30, 40):
-        snapshot(store, step)
-    store.write(50, STATE, {"model": {}})  # being written: not counted, not deleted
+        persist(url, step)
+    store.write(50, STATE, {"tree": {}})  # being written: not counted, not deleted
     store.prune(keep=2)
     assert store.steps() == [50, 40, 30]
 
@@ -173,12 +231,10 @@ def test_the_background_writer_persists_the_state_of_its_commit(url: str) -> Non
     model(torch.randn(8, 256)).sum().backward()
     opt.step()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    tree = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    buffers = {f"/model/{n}" for n, _ in model.named_buffers()}
+    tree = {"model": model.state_dict(), "optimizer": opt.state_dict(), "values": {}}
+    buffers = {f"['model']['{n}']" for n, _ in model.named_buffers()}
     published: list[Manifest] = []
-    p.start(
-        7, 0, 1, 0, tree, buffers, {"rng": torch.get_rng_state()}, lambda *_: {}, published.append
-    )
+    p.start(7, 0, 0, 1, tree, buffers, {"rng": rng_state()}, published.append)
     model(torch.randn(8, 256)).sum().backward()  # changes BatchNorm statistics at once
     opt.step()  # waits for the copy, then changes the parameters
     assert p.flush(30)
@@ -188,3 +244,49 @@ def test_the_background_writer_persists_the_state_of_its_commit(url: str) -> Non
     for key, value in expected.items():
         assert torch.equal(found[1]["model"][key], value), key
     assert not p.due(7) and p.due(8)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 3])
+def test_ranks_resume_a_snapshot_of_another_world_size_reading_it_between_them(
+    tmp_path: Path, world: int
+) -> None:
+    """Written by 2 ranks in 3 parts, resumed by ``world`` ranks (real gloo processes, every
+    one a newcomer): each reads some parts and sends them to the others."""
+    url = str(tmp_path / "cache")
+    persist(url, 40, world=2, part_bytes=4096)
+    persist(url, 50, world=2, part_bytes=4096)
+    corrupt(SnapshotStore(url), 50, "part-00001.pt", "flip")  # the newest is broken
+    m = SnapshotStore(url).manifest(40)
+    assert len([n for n in m.files if n.startswith("part-")]) == 3
+    env = {**os.environ, "EFDL_CACHE_URL": url, "EFDL_SYNC_BUCKET_MB": "0.002"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(r), str(world), str(tmp_path / "store")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for r in range(world)
+    ]
+    try:
+        outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text[-3000:]
+    results = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
+    want = tree_at(40)["model"]
+    for r in results:
+        assert r["step"] == 40 and r["epoch"] == 4
+        assert r["w"] == float(want["w"].sum()) and r["b"] == float(want["b"].sum())
+    received = [r["received"] for r in results]
+    whole = 4 * (3072 + 1024 + 1)
+    if world > 1:  # everyone read some, and received the rest
+        assert all(0 < n < whole for n in received), received
+    else:
+        assert received == [0]
+    assert "part-00001.pt" in "".join(outputs)  # the broken newest one, named

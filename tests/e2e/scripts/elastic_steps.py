@@ -1,9 +1,17 @@
 """An efdl-aware DDP script for the e2e tests: rebuilds in place on every rescale.
 
-One JSON line per committed step to $OUT_DIR/events.jsonl: node, pid, rank, world, generation,
-step, epoch, a digest of the parameters, and the sample indices this rank trained on.
-Knobs as steps.py (STEP_SECONDS, MODEL_WIDTH, BATCH) plus SNAPSHOT_EVERY and DIGEST=0 (skip
-the parameter digest). Faults: FAIL_AT="rank:step" exits 3 at that step (first process only).
+One JSON line per step to $OUT_DIR/events.jsonl (after optimizer.step(), before commit()):
+node, pid, rank, world, generation, step, epoch, digests of the parameters before and after
+the update ("before", "digest") and of the optimizer state, and the sample indices this rank
+trained on.
+Knobs as steps.py (STEP_SECONDS, MODEL_WIDTH, BATCH) plus SNAPSHOT_EVERY (efdl's rollback
+copies, default 0: none) and DIGEST=0 (skip the parameter digest). USER_COLLECTIVE=1: every
+rank all-reduces its loss after optimizer.step() (a user's collective between the step and the
+commit); OPTIMIZER_COLLECTIVE=1: the optimizer all-reduces inside step(), after its update.
+Faults (first process only): FAIL_AT="rank:step" exits 3 at that step, before its
+forward pass; KILL_IN="where:rank:step" exits 3 inside that step, where is "backward" (in the
+backward pass: a gradient hook), "optimizer" (inside optimizer.step()), "after_step" (between
+optimizer.step() and commit()) or "collective" (entering the USER_COLLECTIVE all-reduce).
 PAUSE_SKEW="rank:s" makes the agent's news reach that rank (of the first generation) s seconds
 late; each row says whether this rank itself had seen news at the commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
@@ -66,16 +74,45 @@ if width:
 else:
     model = torch.nn.Linear(4, 1)
 model.to(dev)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+class CommunicatingSGD(torch.optim.SGD):
+    """An optimizer that communicates inside step() after updating, as ZeRO's does."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        loss = super().step(closure)
+        dist.all_reduce(torch.zeros(1))
+        return loss
+
+
+sgd = CommunicatingSGD if os.environ.get("OPTIMIZER_COLLECTIVE") == "1" else torch.optim.SGD
+optimizer = sgd(model.parameters(), lr=0.01, momentum=0.9)
 n = int(os.environ.get("SAMPLES", "96"))
 batch = int(os.environ.get("BATCH", "2"))
 features = torch.randn(n, width or 4) if width else torch.arange(n).float().repeat(4, 1).T / n
 data = TensorDataset(features, torch.arange(n))
 sampler = efdl.ElasticSampler(data, batch_size=batch, seed=1)
 loader = DataLoader(data, batch_size=batch, sampler=sampler)
-snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "1"))
+snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "0"))
 state = efdl.elastic_state(model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0)
 digests = os.environ.get("DIGEST", "1") != "0"
+user_collective = os.environ.get("USER_COLLECTIVE") == "1"
+kill_where, _, kill_at = os.environ.get("KILL_IN", "").partition(":")
+
+
+def kill_here(where: str) -> None:
+    """A crash at this point of the step: gone at once, mid-step."""
+    if kill_where == where and spawned == "1" and f"{dist.get_rank()}:{state.step}" == kill_at:
+        os._exit(3)
+
+
+first_param = next(model.parameters())
+first_param.register_hook(lambda grad: kill_here("backward"))
+optimizer.register_step_pre_hook(lambda *_: kill_here("optimizer"))
+
+
+def params_digest() -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def opt_digest() -> float:
@@ -96,7 +133,7 @@ def train(state: efdl.ElasticState) -> None:
         "rank": dist.get_rank(),
         "step": state.step,
         "epoch": state.epoch,
-        "digest": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "digest": params_digest(),
         "opt": opt_digest(),
         "t": time.time(),
         "gpu": gpu,
@@ -118,9 +155,9 @@ def train(state: efdl.ElasticState) -> None:
             loss = state.ddp(x.to(dev)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
+            before = params_digest() if digests else 0.0
             optimizer.step()
-            params = model.parameters()
-            digest = float(sum(p.detach().double().sum() for p in params)) if digests else 0.0
+            kill_here("after_step")
             # Logged before commit(): the commit where all ranks pause leaves train() at once.
             row = {
                 "node": os.environ["EFDL_NODE_ID"],
@@ -130,7 +167,8 @@ def train(state: efdl.ElasticState) -> None:
                 "gen": state.generation,
                 "step": state.step + 1,
                 "epoch": state.epoch,
-                "digest": digest,
+                "before": before,
+                "digest": params_digest() if digests else 0.0,
                 "opt": opt_digest() if digests else 0.0,
                 "samples": idx.tolist(),
                 "t": time.time(),
@@ -139,6 +177,9 @@ def train(state: efdl.ElasticState) -> None:
             }
             with open(out / "events.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+            if user_collective:
+                kill_here("collective")
+                dist.all_reduce(loss.detach())
             if delay:
                 time.sleep(delay)
             state.commit()

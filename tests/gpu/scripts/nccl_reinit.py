@@ -16,8 +16,8 @@ import efdl
 from efdl._process import free_port
 from efdl.state.channel import Placement
 from efdl.state.device import nccl_aborter
-from efdl.state.elastic import _runtime
 from efdl.state.failure import classify
+from efdl.state.runtime import runtime as _runtime
 
 
 def placement(generation: int) -> Placement:

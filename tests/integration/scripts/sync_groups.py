@@ -1,4 +1,5 @@
-"""One rank of the sync test: records every collective efdl's in-place path makes.
+"""One rank of the sync test: records every collective and point-to-point operation of
+efdl's in-place path.
 
 Args: rank, world size, a FileStore path, an output JSON path. Rank 0 holds committed state
 (it trained two steps); the others are newcomers. Every collective call is recorded with its
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state import elastic
+from efdl.state import state as elastic
+from efdl.state.runtime import runtime
 
 rank, world, store_path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 calls: list[dict[str, object]] = []
@@ -24,19 +26,21 @@ def spy(name: str):  # type: ignore[no-untyped-def]
 
     def call(tensor, *args, group=None, **kwargs):  # type: ignore[no-untyped-def]
         training = group is None or group is dist.group.WORLD
-        calls.append({"op": name, "training": training, "device": tensor.device.type})
+        first = tensor[0] if isinstance(tensor, list) else tensor
+        calls.append({"op": name, "training": training, "device": first.device.type})
         return real(tensor, *args, group=group, **kwargs)
 
     setattr(dist, name, call)
 
 
-for op in ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter"):
+ops = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "send", "recv")
+for op in (*ops, "isend", "irecv"):
     spy(op)
 
 store = dist.FileStore(store_path, world)
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-elastic._runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+runtime.side = dist.new_group(backend="gloo", timeout=timeout)
 
 torch.manual_seed(rank)  # different parameters: sync must make them equal
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))

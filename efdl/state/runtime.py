@@ -1,0 +1,206 @@
+"""This worker's place in the job: its placement, its process groups, its agent.
+
+``init_process_group`` joins the first generation; :class:`Runtime` joins later ones (in
+place), leaves broken ones, and tells the agent's news to the training loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from efdl._process import free_port
+from efdl.state import ready
+from efdl.state.breaker import Breaker
+from efdl.state.channel import (
+    JOIN_TIMEOUT_ENV,
+    PLACEMENT_TIMEOUT_ENV,
+    SOCKET_ENV,
+    AgentChannel,
+    Placement,
+)
+from efdl.state.device import device, nccl_aborter, nccl_options
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """This worker's view of the job: its placement, its groups, its agent."""
+
+    def __init__(self) -> None:
+        self.channel: AgentChannel | None = None
+        self.placement: Placement | None = None
+        self.backend = "gloo"
+        self.timeout = datetime.timedelta(
+            seconds=float(os.environ.get("EFDL_COLLECTIVE_TIMEOUT", "30"))
+        )
+        # How long to wait for the next placement after leaving a generation, and how long a
+        # generation may take to gather all its ranks: set by the agent from its settings.
+        self.placement_timeout_s = float(os.environ.get(PLACEMENT_TIMEOUT_ENV, "60"))
+        self.join_timeout_s = float(os.environ.get(JOIN_TIMEOUT_ENV, "600"))
+        self.side: Any = None  # the CPU (gloo) group for control: agreement, sizes, CPU state
+        self.gate = ready.ReadinessGate(self.timeout, self.join_timeout_s)
+        self.breaker = Breaker()
+        self.in_elastic_fn = False  # the main thread runs the @elastic function
+
+    @property
+    def elastic(self) -> bool:
+        return self.channel is not None
+
+    def init_group(self, p: Placement) -> None:
+        if self.channel is not None:  # the agent serves it; a newer round may replace it
+            channel = self.channel
+            store = ready.connect(p, self.timeout, lambda: channel.superseded(p.generation))
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = ready.connect(p, self.timeout)
+        else:  # no launcher's store (plain env://): rank 0 serves it, as torch does
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                p.master_addr, p.master_port, p.world_size, p.rank == 0, self.timeout
+            )
+        if self.elastic:
+            self.gate.declare_and_wait(p, store)
+        nccl = self.backend == "nccl"
+        with self.breaker.recording(p.generation):
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=p.rank,
+                world_size=p.world_size,
+                timeout=self.timeout,
+                **(nccl_options() if nccl else {}),
+            )
+            # Bounded like the rest: an agreement that waits on a dead peer must fail, not hang.
+            self.side = dist.new_group(backend="gloo", timeout=self.timeout)
+        if nccl:  # a hung NCCL peer is cut loose by aborting the communicators
+            default = dist.distributed_c10d._get_default_group()
+            self.breaker.on_cut(p.generation, nccl_aborter(default))
+        self.placement = p
+
+    def join(self, p: Placement) -> Placement | None:
+        """Join ``p``'s group. If that fails because a newer generation replaced ``p`` (its
+        store is closed when the next one is served: a node joined or left meanwhile), join
+        the newer one. Returns the placement joined; None if asked to leave meanwhile."""
+        while True:
+            try:
+                self.init_group(p)
+                return p
+            except RuntimeError as exc:  # dist.DistError too
+                if self.channel is None:
+                    raise
+                self.destroy_group(abort=True)
+                newer = self.channel.wait(p.generation, self.timeout.total_seconds())
+                if newer is None:
+                    if self.channel.leave_requested:
+                        return None
+                    raise
+                log.warning(
+                    "Joining generation %d failed (%s); generation %d replaced it: joining that.",
+                    p.generation,
+                    str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__,
+                    newer.generation,
+                )
+                p = newer
+
+    def destroy_group(self, abort: bool = False) -> None:
+        """Leave the current groups. ``abort``: they broke (a peer died); an operation may
+        still wait on the dead peer until the collective timeout, and a plain destroy would
+        wait for it, so abort them (NCCL: abort the communicators) and keep the broken group
+        objects alive until then: gloo's destructor joins its worker threads, which are the
+        ones waiting (found with a 3-rank job where a node died: 15 s in the destructor)."""
+        if not dist.is_initialized():
+            return
+        try:
+            if abort:
+                _drop_later(list(dist.distributed_c10d._world.pg_names), self.timeout)
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception as exc:  # a group broken by a dead peer may not shut down cleanly
+            log.warning("Destroying the old process group failed (%s); going on.", exc)
+        self.breaker.forget()
+        self.side = None
+
+    def trains_older_than(self, generation: int) -> bool:
+        """Whether the main thread still trains a generation older than ``generation``."""
+        p = self.placement
+        return self.in_elastic_fn and p is not None and p.generation < generation
+
+    def on_round(self, p: Placement) -> None:
+        """A new placement came: count this rank in, and open the pause once every rank is
+        (then, if this worker is stuck in a collective with a hung peer, cut it loose)."""
+        channel = self.channel
+        assert channel is not None
+
+        def go() -> None:
+            channel.open(p.generation)
+            self.breaker.watch(p.generation, lambda: self.trains_older_than(p.generation))
+
+        self.gate.watch(p, lambda: channel.superseded(p.generation), go)
+
+
+runtime = Runtime()
+
+
+def _drop_later(groups: list[Any], timeout: datetime.timedelta) -> None:
+    """Hold ``groups`` until their pending operations have timed out, then drop them on a
+    daemon thread, so that their destructors never block training."""
+
+    def drop() -> None:
+        time.sleep(timeout.total_seconds() + 5)
+        groups.clear()
+
+    threading.Thread(target=drop, name="efdl-broken-groups", daemon=True).start()
+
+
+def _warm_up() -> None:
+    """Import what the first optimizer of any script imports lazily (``torch._dynamo``, over a
+    second here), so that a newcomer does it before the survivors pause for it, not after."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as exc:  # only an optimisation
+        log.debug("Warm-up import failed: %s", exc)
+
+
+def init_process_group(backend: str = "gloo", timeout_s: float | None = None) -> None:
+    """``dist.init_process_group`` for efdl: joins this generation's group and, when started by
+    ``efdl-run``, tells the agent that this worker rebuilds in place (no restarts).
+
+    Args:
+        backend: ``gloo`` or ``nccl``.
+        timeout_s: bound on collectives and on joining a group; a dead peer surfaces as an
+            error within this (default 30 s, or ``EFDL_COLLECTIVE_TIMEOUT``). Longer than the
+            slowest legitimate collective. (Moving state to a newcomer is cut into messages
+            that each take a fraction of it, however large the state.)
+    """
+    rt = runtime
+    rt.backend = backend
+    if timeout_s is not None:
+        rt.timeout = datetime.timedelta(seconds=timeout_s)
+    path = os.environ.get(SOCKET_ENV)
+    if backend == "nccl":
+        torch.cuda.set_device(device())
+        if path:
+            # On an NCCL error or a collective timeout, ProcessGroupNCCL's watchdog aborts the
+            # communicators (2: CleanUpOnly) and the pending and next operations raise; the
+            # process lives on to rebuild in place. torchrun's 1 (and torch's default, 3) end
+            # the process instead: right for restart mode, fatal to in-place recovery.
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+    if "RANK" not in os.environ and path is None:  # plain `python train.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    placement = Placement.from_env()
+    rt.gate = ready.ReadinessGate(rt.timeout, rt.join_timeout_s)
+    if path and placement.generation > 1:
+        _warm_up()  # a newcomer: get the slow first-use imports done before counting in
+    if path:
+        rt.channel = AgentChannel(path, placement.local_rank, on_round=rt.on_round)
+    if rt.join(placement) is None:
+        raise SystemExit(0)  # the agent sent this worker away before it ever trained

@@ -1,0 +1,428 @@
+"""What must survive a rescale, the step boundary (``commit``), and the rebuild's sync.
+
+``commit()`` ends a step: it waits on a tiny all-reduce started at the previous commit on the
+CPU side group (no GPU synchronisation; by then it is long done) and starts the next one with
+this rank's flags. Every rank reads the same result of the same all-reduce, so all pause (and
+persist) at the same commit, after which none of them is inside a collective.
+
+Nothing is copied per step: the step is a transaction (efdl.state.transaction). After a
+rebuild, :meth:`ElasticState.sync` gathers what each rank holds, and only the ranks that lack
+the newest committed state receive it, tensor by tensor in bounded messages, from the ranks
+that hold it (efdl.state.transfer); when no rank holds any, from the remote cache
+(efdl.state.resume).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.nn.parallel import DistributedDataParallel
+
+from efdl.errors import StateLostError
+from efdl.state import transfer
+from efdl.state import values as state_values
+from efdl.state.cache import CacheSettings, Manifest
+from efdl.state.channel import GRACE_ENV
+from efdl.state.device import device
+from efdl.state.persist import Persister
+from efdl.state.resume import resume
+from efdl.state.rng import rng_state
+from efdl.state.runtime import runtime
+from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
+from efdl.state.transaction import Choice, Phase, Recovery, Standing, choose, recovery
+
+log = logging.getLogger(__name__)
+
+BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"
+
+
+class Rescale(Exception):
+    """All ranks agreed to pause at this commit."""
+
+
+class _Flag(enum.IntEnum):
+    """One rank's word in the per-commit agreement (all-reduced with MAX)."""
+
+    NEWS = 0  # the agent has news (a ready generation, or leave): pause
+    PERSIST = 1  # rank 0: a snapshot is due
+    BUSY = 2  # this rank's writer is still writing the last one
+    LEAVING = 3  # this rank was asked to leave
+    STAYING = 4  # this rank was not
+
+
+class ElasticState:
+    """What must survive a rescale, and the step boundary (``commit``).
+
+    Args:
+        model: the module (not the DDP wrapper: ``state.ddp`` is rebuilt for each group).
+        optimizer: its optimizer. Its ``step()`` is the one place the tensors change (the
+            step is a transaction: see efdl.state.transaction); efdl watches it through the
+            optimizer's step hooks.
+        sampler: an :class:`ElasticSampler` or :class:`ElasticBatchSampler`, told the world
+            size and advanced on commit.
+        scheduler: an LR scheduler, if any.
+        snapshot_every: 0 (the default): no rollback copies. A positive N keeps a copy of the
+            whole state every N commits, on the tensors' own devices, and a failure rolls
+            back to it: for scripts that change the state outside ``optimizer.step()`` in a
+            way a failure could tear (memory: one more copy of model and optimizer state;
+            time: one device-to-device copy of it per N commits).
+        **values: user values (hyper-parameters, counters), read and written as attributes
+            (``state.lr``); they go with the state everywhere. Plain data only (numbers,
+            strings, bytes, tensors, and lists, tuples, sets and dicts of them): anything
+            else is refused here, on assignment and at ``commit()``
+            (:class:`efdl.state.values.StateValueError`), since no rank or snapshot could read
+            it back.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        sampler: ElasticSampler | ElasticBatchSampler | None = None,
+        scheduler: Any = None,
+        snapshot_every: int = 0,
+        **values: Any,
+    ) -> None:
+        if not isinstance(snapshot_every, int) or snapshot_every < 0:
+            raise ValueError(
+                f"snapshot_every is {snapshot_every!r}; expected 0 (no rollback copies, the "
+                "default) or a positive number of commits between copies."
+            )
+        state_values.check_all(values)
+        object.__setattr__(self, "_values", dict(values))
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.scheduler = scheduler
+        self.snapshot_every = snapshot_every
+        self.step = 0
+        self.ddp: DistributedDataParallel | torch.nn.Module = model
+        self.generation = 0
+        self.rescales = 0
+        self.phase = Phase.COMMITTED
+        self._holds = False  # the tensors are a committed step's (False: new, or torn)
+        self._settled = True  # and so is the rest (False after a roll-forward)
+        self._torn = False  # it held state and a failure tore it
+        self._copy: dict[str, Any] | None = None  # the rollback copy (snapshot_every)
+        self._flags = torch.zeros(len(_Flag), dtype=torch.int64)
+        self._agree_work: Any = None
+        self.last_sync: transfer.Moved | None = None  # what the last sync moved here
+        settings = CacheSettings.from_env()
+        self._persister = Persister(settings) if settings is not None else None
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._on_step_start)
+            optimizer.register_step_post_hook(self._on_step_end)
+
+    # ---------------------------------------------------------------- user values
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            state_values.check(name, value)
+            values[name] = value
+            if name == "epoch" and self.sampler is not None:
+                self.sampler.set_epoch(int(value))
+        else:
+            object.__setattr__(self, name, value)
+
+    # ---------------------------------------------------------------- the step transaction
+
+    def _on_step_start(self, *_: Any) -> None:
+        if self._persister is not None:
+            self._persister.fence()  # the snapshot being persisted has copied the tensors
+        self.phase = Phase.STEPPING
+
+    def _on_step_end(self, *_: Any) -> None:
+        self.phase = Phase.STEPPED
+
+    def _count_step(self) -> None:
+        self.step += 1
+        if self.sampler is not None:
+            self.sampler.advance()
+
+    def commit(self) -> None:
+        """End a step: count it, advance the sampler, and pause here if all ranks agree that
+        the agent has news (persisting here if a snapshot is due).
+
+        Cost: one asynchronous five-integer all-reduce on a CPU gloo group per call, waited
+        at the next call (so it overlaps the step), and a walk of the user values; no copy
+        and no GPU synchronisation.
+        """
+        # Values changed in place (a list appended to) are checked here, before they spread.
+        state_values.check_all(object.__getattribute__(self, "_values"))
+        self._count_step()
+        self.phase, self._settled = Phase.COMMITTED, True
+        rt = runtime
+        rt.breaker.stepped()
+        agreed: list[int] | None = None
+        if self._agree_work is not None:
+            self._agree_work.wait()
+            agreed = [int(x) for x in self._flags.tolist()]
+            self._agree_work = None
+        if self.snapshot_every and self.step % self.snapshot_every == 0:
+            self._copy = self._clone()
+        if agreed is not None:
+            pause = bool(agreed[_Flag.NEWS])
+            if self._persist_now(agreed, pause):
+                self._persist()
+            if pause:
+                raise Rescale()
+        if not (rt.elastic or self._persister is not None) or rt.side is None:
+            return
+        flags = [0] * len(_Flag)
+        if rt.channel is not None and rt.placement is not None:
+            flags[_Flag.NEWS] = int(rt.channel.pending(rt.placement.generation))
+            flags[_Flag.LEAVING] = int(rt.channel.leave_requested)
+        flags[_Flag.STAYING] = 1 - flags[_Flag.LEAVING]
+        if self._persister is not None:
+            flags[_Flag.PERSIST] = int(dist.get_rank() == 0 and self._persister.due(self.step))
+            flags[_Flag.BUSY] = int(self._persister.busy)
+        self._flags.copy_(torch.tensor(flags))
+        self._agree_work = dist.all_reduce(
+            self._flags, op=dist.ReduceOp.MAX, group=rt.side, async_op=True
+        )
+
+    def _persist_now(self, agreed: list[int], pause: bool) -> bool:
+        """Whether every rank persists at this commit (all decide alike, from ``agreed``)."""
+        p = self._persister
+        if p is None:
+            return False
+        busy = bool(agreed[_Flag.BUSY])
+        if pause and agreed[_Flag.LEAVING]:  # ranks leave: their part of the state goes along
+            if not busy:
+                return True
+            if not agreed[_Flag.STAYING]:  # everyone leaves (preemption): finish, then persist
+                p.flush(max(1.0, float(os.environ.get(GRACE_ENV, "30")) / 2))
+                return not p.busy
+            return False
+        return bool(agreed[_Flag.PERSIST]) and not busy
+
+    def recover(self) -> Recovery:
+        """After a failure inside a step or a sync: make this rank's state a committed one
+        again (efdl.state.transaction), and drop the step's partial gradients."""
+        action = recovery(self.phase, self._copy is not None)
+        if action is Recovery.RESTORE_COPY:
+            assert self._copy is not None
+            tree = dict(self._copy)
+            tree["optimizer"] = _clone(tree["optimizer"])  # the optimizer adopts its tensors
+            tree["values"] = copy.deepcopy(tree["values"])
+            self._load(tree, model_in_place=False)
+            self._holds, self._settled = True, True
+        elif action is Recovery.ROLL_FORWARD:
+            self._count_step()  # optimizer.step() had applied it
+            self._settled = False
+        elif action is Recovery.DISCARD:
+            self._holds, self._torn = False, True
+        self.phase = Phase.COMMITTED
+        self.model.zero_grad(set_to_none=True)
+        return action
+
+    def standing(self) -> Standing:
+        return Standing(self.step if self._holds else None, self._settled, self._torn)
+
+    # ---------------------------------------------------------------- the remote cache
+
+    def fence(self) -> None:
+        """Wait until the snapshot being persisted has copied the parameters; call before
+        changing parameters in place outside ``optimizer.step()`` (which waits by itself)."""
+        if self._persister is not None:
+            self._persister.fence()
+
+    def _persist(self) -> None:
+        """Hand this commit's state to the background writer (see efdl.state.persist)."""
+        p = self._persister
+        assert p is not None
+        epoch = object.__getattribute__(self, "_values").get("epoch")
+        buffers = {_key("model", name) for name, _ in self.model.named_buffers()}
+        p.start(
+            self.step,
+            epoch if isinstance(epoch, int) else None,
+            dist.get_rank(),
+            dist.get_world_size(),
+            self._state_dict(),
+            buffers,
+            {"rng": rng_state()},
+            _published,
+        )
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the snapshot in flight; True if none is left."""
+        return self._persister is None or self._persister.flush(timeout_s)
+
+    # ---------------------------------------------------------------- the state tree
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            # `is not None`, never truthiness: a sampler at the end of its epoch has length 0
+            # (a crash right after an epoch's last commit then lost the cursor, and the
+            # finished epoch was trained again).
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+            "step": self.step,
+            "values": object.__getattribute__(self, "_values"),
+        }
+
+    def _clone(self) -> dict[str, Any]:
+        """A rollback copy: tensors cloned on their own device (no host synchronisation)."""
+        cloned: dict[str, Any] = _clone(self._state_dict())
+        return cloned
+
+    def _load(self, tree: dict[str, Any], model_in_place: bool) -> None:
+        """Take ``tree`` as this rank's state. ``model_in_place``: the model's tensors in it
+        are the model's own (received in place): nothing to copy."""
+        if not model_in_place:
+            self.model.load_state_dict(tree["model"])
+        if self.optimizer is not None and tree["optimizer"] is not None:
+            self.optimizer.load_state_dict(tree["optimizer"])  # adopts the tensors: no copy
+        if self.scheduler is not None and tree["scheduler"] is not None:
+            self.scheduler.load_state_dict(tree["scheduler"])
+        if self.sampler is not None and tree["sampler"] is not None:
+            self.sampler.load_state_dict(tree["sampler"])
+        self.step = int(tree["step"])
+        object.__getattribute__(self, "_values").update(tree["values"])
+
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors by key path: what a received tensor may land in."""
+        leaves, _ = pytree.tree_flatten_with_path(self._state_dict())
+        return {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
+
+    # ---------------------------------------------------------------- sync
+
+    def sync(self) -> None:
+        """Make every rank hold the newest committed state; rebuild DDP for this group.
+
+        One all-gather on the CPU side group says what each rank holds; the rank holding the
+        newest step settled (the primary) shares the state's structure and every value that
+        is not a tensor (a small pickle); the tensors go only to the ranks that lack that
+        step, from every rank that holds it (efdl.state.transfer). When no rank holds any,
+        the ranks read the newest snapshot of the remote cache between them
+        (efdl.state.resume); with no cache, rank 0's state is the job's.
+        """
+        rt = runtime
+        side = rt.side
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = torch.tensor([self.standing().key()], dtype=torch.int64)
+        keys = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(keys, mine, group=side)
+        choice = choose([int(k.item()) for k in keys])
+        self.last_sync = None
+        resumed = None
+        if choice.step is None and self._persister is not None:
+            resumed = resume(
+                self._persister.store,
+                self._own_tensors(),
+                self._links(),
+                rt.timeout,
+                _bucket(),
+                device(),
+            )
+        if resumed is not None:
+            self._load(resumed.tree, resumed.model_in_place)
+            self.last_sync = resumed.moved
+            log.warning(
+                "No rank held committed state: resumed from step %d (epoch %s) in %s.",
+                resumed.manifest.step,
+                resumed.manifest.epoch,
+                self._persister.settings.url if self._persister is not None else "?",
+            )
+        elif choice.lost:
+            raise StateLostError(
+                "The job's state is lost: the ranks that held it failed inside "
+                "optimizer.step(), which tore their update (an optimizer that communicates "
+                "inside step()), and no remote cache holds a snapshot to resume from. Keep "
+                "rollback copies (efdl.elastic_state(..., snapshot_every=1)) or a remote "
+                "cache (--cache-url) with such an optimizer."
+            )
+        else:
+            self._receive(choice)
+        self._holds, self._settled, self._torn = True, True, False
+        if self.snapshot_every:
+            self._copy = self._clone()
+        if self.sampler is not None:
+            self.sampler.set_world(rank, world)
+        self.ddp = self.model  # the old wrapper's buckets go before the new one's come
+        if world > 1 or rt.elastic:
+            # No init sync: every rank holds the same state now (it would broadcast the
+            # whole model from rank 0 over the training group on every rebuild).
+            self.ddp = DistributedDataParallel(self.model, init_sync=False)
+        self.generation = rt.placement.generation if rt.placement else 0
+        self._agree_work = None
+
+    def _links(self) -> dict[bool, transfer.Link]:
+        side, cpu = runtime.side, torch.device("cpu")
+        on_device = transfer.Link(None, device()) if runtime.backend == "nccl" else None
+        return {False: transfer.Link(side, cpu), True: on_device or transfer.Link(side, cpu)}
+
+    def _receive(self, choice: Choice) -> None:
+        rt = runtime
+        rank = dist.get_rank()
+        header = None
+        if rank == choice.primary:
+            header = transfer.header(self._state_dict())
+        header = transfer.share(header, choice.primary, rt.side)
+        holding = rank in choice.holders
+        if rank in choice.needy:  # torn until every tensor has arrived
+            self._holds, self._torn = False, self._holds
+        lands = transfer.targets(
+            header["tree"], header["devices"], self._own_tensors(), holding, device()
+        )
+        leaves = [transfer.Leaf(t.nbytes, t.on_device, choice.holders) for t in lands]
+        tensors = [t.tensor for t in lands]
+        self.last_sync = transfer.move(
+            transfer.plan(leaves, _bucket()), choice.needy, tensors, self._links(), rt.timeout
+        )
+        if rank != choice.primary:
+            in_place = all(t.own for t in lands if t.key.startswith("['model']"))
+            self._load(transfer.fill(header["tree"], tensors), model_in_place=in_place)
+
+
+def _key(*names: str) -> str:
+    return pytree.keystr(tuple(pytree.MappingKey(n) for n in names))
+
+
+def _clone(tree: Any) -> Any:
+    return pytree.tree_map(
+        lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else copy.deepcopy(x), tree
+    )
+
+
+def _bucket() -> int:
+    mb = float(os.environ.get(BUCKET_ENV, transfer.DEFAULT_BUCKET / (1 << 20)))
+    return max(1, int(mb * (1 << 20)))
+
+
+def _published(m: Manifest) -> None:
+    """Rank 0 wrote a snapshot: tell the agent, which publishes its step in etcd."""
+    log.info("Persisted step %d (world size %d).", m.step, m.world_size)
+    channel = runtime.channel
+    if channel is not None:
+        channel.notify(
+            {"type": "persisted", "step": m.step, "epoch": m.epoch, "world_size": m.world_size}
+        )
+
+
+def elastic_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    sampler: ElasticSampler | ElasticBatchSampler | None = None,
+    scheduler: Any = None,
+    snapshot_every: int = 0,
+    **values: Any,
+) -> ElasticState:
+    """Track what must survive a rescale; see :class:`ElasticState`."""
+    return ElasticState(model, optimizer, sampler, scheduler, snapshot_every, **values)

@@ -1,0 +1,120 @@
+"""The step as a transaction: where a rank's state stands after a failure, without copies.
+
+The only thing that changes the tensors of a DDP-style state is ``optimizer.step()``, and it
+runs only after the step's communication (the gradient all-reduce in ``backward``) has
+succeeded on this rank. So a rank whose step failed holds one of three states, told apart by
+the optimizer's own hooks:
+
+- ``COMMITTED``: it failed before ``optimizer.step()`` (in the forward or backward pass): its
+  tensors are exactly those of its last ``commit()``;
+- ``STEPPED``: it failed after ``optimizer.step()`` but before ``commit()`` (in a user
+  collective after the step): its tensors are those of the next step, which is counted
+  ("rolled forward") instead of thrown away;
+- ``STEPPING``: it failed inside ``optimizer.step()`` (an optimizer with collectives of its
+  own): its tensors are torn and it holds nothing.
+
+Ranks may then hold different steps (a peer dies after some ranks finished the all-reduce and
+before others did), but never different tensors at the same step: the rebuild's sync takes
+the newest step from a rank that holds it to every rank that does not (:func:`choose`), as
+TorchFT's recovery takes the quorum's max step. No rollback copy is needed; scripts that
+change state outside ``optimizer.step()`` can still ask for one (``snapshot_every``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class Phase(enum.StrEnum):
+    COMMITTED = "committed"  # the tensors are those of the last commit()
+    STEPPING = "stepping"  # inside optimizer.step(): tensors partly updated
+    STEPPED = "stepped"  # optimizer.step() done, commit() not yet called
+
+
+class Recovery(enum.StrEnum):
+    """What a rank does with its state after a failure inside a step (as logged)."""
+
+    RESTORE_COPY = "rolled back to the last rollback copy"
+    KEEP = "the state is the last commit's"
+    ROLL_FORWARD = "optimizer.step() had run: that step counts"
+    DISCARD = "the update was torn inside optimizer.step(): the state comes from a peer"
+
+
+def recovery(phase: Phase, has_copy: bool) -> Recovery:
+    """What to do after a failure in ``phase``; a rollback copy, where kept, wins."""
+    if has_copy:
+        return Recovery.RESTORE_COPY
+    return {
+        Phase.COMMITTED: Recovery.KEEP,
+        Phase.STEPPED: Recovery.ROLL_FORWARD,
+        Phase.STEPPING: Recovery.DISCARD,
+    }[phase]
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """What a rank holds, as the rebuild's sync compares it.
+
+    Attributes:
+        step: the committed step its tensors are at; None if it holds none (a newcomer, or
+            torn by a failure inside ``optimizer.step()`` or inside a sync).
+        settled: the rest of its state (sampler, values, scheduler) was committed with the
+            tensors; False after a roll-forward (code between ``optimizer.step()`` and
+            ``commit()`` may not have run).
+        torn: it held state and a failure tore it (only with ``step`` None).
+    """
+
+    step: int | None
+    settled: bool = True
+    torn: bool = False
+
+    def key(self) -> int:
+        """One integer that orders standings: newer step first, then settled; -1 for none,
+        -2 for torn."""
+        if self.step is None:
+            return -2 if self.torn else -1
+        return self.step * 2 + int(self.settled)
+
+    @staticmethod
+    def from_key(key: int) -> Standing:
+        if key < 0:
+            return Standing(None, torn=key == -2)
+        return Standing(key // 2, bool(key % 2))
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Who sends what after a rebuild.
+
+    Attributes:
+        step: the newest step any rank holds; None if no rank holds any (then ``primary``'s
+            own state, or the remote cache's, is the job's).
+        primary: the rank whose whole state (tensors and the rest) every rank takes: the
+            lowest rank holding ``step`` settled, else the lowest holding it.
+        holders: the ranks whose tensors are at ``step``: they send, and receive no tensor.
+        needy: every other rank: each receives every tensor.
+        lost: no rank holds state and some rank's was torn: the job's state is gone but for
+            the remote cache (rank 0's own state is not the job's).
+    """
+
+    step: int | None
+    primary: int
+    holders: tuple[int, ...]
+    needy: tuple[int, ...]
+    lost: bool = False
+
+
+def choose(keys: Sequence[int]) -> Choice:
+    """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure."""
+    standings = [Standing.from_key(k) for k in keys]
+    steps = [s.step for s in standings if s.step is not None]
+    if not steps:  # a cold start (or a resume from the cache): rank 0's state is the job's
+        lost = any(s.torn for s in standings)
+        return Choice(None, 0, (0,), tuple(range(1, len(keys))), lost)
+    best = max(steps)
+    holders = tuple(r for r, s in enumerate(standings) if s.step == best)
+    settled = [r for r in holders if standings[r].settled]
+    needy = tuple(r for r in range(len(keys)) if r not in holders)
+    return Choice(best, (settled or list(holders))[0], holders, needy)

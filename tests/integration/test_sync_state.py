@@ -1,0 +1,80 @@
+"""The rebuild's sync with real torch.distributed (gloo) processes: only the ranks that lack
+the newest committed state receive it, from every rank that holds it, in place, in bounded
+messages; the rest of the state comes from one rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "sync_state.py"
+BUCKET_MB = 1
+
+
+def run_ranks(tmp_path: Path, world: int) -> list[dict[str, object]]:
+    env = {**os.environ, "EFDL_SYNC_BUCKET_MB": str(BUCKET_MB)}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(r),
+                str(world),
+                str(tmp_path / "store"),
+                str(tmp_path / f"rank{r}.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for r in range(world)
+    ]
+    try:
+        outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.timeout(120)
+def test_only_stale_ranks_and_newcomers_receive_spread_over_the_holders(tmp_path: Path) -> None:
+    ranks = run_ranks(tmp_path, 5)  # holders 0, 1 at step 5; rank 2 at step 4; 3, 4 new
+    want = ranks[0]
+    size = int(want["state_bytes"])  # type: ignore[call-overload]
+    for r in ranks:  # everyone holds the holders' state now, exactly
+        assert (r["params"], r["momentum"], r["step"], r["cursor"]) == (
+            want["params"],
+            want["momentum"],
+            5,
+            want["cursor"],
+        )
+        assert r["note"] == "rank 0"  # the rest of the state is the primary's
+        assert r["same_params"]  # the optimizer still steps the model's own parameters
+    assert ranks[0]["received"] == ranks[1]["received"] == 0  # holders receive nothing
+    for r in ranks[2:]:
+        assert r["received"] == size
+    # Both holders sent, about half each: 3 receivers x the state, spread.
+    sent = [int(r["sent"]) for r in ranks[:2]]  # type: ignore[call-overload]
+    assert sum(sent) == 3 * size and min(sent) >= size
+    assert all(r["sent"] == 0 for r in ranks[2:])
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_receives_in_place_with_at_most_a_bucket_extra(tmp_path: Path) -> None:
+    ranks = run_ranks(tmp_path, 4)
+    newcomer = ranks[3]
+    momentum = int(newcomer["state_bytes"]) // 2  # type: ignore[call-overload]
+    # Parameters land in the model's own tensors; only the momentum buffers (which it did
+    # not have) are new. A copy of the parameters, or of the whole state, would show here.
+    slack = 6 << 20
+    assert int(newcomer["grew"]) <= momentum + BUCKET_MB * (1 << 20) + slack, newcomer["grew"]  # type: ignore[call-overload]

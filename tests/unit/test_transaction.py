@@ -1,0 +1,65 @@
+"""The step as a transaction (pure): what a failure leaves of a rank's state, and who sends
+what after a rebuild."""
+
+from __future__ import annotations
+
+import pytest
+
+from efdl.state.transaction import Choice, Phase, Recovery, Standing, choose, recovery
+
+
+@pytest.mark.parametrize(
+    ("phase", "expected"),
+    [
+        (Phase.COMMITTED, Recovery.KEEP),  # failed in forward/backward: tensors untouched
+        (Phase.STEPPED, Recovery.ROLL_FORWARD),  # failed after optimizer.step(): count it
+        (Phase.STEPPING, Recovery.DISCARD),  # failed inside optimizer.step(): torn
+    ],
+)
+def test_a_failure_leaves_a_committed_state_without_a_copy(
+    phase: Phase, expected: Recovery
+) -> None:
+    assert recovery(phase, has_copy=False) is expected
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_rollback_copy_wins_where_one_is_kept(phase: Phase) -> None:
+    assert recovery(phase, has_copy=True) is Recovery.RESTORE_COPY
+
+
+def test_standings_order_by_step_then_settled() -> None:
+    standings = [Standing(None), Standing(4, False), Standing(4), Standing(5, False)]
+    keys = [s.key() for s in standings]
+    assert keys == sorted(keys) and keys[0] == -1
+    for s in (Standing(None), Standing(None, torn=True), Standing(0), Standing(7, False)):
+        assert Standing.from_key(s.key()) == s
+    assert Standing(None, torn=True).key() < Standing(None).key()
+
+
+def test_only_the_ranks_that_lack_the_newest_step_receive() -> None:
+    # A graceful pause: survivors 0-2 at step 9, a newcomer at 3.
+    keys = [Standing(9).key()] * 3 + [Standing(None).key()]
+    assert choose(keys) == Choice(9, 0, (0, 1, 2), (3,))
+
+
+def test_the_newest_step_wins_and_a_settled_holder_is_the_primary() -> None:
+    # A peer died mid-step: rank 0 failed in backward (step 9), rank 1 rolled forward to 10
+    # (failed in a collective after optimizer.step), rank 2 committed 10, rank 3 is torn.
+    keys = [Standing(9).key(), Standing(10, False).key(), Standing(10).key(), Standing(None).key()]
+    assert choose(keys) == Choice(10, 2, (1, 2), (0, 3))
+
+
+def test_rolled_forward_holders_are_a_source_when_no_rank_settled() -> None:
+    keys = [Standing(10, False).key(), Standing(10, False).key()]
+    assert choose(keys) == Choice(10, 0, (0, 1), ())
+
+
+def test_a_cold_start_takes_rank_0s_state() -> None:
+    assert choose([-1, -1, -1]) == Choice(None, 0, (0,), (1, 2))
+    assert choose([-1]) == Choice(None, 0, (0,), ())
+
+
+def test_a_torn_state_with_no_holder_left_is_lost_not_a_cold_start() -> None:
+    torn, new = Standing(None, torn=True).key(), Standing(None).key()
+    assert choose([torn, new]).lost
+    assert not choose([torn, Standing(3).key()]).lost  # a holder is left: it sends
