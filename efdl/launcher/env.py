@@ -85,7 +85,7 @@ def worker_env(
         # NVML's indices (nvidia-smi's, what --gpus names) are CUDA's in PCI bus order only.
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     # As torchrun: an NCCL error or timeout tears the worker down (the agent restarts it)
-    # rather than leaving it hung. In-place workers switch to 2 (see efdl.state.elastic).
+    # rather than leaving it hung. In-place workers switch to 2 (see efdl.state.runtime).
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     threads = str(max(1, ctx.node.cpus // member.workers))
     for name in THREAD_VARIABLES:

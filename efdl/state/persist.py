@@ -119,8 +119,10 @@ class Persister:
         self._last_time = time.monotonic()
         self.last_persisted: int | None = None
         self.blocked_s = 0.0  # time the training loop spent waiting for copies (for benchmarks)
-        self.durations: list[float] = []  # start to this rank's part written, per snapshot
-        self.written: list[int] = []  # bytes this rank wrote, per snapshot
+        # Per snapshot, for benchmarks: seconds from the commit to this rank's report (rank 0:
+        # to the manifest, the snapshot complete), and the bytes this rank wrote.
+        self.durations: list[float] = []
+        self.written: list[int] = []
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be persisted (by count or time), the writer being free."""
@@ -247,10 +249,10 @@ class Persister:
                 files[name] = store.write(job.step, name, part)
             files[rank_file(job.rank)] = store.write(job.step, rank_file(job.rank), job.own)
             took = time.perf_counter() - job.started
-            self.durations.append(took)
             self.written.append(sum(f.size for f in files.values()))
             if job.rank != 0:
                 store.report(job.step, job.rank, files)
+                self.durations.append(time.perf_counter() - job.started)
                 return
             assert job.structure is not None
             files[STATE] = store.write(job.step, STATE, job.structure)
@@ -266,6 +268,7 @@ class Persister:
                 return
             manifest = Manifest(job.step, job.epoch, job.world, files)
             store.commit(manifest)
+            self.durations.append(time.perf_counter() - job.started)
             self.last_persisted = job.step
             store.prune(self.settings.keep)
             job.on_done(manifest)

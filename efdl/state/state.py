@@ -176,7 +176,7 @@ class ElasticState:
             self._copy = self._clone()
         if agreed is not None:
             pause = bool(agreed[_Flag.NEWS])
-            if self._persist_now(agreed, pause):
+            if self._persists_here(agreed, pause):
                 self._persist()
             if pause:
                 raise Rescale()
@@ -195,7 +195,7 @@ class ElasticState:
             self._flags, op=dist.ReduceOp.MAX, group=rt.side, async_op=True
         )
 
-    def _persist_now(self, agreed: list[int], pause: bool) -> bool:
+    def _persists_here(self, agreed: list[int], pause: bool) -> bool:
         """Whether every rank persists at this commit (all decide alike, from ``agreed``)."""
         p = self._persister
         if p is None:
@@ -231,7 +231,10 @@ class ElasticState:
         return action
 
     def standing(self) -> Standing:
-        return Standing(self.step if self._holds else None, self._settled, self._torn)
+        """What this rank holds, as the sync compares it."""
+        if not self._holds:
+            return Standing(None, torn=self._torn)
+        return Standing(self.step, self._settled)
 
     # ---------------------------------------------------------------- the remote cache
 
@@ -335,7 +338,7 @@ class ElasticState:
             self._load(resumed.tree, resumed.model_in_place)
             self.last_sync = resumed.moved
             log.warning(
-                "No rank held committed state: resumed from step %d (epoch %s) in %s.",
+                "No rank holds committed state: resuming from step %d (epoch %s) in %s.",
                 resumed.manifest.step,
                 resumed.manifest.epoch,
                 self._persister.settings.url if self._persister is not None else "?",

@@ -98,7 +98,7 @@ def test_ranks_sharing_the_gpu_over_gloo_join_leave_and_survive_a_kill(job: Job)
     g4 = latest_gen(rows)
 
     b_workers = job.agents["b"].worker_pids()
-    os.kill(b_workers[0], signal.SIGKILL)  # a worker dies: the survivor rolls back (CUDA copy)
+    os.kill(b_workers[0], signal.SIGKILL)  # a worker dies: the survivor keeps its CUDA state
     assert not wait_gone(b_workers[:1], 30)
     rows = job.wait_for("the replacement", steps_at_world(2, g4), timeout_s=180)
     assert pids_of(rows, "a") == a_pid  # never restarted

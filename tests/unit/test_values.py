@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from efdl.state.elastic import ElasticState
+from efdl.state.state import ElasticState
 from efdl.state.values import StateValueError, check
 
 PLAIN: list[Any] = [

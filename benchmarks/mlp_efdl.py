@@ -1,0 +1,76 @@
+"""mlp_torchrun.py with the efdl change (benchmarks.state_scale): the same model, data and
+optimizer, elastic in place. The model is built before ``efdl.init_process_group()``: a
+newcomer counts itself in there, and the running workers pause as soon as every newcomer has.
+
+One JSON line per step to $OUT_DIR/events.jsonl as mlp_torchrun.py writes it (plus the
+generation); one line per entry into the training function (``"entry": true``) with what the
+rebuild's sync sent and received here. Knobs: WIDTH, LAYERS, BATCH (per worker), STEPS.
+"""
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+import efdl
+
+out = Path(os.environ["OUT_DIR"])
+width, layers = int(os.environ["WIDTH"]), int(os.environ["LAYERS"])
+batch, steps = int(os.environ.get("BATCH", "16")), int(os.environ.get("STEPS", "1000000"))
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(
+    *[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+data = TensorDataset(torch.randn(1024, width, generator=torch.Generator().manual_seed(1)))
+efdl.init_process_group("gloo")
+sampler = efdl.ElasticSampler(data, batch_size=batch, seed=0)
+loader = DataLoader(data, batch_size=batch, sampler=sampler)
+state = efdl.elastic_state(model, optimizer, sampler, epoch=0)
+
+
+def log(row: dict[str, object]) -> None:
+    row.update(
+        t=time.time(),
+        world=dist.get_world_size(),
+        rank=dist.get_rank(),
+        pid=os.getpid(),
+        node=os.environ.get("EFDL_NODE_ID", ""),
+        gen=state.generation,
+        rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    with open(out / "events.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+@efdl.elastic(state)
+def train(state: efdl.ElasticState) -> None:
+    moved = state.last_sync
+    log(
+        {
+            "entry": True,
+            "step": state.step,
+            "sent": moved and moved.sent,
+            "received": moved and moved.received,
+        }
+    )
+    for state.epoch in range(state.epoch, 1_000_000):
+        for (x,) in loader:
+            loss = state.ddp(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            log({"step": state.step + 1})
+            state.commit()
+            if state.step >= steps:
+                return
+
+
+train(state)
+dist.destroy_process_group()

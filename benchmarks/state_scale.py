@@ -1,0 +1,310 @@
+"""The in-place state path at the sizes users train: efdl against torchrun on the same script.
+
+An MLP (benchmarks/mlp_torchrun.py; mlp_efdl.py is the same script with the efdl change)
+trained with SGD + momentum on CPU (gloo), as a user would, at four sizes. For each:
+
+- **steady state**: 2 workers on one node (`--standalone`), median step time of rank 0 and the
+  workers' peak resident memory, torchrun and efdl interleaved, efdl at its defaults;
+- **events** (efdl in place): a job of 2 nodes with one worker each (real etcd) meets a join
+  (a third node), a graceful leave (SIGTERM), a worker SIGKILL or a node SIGKILL; training
+  stood still from the last step before to the first step at the new size. What the rebuild's
+  sync moved to the survivors and to the newcomer is read from the workers' entry rows;
+- **link**: the bandwidth of a gloo point-to-point transfer between two processes here, which
+  bounds how fast any state can move;
+- **cache**: benchmarks.cache at the same sizes (2 ranks writing in parallel).
+
+Usage: python -m benchmarks.state_scale [--sizes 4,25,100,300] [--repeat 3] [--event-repeat 2]
+       [--events join,leave,kill,node] [--no-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from benchmarks import cache
+from benchmarks.recovery import Rows, Run, efdl_launcher
+from benchmarks.report import spread, verdict
+from efdl.rendezvous.embedded import EmbeddedEtcd
+
+HERE = Path(__file__).resolve().parent
+PLAIN, ELASTIC = HERE / "mlp_torchrun.py", HERE / "mlp_efdl.py"
+# millions of parameters -> (width, layers, steps measured in steady state)
+SIZES = {4: (1024, 4, 150), 25: (2048, 6, 60), 100: (4096, 6, 30), 300: (4096, 18, 16)}
+BATCH = 16
+LEASE_TTL = 3
+
+
+def env_for(size: int, steps: int | None = None) -> dict[str, str]:
+    width, layers, default_steps = SIZES[size]
+    return {
+        "WIDTH": str(width),
+        "LAYERS": str(layers),
+        "BATCH": str(BATCH),
+        "STEPS": str(steps or default_steps),
+    }
+
+
+def params(size: int) -> int:
+    width, layers, _ = SIZES[size]
+    return layers * (width * width + width)
+
+
+def rows_of(out: Path) -> Rows:
+    path = out / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------- steady state
+
+
+def steady(launcher: str, size: int, tmp: Path) -> tuple[float, int]:
+    """(median step time of rank 0 in s, peak RSS of the larger worker in bytes)."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    env = {**os.environ, "OUT_DIR": str(out), **env_for(size)}
+    if launcher == "efdl":
+        job = f"scale-{uuid.uuid4().hex[:6]}"
+        argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
+        argv += ["--job-id", job, "--nproc-per-node", "2", str(ELASTIC)]
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv += ["--nproc-per-node", "2", str(PLAIN)]
+    subprocess.run(
+        argv,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=1800,
+        check=True,
+    )
+    rows = [r for r in rows_of(out) if not r.get("entry")]
+    times = sorted(float(r["t"]) for r in rows if r["rank"] == 0)  # type: ignore[arg-type]
+    skip = max(3, len(times) // 5)  # warm-up
+    gaps = [b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False)]
+    peak = max(int(r["rss"]) for r in rows)  # type: ignore[call-overload]
+    return statistics.median(gaps), peak
+
+
+# ---------------------------------------------------------------- events
+
+
+def event_run(size: int, event: str, etcd: str, tmp: Path) -> dict[str, float]:
+    """One event on a 2-node job: seconds training stood still, and bytes the sync moved."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    launcher = efdl_launcher(etcd, f"scale-{uuid.uuid4().hex[:6]}", script=ELASTIC)
+    run = Run(launcher, out, env_for(size, steps=10**9))
+    try:
+        run.start("a")
+        run.start("b")
+        rows = run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= 10, timeout_s=600)
+        gen0 = max(int(r["gen"]) for r in rows)  # type: ignore[call-overload]
+        target = {"join": 3, "leave": 1, "kill": 2, "node": 1}[event]
+        t0 = time.time()
+        if event == "join":
+            run.start("c")
+        elif event == "leave":
+            run.procs["b"].send_signal(signal.SIGTERM)
+        elif event == "kill":
+            os.kill(run.workers_of("b")[0], signal.SIGKILL)
+        else:
+            run.kill_node("b")
+
+        def first(rs: Rows) -> float | None:
+            ts = [
+                float(r["t"])  # type: ignore[arg-type]
+                for r in rs
+                if not r.get("entry") and r["world"] == target and int(r["gen"]) > gen0  # type: ignore[call-overload]
+            ]
+            return min(ts) if ts else None
+
+        rows = run.wait(first, timeout_s=600)
+        resumed = first(rows)
+        assert resumed is not None
+        before = max(
+            float(r["t"])  # type: ignore[arg-type]
+            for r in rows
+            if not r.get("entry") and float(r["t"]) < resumed  # type: ignore[arg-type]
+        )
+        entries = [r for r in rows if r.get("entry") and int(r["gen"]) > gen0]  # type: ignore[call-overload]
+        survivors = [r for r in entries if r["node"] == "a"]
+        newcomers = [r for r in entries if r["node"] != "a"]
+        return {
+            "stood": resumed - before,
+            "event": resumed - t0,
+            "survivor_received": float(max((r["received"] or 0 for r in survivors), default=0)),  # type: ignore[type-var]
+            "newcomer_received": float(max((r["received"] or 0 for r in newcomers), default=0)),  # type: ignore[type-var]
+        }
+    finally:
+        run.stop()
+
+
+# ---------------------------------------------------------------- link
+
+
+def link_rank(rank: int, store_path: str, nbytes: int, repeat: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+    t = torch.ones(nbytes, dtype=torch.uint8)
+    speeds = []
+    for _ in range(repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+        dist.barrier()
+        speeds.append(nbytes / (time.perf_counter() - t0))
+    if rank == 0:
+        print(json.dumps({"bytes_per_s": statistics.median(speeds)}), flush=True)
+    dist.destroy_process_group()
+
+
+def link_bandwidth(tmp: Path, nbytes: int = 512 << 20) -> float:
+    """Bytes per second of one gloo send/recv of ``nbytes`` between two processes here."""
+    store = tmp / f"link-{uuid.uuid4().hex[:6]}"
+    argv = [sys.executable, "-m", "benchmarks.state_scale", "--link-rank"]
+    procs = [
+        subprocess.Popen(
+            [*argv, f"{r},{store},{nbytes},5"], stdout=subprocess.PIPE, text=True, env=os.environ
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return float(json.loads(outs[0].strip().splitlines()[-1])["bytes_per_s"])
+
+
+# ---------------------------------------------------------------- report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4,25,100,300")
+    parser.add_argument("--repeat", type=int, default=3, help="steady-state runs per launcher")
+    parser.add_argument("--event-repeat", type=int, default=2)
+    parser.add_argument("--events", default="join,leave,kill,node")
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--link-rank", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.link_rank:
+        rank, store, nbytes, repeat = args.link_rank.split(",")
+        link_rank(int(rank), store, int(nbytes), int(repeat))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    events = [e for e in args.events.split(",") if e]
+    tmp = Path(tempfile.mkdtemp(prefix="efdl-scale-"))
+    bw = link_bandwidth(tmp)
+    print(
+        "An MLP (`benchmarks/mlp_torchrun.py`; `benchmarks/mlp_efdl.py` is the same script with "
+        "the efdl change, its model built before `efdl.init_process_group()`) of width x layers "
+        f"linear layers with ReLUs, SGD + momentum (state = 2x the parameter bytes), batch "
+        f"{BATCH} per worker, gloo on CPU, efdl at its defaults (no rollback copies, no cache). "
+        f"Steady state: 2 workers on one node, torchrun and efdl interleaved, {args.repeat} runs "
+        "each; step time is rank 0's median (warm-up skipped), memory the larger worker's peak "
+        "RSS. Link: one gloo send/recv of 512 MiB between two processes here: "
+        f"{bw / 1e9:.2f} GB/s.\n"
+    )
+    print(
+        "| params | state MB | torchrun step (ms) | efdl step (ms) | efdl / torchrun | "
+        "torchrun peak MB | efdl peak MB | efdl / torchrun |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    step_ratios, mem_ratios = [], []
+    for size in sizes:
+        t_steps, e_steps, t_mem, e_mem = [], [], [], []
+        for _ in range(args.repeat):
+            s, m = steady("torchrun", size, tmp)
+            t_steps.append(s)
+            t_mem.append(m)
+            s, m = steady("efdl", size, tmp)
+            e_steps.append(s)
+            e_mem.append(m)
+        step_ratio = statistics.median(e_steps) / statistics.median(t_steps)
+        mem_ratio = statistics.median(e_mem) / statistics.median(t_mem)
+        step_ratios.append(step_ratio)
+        mem_ratios.append(mem_ratio)
+        print(
+            f"| {params(size) / 1e6:.0f}M | {params(size) * 8 / 1e6:.0f} | "
+            f"{spread(t_steps, 1, 1000)} | {spread(e_steps, 1, 1000)} | {step_ratio:.3f} | "
+            f"{statistics.median(t_mem) / 1e6:.0f} | {statistics.median(e_mem) / 1e6:.0f} | "
+            f"{mem_ratio:.3f} |",
+            flush=True,
+        )
+    print(
+        f"\nGoals: step time within 2% of torchrun at every size (largest ratio "
+        f"{max(step_ratios):.3f}: {verdict(max(step_ratios) <= 1.02)}); peak worker memory "
+        f"within 10% of torchrun's (largest ratio {max(mem_ratios):.3f}: "
+        f"{verdict(max(mem_ratios) <= 1.10)}).\n"
+    )
+    if events:
+        event_table(sizes, events, args.event_repeat, bw, tmp)
+    if not args.no_cache:
+        cache.table(sizes, 3, 2, None)
+
+
+def event_table(sizes: list[int], events: list[str], repeat: int, bw: float, tmp: Path) -> None:
+    print(
+        "Events: a job of 2 nodes with one worker each (efdl-run, real etcd, lease TTL "
+        f"{LEASE_TTL} s, settle 1 s) meets a join (a third node's agent starts), a leave (SIGTERM "
+        "to node b), a kill (node b's worker SIGKILLed: its agent starts a replacement, which "
+        "the job waits for), or a node kill (node b's agent and worker SIGKILLed: noticed when "
+        "its lease expires). Training stood still: last step before to first step at the new "
+        f"size (s), median of {repeat} runs (min-max). Received: what the rebuild's sync moved "
+        "to the survivor (node a) and to the newcomer (c, or b's replacement). The bound is "
+        "1 s + state bytes / link bandwidth, plus the detection for crashes.\n"
+    )
+    print(
+        "| params | state MB | state / link (s) | join | leave | worker kill | node kill | "
+        "survivor received | newcomer received |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    verdicts = []
+    with EmbeddedEtcd() as etcd:
+        for size in sizes:
+            state = params(size) * 8
+            bound = 1.0 + state / bw
+            cells, survivor, newcomer = [], 0.0, 0.0
+            for event in ("join", "leave", "kill", "node"):
+                if event not in events:
+                    cells.append("-")
+                    continue
+                results = [event_run(size, event, etcd.endpoint.target, tmp) for _ in range(repeat)]
+                stood = [r["stood"] for r in results]
+                survivor = max(survivor, *(r["survivor_received"] for r in results))
+                newcomer = max(newcomer, *(r["newcomer_received"] for r in results))
+                cells.append(spread(stood))
+                if event in ("join", "leave"):
+                    verdicts.append((size, event, statistics.median(stood), bound))
+            print(
+                f"| {params(size) / 1e6:.0f}M | {state / 1e6:.0f} | {state / bw:.2f} | "
+                + " | ".join(cells)
+                + f" | {survivor / 1e6:.0f} MB | {newcomer / 1e6:.0f} MB |",
+                flush=True,
+            )
+    print()
+    for size, event, stood, bound in verdicts:
+        print(
+            f"- {params(size) / 1e6:.0f}M, {event}: stood still {stood:.2f} s (goal < 1 s + state "
+            f"/ link = {bound:.2f} s: {verdict(stood < bound)})."
+        )
+    print()
+
+
+if __name__ == "__main__":
+    main()
