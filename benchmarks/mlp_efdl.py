@@ -4,20 +4,25 @@ newcomer counts itself in there, and the running workers pause as soon as every 
 
 One JSON line per step to $OUT_DIR/events.jsonl as mlp_torchrun.py writes it (plus the
 generation); one line per entry into the training function (``"entry": true``) with what the
-rebuild's sync sent and received here. Knobs: WIDTH, LAYERS, BATCH (per worker), STEPS.
+rebuild's sync sent and received here, and one (``"boot": true``) with when this process
+started and when it reached ``efdl.init_process_group()``. Knobs: WIDTH, LAYERS, BATCH (per
+worker), STEPS.
 """
 
-import json
-import os
-import resource
 import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, TensorDataset
+started = time.time()
 
-import efdl
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import efdl  # noqa: E402
 
 out = Path(os.environ["OUT_DIR"])
 width, layers = int(os.environ["WIDTH"]), int(os.environ["LAYERS"])
@@ -29,6 +34,7 @@ model = torch.nn.Sequential(
 )
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 data = TensorDataset(torch.randn(1024, width, generator=torch.Generator().manual_seed(1)))
+ready = time.time()
 efdl.init_process_group("gloo")
 sampler = efdl.ElasticSampler(data, batch_size=batch, seed=0)
 loader = DataLoader(data, batch_size=batch, sampler=sampler)
@@ -52,14 +58,9 @@ def log(row: dict[str, object]) -> None:
 @efdl.elastic(state)
 def train(state: efdl.ElasticState) -> None:
     moved = state.last_sync
-    log(
-        {
-            "entry": True,
-            "step": state.step,
-            "sent": moved and moved.sent,
-            "received": moved and moved.received,
-        }
-    )
+    sent, received = (moved.sent, moved.received) if moved else (0, 0)
+    log({"entry": True, "step": state.step, "sent": sent, "received": received})
+    log({"boot": True, "step": state.step, "started": started, "ready": ready})
     for state.epoch in range(state.epoch, 1_000_000):
         for (x,) in loader:
             loss = state.ddp(x).pow(2).mean()

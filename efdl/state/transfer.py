@@ -5,8 +5,11 @@ not (newcomers, ranks a step behind, ranks whose update was torn). Only the latt
 every tensor straight into their own tensor of the same name (or a new one where they have
 none yet), on its own device, in messages of at most ``bucket`` bytes:
 
-- a tensor larger than a bucket goes as several messages, each a slice of it (no copy);
-- small tensors are packed into one bucket (one copy on each side).
+- a tensor goes by itself, straight from the sender's tensor into the receiver's (no copy),
+  as several messages, each a slice of it, if it is larger than a bucket; several such
+  messages are in flight at once;
+- tensors under a megabyte are packed into one bucket (one copy on each side), one bucket at
+  a time.
 
 So the memory a transfer adds on either side is at most one bucket, and no message is so
 large that it could outlast the collective timeout. Message ``j`` for the ``i``-th rank that
@@ -26,6 +29,7 @@ from __future__ import annotations
 import datetime
 import io
 import math
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +39,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 DEFAULT_BUCKET = 64 << 20  # bytes; EFDL_SYNC_BUCKET_MB overrides it
+PACK_BELOW = 1 << 20  # smaller tensors are packed together; larger ones go by themselves
+WINDOW = 8  # point-to-point operations in flight at once (on their own tensors: no copy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +86,10 @@ class Route:
 
 
 def plan(leaves: Sequence[Leaf], bucket: int) -> list[Message]:
-    """Cut ``leaves`` into messages of at most ``bucket`` bytes. Leaves of different holders
-    or links never share a message; empty leaves need none. Pure and deterministic: every
-    rank computes the same plan from the same leaves."""
+    """Cut ``leaves`` into messages of at most ``bucket`` bytes: a leaf of ``PACK_BELOW`` bytes
+    or more by itself (in slices if larger than a bucket), smaller ones packed together.
+    Leaves of different holders or links never share a message; empty leaves need none. Pure
+    and deterministic: every rank computes the same plan from the same leaves."""
     if bucket < 1:
         raise ValueError(f"The transfer bucket must be at least 1 byte (got {bucket}).")
     groups: dict[tuple[bool, tuple[int, ...]], list[int]] = {}
@@ -95,7 +102,7 @@ def plan(leaves: Sequence[Leaf], bucket: int) -> list[Message]:
         size = 0
         for i in members:
             n = leaves[i].nbytes
-            if n >= bucket:  # alone, in slices
+            if n >= min(bucket, PACK_BELOW):  # alone, in slices
                 packs += [[Piece(i, a, min(n, a + bucket))] for a in range(0, n, bucket)]
                 packs.append([])
                 size = 0
@@ -186,6 +193,13 @@ def move(
             buf = staging[link.staging] = torch.empty(size, dtype=torch.uint8, device=link.staging)
         return buf[:n]
 
+    pending: deque[Any] = deque()  # direct operations in flight, oldest first
+
+    def post(work: Any) -> None:
+        pending.append(work)
+        while len(pending) > WINDOW:
+            _wait(pending.popleft(), per_op)
+
     for route in routes(messages, needy):
         if me not in (route.src, route.dst):
             continue
@@ -193,21 +207,19 @@ def move(
         link = links[m.on_device]
         pieces = m.pieces
         direct = len(pieces) == 1 and bytes_of(pieces[0].leaf).device.type == link.staging.type
-        if route.src == me:
-            if direct:
-                data = bytes_of(pieces[0].leaf)[pieces[0].start : pieces[0].end]
+        if direct:  # the tensor's own bytes: no copy, several in flight
+            view = bytes_of(pieces[0].leaf)[pieces[0].start : pieces[0].end]
+            if route.src == me:
+                post(dist.isend(view, route.dst, group=link.group))
             else:
-                data = bucket(link, m.nbytes)
-                offset = 0
-                for p in pieces:
-                    data[offset : offset + p.nbytes].copy_(bytes_of(p.leaf)[p.start : p.end])
-                    offset += p.nbytes
+                post(dist.irecv(view, route.src, group=link.group))
+        elif route.src == me:  # packed or staged through the one bucket: one at a time
+            data = bucket(link, m.nbytes)
+            offset = 0
+            for p in pieces:
+                data[offset : offset + p.nbytes].copy_(bytes_of(p.leaf)[p.start : p.end])
+                offset += p.nbytes
             _wait(dist.isend(data, route.dst, group=link.group), per_op)
-            sent += m.nbytes
-            continue
-        if direct:
-            target = bytes_of(pieces[0].leaf)[pieces[0].start : pieces[0].end]
-            _wait(dist.irecv(target, route.src, group=link.group), per_op)
         else:
             data = bucket(link, m.nbytes)
             _wait(dist.irecv(data, route.src, group=link.group), per_op)
@@ -215,7 +227,12 @@ def move(
             for p in pieces:
                 bytes_of(p.leaf)[p.start : p.end].copy_(data[offset : offset + p.nbytes])
                 offset += p.nbytes
-        received += m.nbytes
+        if route.src == me:
+            sent += m.nbytes
+        else:
+            received += m.nbytes
+    while pending:
+        _wait(pending.popleft(), per_op)
     return Moved(sent, received)
 
 
@@ -303,7 +320,7 @@ def targets(
             out.append(Target(key, meta.nbytes, on_device, mine, True))
         else:
             where = own_device if on_device else torch.device("cpu")
-            new = torch.empty(meta.shape, dtype=meta.dtype, device=where)
+            new = torch.zeros(meta.shape, dtype=meta.dtype, device=where)
             out.append(Target(key, meta.nbytes, on_device, new, False))
     return out
 
