@@ -58,8 +58,8 @@ def log(row: dict[str, object]) -> None:
 @efdl.elastic(state)
 def train(state: efdl.ElasticState) -> None:
     moved = state.last_sync
-    sent, received = (moved.sent, moved.received) if moved else (0, 0)
-    log({"entry": True, "step": state.step, "sent": sent, "received": received})
+    sent, received, took = (moved.sent, moved.received, moved.seconds) if moved else (0, 0, 0.0)
+    log({"entry": True, "step": state.step, "sent": sent, "received": received, "moved_s": took})
     log({"boot": True, "step": state.step, "started": started, "ready": ready})
     for state.epoch in range(state.epoch, 1_000_000):
         for (x,) in loader:

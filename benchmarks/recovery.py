@@ -81,6 +81,7 @@ def efdl_launcher(
     min_nodes: int = 1,
     script: Path = ELASTIC,
     lease_ttl: int = 3,
+    grace: float = 10,
 ) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         return [
@@ -106,7 +107,7 @@ def efdl_launcher(
             "--settle",
             str(settle),
             "--grace-period",
-            "10",
+            str(grace),
             str(script),
         ]
 
@@ -329,7 +330,7 @@ def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> floa
         "EPOCHS": "1",
         "SAMPLES": str(64 * 2 * steps),
         "DIGEST": "0",
-        "SNAPSHOT_EVERY": os.environ.get("SNAPSHOT_EVERY", "10"),
+        "SNAPSHOT_EVERY": os.environ.get("SNAPSHOT_EVERY", "0"),
     }
     argv = standalone_argv(launcher, 2)
     subprocess.run(
@@ -420,8 +421,8 @@ def steady_section(repeat: int, tmp: Path) -> None:
         f"Steady state: 2 workers on one node, no sleep, batch 64 per worker, a 3-layer MLP "
         f"(small: width {MODELS['small'][0]}, medium: width {MODELS['medium'][0]}); median step "
         f"time of rank 0 (the first 20 steps skipped), median of {repeat} runs, launchers "
-        "interleaved; efdl commits every step and keeps a rollback copy every "
-        f"{os.environ.get('SNAPSHOT_EVERY', '10')} commits.\n"
+        "interleaved; efdl commits every step, with rollback copies every "
+        f"{os.environ.get('SNAPSHOT_EVERY', '0')} commits (0: none, its default).\n"
     )
     print(
         "| model | params | torchrun step (ms) | efdl step (ms) | torchrun samples/s "

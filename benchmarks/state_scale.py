@@ -108,7 +108,9 @@ def steady(launcher: str, size: int, tmp: Path) -> tuple[float, int]:
 def event_run(size: int, event: str, etcd: str, tmp: Path) -> dict[str, float]:
     """One event on a 2-node job: seconds training stood still, and bytes the sync moved."""
     out = Path(tempfile.mkdtemp(dir=tmp))
-    launcher = efdl_launcher(etcd, f"scale-{uuid.uuid4().hex[:6]}", script=ELASTIC)
+    # efdl's default grace period (30 s): a leaving worker pauses at the commit after the one
+    # where its news is agreed, up to two steps (9 s at 300M here) after the SIGTERM.
+    launcher = efdl_launcher(etcd, f"scale-{uuid.uuid4().hex[:6]}", script=ELASTIC, grace=30)
     # One thread per worker: several agents share this machine (an agent gives its workers
     # the node's cores, as if each had a node of its own).
     run = Run(launcher, out, {**env_for(size, steps=10**9), "OMP_NUM_THREADS": "1"})

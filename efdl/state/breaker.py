@@ -18,7 +18,6 @@ a slow step is cut by mistake, it is rolled back like any failure (one step's wo
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
@@ -81,7 +80,8 @@ class Breaker:
         self._opened: dict[int, int] = {}  # socket inode -> generation
         self._aborts: dict[int, list[Callable[[], None]]] = {}  # generation -> NCCL aborts
         self._commits = 0
-        self._times: deque[float] = deque(maxlen=9)  # this generation's last commits
+        self._steps: deque[float] = deque(maxlen=9)  # the last step times (s), any generation
+        self._last: float | None = None  # the last commit's time; None: none since a rebuild
 
     @contextmanager
     def recording(self, generation: int) -> Iterator[None]:
@@ -93,7 +93,7 @@ class Breaker:
             opened = set(_socket_inodes().values()) - before
             with self._lock:
                 self._opened.update(dict.fromkeys(opened, generation))
-                self._times.clear()  # step times from the new group's commits on
+                self._last = None  # the first commit after the rebuild ends no step
 
     def on_cut(self, generation: int, abort: Callable[[], None]) -> None:
         """Call ``abort`` when ``generation`` is cut (NCCL: abort its communicators, which
@@ -111,15 +111,18 @@ class Breaker:
         """A commit: the worker makes progress."""
         with self._lock:
             self._commits += 1
-            self._times.append(self._clock())
+            now = self._clock()
+            if self._last is not None:
+                self._steps.append(now - self._last)
+            self._last = now
 
     def grace(self) -> float:
-        """How long no commit means stalled: a few of the longest recent step times (the
-        time from the group's creation to its first commit, which includes the state sync,
-        is not a step), and at least MIN_GRACE_S."""
+        """How long no commit means stalled: a few of the longest recent step times, and at
+        least MIN_GRACE_S. Step times carry over rebuilds (a model whose step takes 5 s must
+        not be cut 2 s into its first step in a new generation); the time from a group's
+        creation to its first commit, which includes the state sync, is not a step."""
         with self._lock:
-            times = list(self._times)
-        longest = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+            longest = max(self._steps, default=0.0)
         return max(MIN_GRACE_S, STEPS_OF_GRACE * longest)
 
     def cut(self, below: int) -> int:

@@ -112,7 +112,10 @@ def resume(
         reader = {name: i % world for i, name in enumerate(names)}
         leaves = [transfer.Leaf(t.nbytes, t.on_device, (reader[parts[t.key]],)) for t in lands]
         tensors = [t.tensor for t in lands]
-        moved = transfer.move(transfer.plan(leaves, bucket), range(world), tensors, links, timeout)
+        fresh = [not t.own and not t.on_device for t in lands]  # the parts read here are not
+        moved = transfer.move(  # received here, so they are never zero-filled
+            transfer.plan(leaves, bucket), range(world), tensors, links, timeout, fresh
+        )
         _restore_rng(store, manifest, rank)
         in_place = all(t.own for t in lands if t.key.startswith("['model']"))
         return Resumed(manifest, transfer.fill(found["tree"], tensors), in_place, moved)

@@ -387,7 +387,12 @@ class ElasticState:
         leaves = [transfer.Leaf(t.nbytes, t.on_device, choice.holders) for t in lands]
         tensors = [t.tensor for t in lands]
         self.last_sync = transfer.move(
-            transfer.plan(leaves, _bucket()), choice.needy, tensors, self._links(), rt.timeout
+            transfer.plan(leaves, _bucket()),
+            choice.needy,
+            tensors,
+            self._links(),
+            rt.timeout,
+            [not t.own and not t.on_device for t in lands],
         )
         if rank != choice.primary:
             in_place = all(t.own for t in lands if t.key.startswith("['model']"))

@@ -29,6 +29,8 @@ from __future__ import annotations
 import datetime
 import io
 import math
+import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -117,12 +119,19 @@ def plan(leaves: Sequence[Leaf], bucket: int) -> list[Message]:
 
 
 def routes(messages: Sequence[Message], needy: Sequence[int]) -> Iterator[Route]:
-    """Every (message, receiver) pair in the one global order, with the holder that sends it.
-    A needy rank that holds a message's leaves already does not receive it."""
+    """Every (message, receiver) pair in the one global order, with the holder that sends it:
+    for each receiver, the holder that has sent it the fewest bytes so far (ties: in turn), so
+    the holders share the sending by bytes. A needy rank that holds a message's leaves already
+    does not receive it."""
+    load: dict[tuple[int, int], int] = {}  # (receiver, holder) -> bytes so far
     for j, m in enumerate(messages):
         receivers = [r for r in needy if r not in m.holders]
         for i, dst in enumerate(receivers):
-            yield Route(j, m.holders[(j + i) % len(m.holders)], dst)
+            n = len(m.holders)
+            turn = [m.holders[(j + i + k) % n] for k in range(n)]
+            src = min(turn, key=lambda h: load.get((dst, h), 0))
+            load[(dst, src)] = load.get((dst, src), 0) + m.nbytes
+            yield Route(j, src, dst)
 
 
 def fan_out(messages: Sequence[Message], needy: Sequence[int]) -> int:
@@ -147,6 +156,32 @@ class Link:
 class Moved:
     sent: int  # bytes
     received: int
+    seconds: float = 0.0  # from the first message to the last
+
+
+class _Prefault:
+    """Touches new host tensors on a helper thread, in the order they will be received: a
+    receive into memory never touched runs at a fraction of the link's speed (the kernel maps
+    each page inside the copy), and zero-filling them meanwhile costs the receive nothing."""
+
+    def __init__(self, tensors: list[tuple[int, torch.Tensor]]) -> None:
+        self._done = {leaf: threading.Event() for leaf, _ in tensors}
+        if tensors:
+            threading.Thread(
+                target=self._run, args=(tensors,), name="efdl-prefault", daemon=True
+            ).start()
+
+    def _run(self, tensors: list[tuple[int, torch.Tensor]]) -> None:
+        for leaf, t in tensors:
+            try:
+                t.zero_()
+            finally:
+                self._done[leaf].set()
+
+    def wait(self, leaf: int) -> None:
+        done = self._done.get(leaf)
+        if done is not None:
+            done.wait()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -160,6 +195,7 @@ def move(
     tensors: Sequence[torch.Tensor | None],
     links: dict[bool, Link],
     timeout: datetime.timedelta,
+    fresh: Sequence[bool] = (),
 ) -> Moved:
     """Send and receive this rank's share of ``messages``.
 
@@ -171,9 +207,23 @@ def move(
             neither.
         links: per ``on_device``, how such tensors travel.
         timeout: the collective timeout; each operation may take :func:`fan_out` times it.
+        fresh: per leaf, whether this rank's tensor is new host memory (touched on a helper
+            thread before it is received into).
     """
     me = dist.get_rank()
+    started = time.perf_counter()
     per_op = timeout * fan_out(messages, needy)
+    mine = [r for r in routes(messages, needy) if me in (r.src, r.dst)]
+    incoming = dict.fromkeys(
+        p.leaf for r in mine if r.dst == me for p in messages[r.message].pieces
+    )
+    prefault = _Prefault(
+        [
+            (leaf, t)
+            for leaf in incoming
+            if leaf < len(fresh) and fresh[leaf] and (t := tensors[leaf]) is not None
+        ]
+    )
     staging: dict[torch.device, torch.Tensor] = {}
     flat: dict[int, torch.Tensor] = {}  # leaf -> its bytes (a contiguous copy if need be)
     sent = received = 0
@@ -200,9 +250,7 @@ def move(
         while len(pending) > WINDOW:
             _wait(pending.popleft(), per_op)
 
-    for route in routes(messages, needy):
-        if me not in (route.src, route.dst):
-            continue
+    for route in mine:
         m = messages[route.message]
         link = links[m.on_device]
         pieces = m.pieces
@@ -212,6 +260,7 @@ def move(
             if route.src == me:
                 post(dist.isend(view, route.dst, group=link.group))
             else:
+                prefault.wait(pieces[0].leaf)
                 post(dist.irecv(view, route.src, group=link.group))
         elif route.src == me:  # packed or staged through the one bucket: one at a time
             data = bucket(link, m.nbytes)
@@ -225,6 +274,7 @@ def move(
             _wait(dist.irecv(data, route.src, group=link.group), per_op)
             offset = 0
             for p in pieces:
+                prefault.wait(p.leaf)
                 bytes_of(p.leaf)[p.start : p.end].copy_(data[offset : offset + p.nbytes])
                 offset += p.nbytes
         if route.src == me:
@@ -233,7 +283,7 @@ def move(
             received += m.nbytes
     while pending:
         _wait(pending.popleft(), per_op)
-    return Moved(sent, received)
+    return Moved(sent, received, time.perf_counter() - started)
 
 
 def _wait(work: Any, timeout: datetime.timedelta) -> None:
@@ -320,7 +370,7 @@ def targets(
             out.append(Target(key, meta.nbytes, on_device, mine, True))
         else:
             where = own_device if on_device else torch.device("cpu")
-            new = torch.zeros(meta.shape, dtype=meta.dtype, device=where)
+            new = torch.empty(meta.shape, dtype=meta.dtype, device=where)
             out.append(Target(key, meta.nbytes, on_device, new, False))
     return out
 

@@ -141,7 +141,7 @@ class Job:
             if pred(rows):
                 return rows
             time.sleep(0.2)
-        logs = "\n".join(f"--- {n}\n{a.output()[-3000:]}" for n, a in self.agents.items())
+        logs = "\n".join(f"--- {n}\n{a.output()[-8000:]}" for n, a in self.agents.items())
         raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
     def stop(self) -> None:

@@ -66,18 +66,24 @@ def test_forget_after_the_groups_are_destroyed() -> None:
         z.close()
 
 
-def test_grace_follows_the_longest_recent_step() -> None:
+def test_grace_follows_the_longest_recent_step_across_rebuilds() -> None:
     now = [100.0]
     b = Breaker(clock=lambda: now[0])
     assert b.grace() == breaker.MIN_GRACE_S
+    with b.recording(1):
+        pass
     for dt in (30.0, 0.1, 5.0, 0.1):  # the first: group made -> first commit (sync)
         now[0] += dt
         b.stepped()
     assert b.grace() == pytest.approx(breaker.STEPS_OF_GRACE * 5.0)
-    with b.recording(2):  # a new generation: its own step times
+    with b.recording(2):  # a new generation: the 5 s steps still count (it is the same model)
         pass
-    now[0] += 0.5
+    now[0] += 40.0  # its group made -> first commit (the sync): not a step
     b.stepped()
+    assert b.grace() == pytest.approx(breaker.STEPS_OF_GRACE * 5.0)
+    for _ in range(9):  # nine short steps push the long ones out
+        now[0] += 0.1
+        b.stepped()
     assert b.grace() == breaker.MIN_GRACE_S
 
 

@@ -79,3 +79,14 @@ def test_the_operation_timeout_grows_with_the_receivers_one_holder_serves() -> N
     assert fan_out(messages, []) == 1
     assert fan_out(messages, [1, 2, 3]) == 3
     assert fan_out(plan([Leaf(10, False, (0, 1))], MB), [2, 3, 4]) == 2
+
+
+def test_the_holders_share_the_bytes_not_just_the_messages() -> None:
+    # Tensors of 67 MiB in 64 MiB buckets: slices of 64 and 3 MiB. Taking turns by message
+    # would give one holder every large slice.
+    leaves = [Leaf(67 * MB, False, (0, 1)) for _ in range(6)]
+    messages = plan(leaves, 64 * MB)
+    sent = Counter[int]()
+    for r in routes(messages, [2]):
+        sent[r.src] += messages[r.message].nbytes
+    assert abs(sent[0] - sent[1]) <= 64 * MB, sent
