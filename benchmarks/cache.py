@@ -42,7 +42,9 @@ def flat_model(millions: int) -> Any:
     return torch.nn.ParameterList(params)
 
 
-def rank_main(rank: int, world: int, store_path: str, millions: int, snapshots: int) -> None:
+def rank_main(
+    rank: int, world: int, store_path: str, millions: int, snapshots: int, idle_s: float
+) -> None:
     """One rank: persist ``snapshots`` snapshots; print this rank's figures as JSON."""
     import torch
     import torch.distributed as dist
@@ -78,6 +80,8 @@ def rank_main(rank: int, world: int, store_path: str, millions: int, snapshots: 
         started = persister._thread is not thread
         if started:
             commits.append(elapsed)
+        if idle_s:  # the next forward and backward, run elsewhere (a GPU): this CPU is free
+            time.sleep(idle_s)
         stop.fill_(float(len(persister.durations) >= snapshots))
         dist.all_reduce(stop, op=dist.ReduceOp.MIN, group=runtime.side)
         if stop.item():
@@ -126,7 +130,9 @@ def raw_write(directory: Path, nbytes: int, writers: int) -> float:
     return elapsed
 
 
-def measure(millions: int, snapshots: int, world: int, directory: Path) -> dict[str, float]:
+def measure(
+    millions: int, snapshots: int, world: int, directory: Path, idle_s: float = 0.0
+) -> dict[str, float]:
     """One job of ``world`` ranks persisting a model of ``millions`` M parameters."""
     url = directory / f"cache-{millions}m"
     env = {
@@ -141,7 +147,7 @@ def measure(millions: int, snapshots: int, world: int, directory: Path) -> dict[
     argv = [sys.executable, "-m", "benchmarks.cache", "--rank-of"]
     procs = [
         subprocess.Popen(
-            [*argv, f"{r},{world},{store},{millions},{snapshots}"],
+            [*argv, f"{r},{world},{store},{millions},{snapshots},{idle_s}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -176,46 +182,59 @@ DESCRIPTION = (
     "Remote cache on a local directory ({where}); median of {snapshots} snapshots per size. A "
     "job of {world} ranks (real processes, gloo) runs `optimizer.step(); state.commit()` with "
     "SGD + momentum (model + optimizer state = 2x the parameter bytes), persisting as often as "
-    "the writers are free; the ranks write their parts of each snapshot in parallel. Per "
-    "persisted commit: how long `commit()` blocked the loop, how long the next "
-    "`optimizer.step()` waited for the background copy (its pre-hook) (the slowest rank of "
-    "each), and how long the snapshot took to be complete on storage (from the commit to rank "
-    "0's manifest: copy to CPU + serialize + xxh3 digest + write + fsync, every rank's report). "
-    "Raw write: plain `write` + `fsync` of as many bytes by {world} writers in parallel into "
-    "the same directory.\n"
+    "the writers are free; the ranks write their parts of each snapshot in parallel. Two loops: "
+    "**CPU free**, where {idle} s of sleep after each commit stands for the next forward and "
+    "backward running on a GPU (the CPU idle, as on a GPU node), and **CPU busy**, where the "
+    "loop runs optimizer steps back to back on both cores (the next `optimizer.step()` comes "
+    "at once, so it waits for the whole copy). Per persisted commit: how long `commit()` "
+    "blocked the loop, how long the next `optimizer.step()` waited for the background copy "
+    "(its pre-hook) (the slowest rank of each), and how long the snapshot took to be complete "
+    "on storage (persist MB/s: from the commit to rank 0's manifest: copy to CPU + serialize + "
+    "xxh3 digest + write + fsync, every rank's report). Raw write: plain `write` + `fsync` of "
+    "as many bytes by {world} writers in parallel into the same directory (median of 3).\n"
 )
+IDLE_S = 0.5
 
 
 def table(sizes: list[int], snapshots: int, world: int, root: Path | None) -> None:
     directory = Path(tempfile.mkdtemp(prefix="efdl-cache-bench-", dir=root))
-    print(DESCRIPTION.format(where=directory.parent, snapshots=snapshots, world=world))
+    text = DESCRIPTION.format(where=directory.parent, snapshots=snapshots, world=world, idle=IDLE_S)
+    print(text)
     print(
-        "| params | snapshot MB | commit() blocks (ms) | next step waits (ms) | loop blocked / "
-        "write time | persist MB/s | raw write MB/s | persist / raw |"
+        "| params | snapshot MB | raw write MB/s | CPU free: persist MB/s | persist / raw | "
+        "commit() blocks (ms) | next step waits (ms) | loop blocked / write time | CPU busy: "
+        "persist MB/s | persist / raw | next step waits (ms) |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    blocked_share, speed_share = [], []
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    blocked_share, speed_share, busy_share = [], [], []
     try:
         for size in sizes:
-            r = measure(size, snapshots, world, directory)
-            blocked = r["commit"] + r["fence"]
-            blocked_share.append(blocked / r["write"])
-            speed_share.append(r["raw"] / r["write"])
-            mb = r["bytes"] / 1e6
+            free = measure(size, snapshots, world, directory, IDLE_S)
+            busy = measure(size, snapshots, world, directory, 0.0)
+            raw = statistics.median([free["raw"], busy["raw"]])
+            blocked = free["commit"] + free["fence"]
+            blocked_share.append(blocked / free["write"])
+            speed_share.append(raw / free["write"])
+            busy_share.append(raw / busy["write"])
+            mb = free["bytes"] / 1e6
             print(
-                f"| {size}M | {mb:.0f} | {r['commit'] * 1000:.1f} | {r['fence'] * 1000:.1f} | "
-                f"{blocked / r['write'] * 100:.2f}% | {mb / r['write']:.0f} | "
-                f"{mb / r['raw']:.0f} | {r['raw'] / r['write'] * 100:.0f}% |",
+                f"| {size}M | {mb:.0f} | {mb / raw:.0f} | {mb / free['write']:.0f} | "
+                f"{raw / free['write'] * 100:.0f}% | {free['commit'] * 1000:.1f} | "
+                f"{free['fence'] * 1000:.1f} | {blocked / free['write'] * 100:.2f}% | "
+                f"{mb / busy['write']:.0f} | {raw / busy['write'] * 100:.0f}% | "
+                f"{busy['fence'] * 1000:.1f} |",
                 flush=True,
             )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     worst_blocked, worst_speed = max(blocked_share), min(speed_share)
     print(
-        f"\nGoals: the loop is blocked for at most {worst_blocked * 100:.1f}% of the write time "
-        f"(goal < 5%: {verdict(worst_blocked < 0.05)}); persisting reaches at least "
+        f"\nGoals, CPU free: the loop is blocked for at most {worst_blocked * 100:.1f}% of the "
+        f"write time (goal < 5%: {verdict(worst_blocked < 0.05)}); persisting reaches at least "
         f"{worst_speed * 100:.0f}% of the raw write speed (goal 80%: "
-        f"{verdict(worst_speed >= 0.8)}).\n"
+        f"{verdict(worst_speed >= 0.8)}). With the CPU busy training on both cores, at least "
+        f"{min(busy_share) * 100:.0f}% (the copy, the serialization and the page cache compete "
+        "with training for the two cores).\n"
     )
 
 
@@ -228,8 +247,8 @@ def main() -> None:
     parser.add_argument("--rank-of", default="", help=argparse.SUPPRESS)  # a rank's process
     args = parser.parse_args()
     if args.rank_of:
-        rank, world, store, millions, snapshots = args.rank_of.split(",")
-        rank_main(int(rank), int(world), store, int(millions), int(snapshots))
+        rank, world, store, millions, snapshots, idle = args.rank_of.split(",")
+        rank_main(int(rank), int(world), store, int(millions), int(snapshots), float(idle))
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     table(sizes, args.snapshots, args.world, args.dir)

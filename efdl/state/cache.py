@@ -32,7 +32,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import fsspec  # type: ignore[import-untyped]
@@ -212,16 +212,34 @@ class SnapshotStore:
         d = f"{self.root.rstrip('/')}/step-{step:012d}"
         return f"{d}/{name}" if name else d
 
-    def write(self, step: int, name: str, obj: Any) -> FileInfo:
-        """``torch.save`` ``obj`` as file ``name`` of snapshot ``step``; its size and digest."""
+    def write(self, step: int, name: str, obj: Any, sync: bool = True) -> FileInfo:
+        """``torch.save`` ``obj`` as file ``name`` of snapshot ``step``; its size and digest.
+
+        Args:
+            sync: on a local directory, wait until the file is on disk. A writer of several
+                files writes them all first and then :meth:`sync` s them: the disk then
+                writes one file while the next is still being made.
+        """
         if self.local:
             self.fs.makedirs(self.path(step), exist_ok=True)
         with self.fs.open(self.path(step, name), "wb") as f, _HashingWriter(f) as writer:
             _torch().save(obj, writer)  # storages arrive as single large writes
-            if self.local:
+            if self.local and sync:
                 f.flush()
                 os.fsync(f.fileno())
         return FileInfo(writer.size, writer.hash.hexdigest())
+
+    def sync(self, step: int, names: Iterable[str]) -> None:
+        """Wait until files of snapshot ``step`` written with ``sync=False`` are on disk (an
+        object store's files are, once written)."""
+        if not self.local:
+            return
+        for name in names:
+            fd = os.open(self.path(step, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _put(self, target: str, data: bytes) -> None:
         """Write a small file atomically: a reader sees all of it or none."""

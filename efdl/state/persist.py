@@ -14,8 +14,9 @@ in parallel, each copying and writing about ``1/world`` of the state. Then:
 
 What the training loop waits for: the model's buffers (BatchNorm statistics change in the
 forward pass) are copied at the commit. Parameters and optimizer state are copied to CPU
-buffers by the writer's thread while the next step's forward and backward run (neither
-changes them), and the next ``optimizer.step()`` waits until that copy is done (a step
+buffers by a copier thread, part by part, while the next step's forward and backward run
+(neither changes them), each part written as soon as it is copied; the next
+``optimizer.step()`` waits until the copy is done (a step
 pre-hook; ``state.fence()`` for code that changes parameters elsewhere). On a GPU the copies
 are non-blocking device-to-host copies into pinned buffers, on a CUDA stream of their own,
 ordered after the committed step by an event: they neither wait for later kernels nor hold
@@ -27,6 +28,7 @@ reused from one snapshot to the next.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
 import math
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 PART_BYTES = 512 << 20  # the largest part (a larger tensor is a part by itself)
 MIN_PART_BYTES = 16 << 20  # parts are no smaller than this, however many ranks share the work
+WRITERS = 4  # parts of one rank written at once (a disk takes several streams faster than one)
 REPORT_WAIT_S = 30.0  # rank 0 waits this long for the other ranks' reports, plus 3x its write
 
 
@@ -89,7 +92,7 @@ class _Job:
     rank: int
     world: int
     parts: dict[str, dict[str, torch.Tensor]]  # this rank's part files: key path -> buffer
-    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (buffer, source) to copy in the thread
+    copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]  # part -> (buffer, source)
     own: dict[str, Any]
     structure: dict[str, Any] | None  # rank 0: what state.pt holds
     expected: set[str]  # rank 0: every part file of the snapshot
@@ -173,7 +176,7 @@ class Persister:
         tensors = {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
         layout = Layout.of({k: t.nbytes for k, t in tensors.items()}, world, self.part_bytes)
         parts: dict[str, dict[str, torch.Tensor]] = {}
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         buffers: dict[str, torch.Tensor] = {}
         for key, p in zip(layout.keys, layout.part_of, strict=True):
             if layout.owner[p] != rank:
@@ -187,7 +190,7 @@ class Persister:
             if key in copy_now:
                 buf.copy_(src)
             else:
-                copies.append((buf, src))
+                copies.setdefault(part_file(p), []).append((buf, src))
         self._buffers = buffers  # a share no longer this rank's is freed
         structure = None
         if rank == 0:
@@ -214,7 +217,7 @@ class Persister:
             {part_file(p) for p in range(len(layout.owner))},
             on_done,
         )
-        if any(src.is_cuda for _, src in copies):
+        if any(src.is_cuda for pairs in copies.values() for _, src in pairs):
             job.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             job.ready.record()
         self._copied.clear()
@@ -223,31 +226,51 @@ class Persister:
         )
         self._thread.start()
 
-    def _copy(self, job: _Job) -> None:
-        with torch.no_grad():
-            if job.ready is None:
-                for buf, src in job.copies:
-                    buf.copy_(src)
-                return
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(job.ready)
-                for buf, src in job.copies:
-                    buf.copy_(src, non_blocking=True)
-            self._stream.synchronize()
+    def _copy(self, job: _Job, copied: dict[str, threading.Event]) -> None:
+        """The copier thread: this rank's parts to their CPU buffers, part by part (each
+        written as soon as it is copied), then the fence opens."""
+        try:
+            with torch.no_grad():
+                for name in sorted(job.parts):
+                    pairs = job.copies.get(name, [])
+                    if job.ready is None:
+                        for buf, src in pairs:
+                            buf.copy_(src)
+                    else:
+                        if self._stream is None:
+                            self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+                        with torch.cuda.stream(self._stream):
+                            self._stream.wait_event(job.ready)
+                            for buf, src in pairs:
+                                buf.copy_(src, non_blocking=True)
+                        self._stream.synchronize()
+                    copied[name].set()
+        finally:
+            self._copied.set()
+            for done in copied.values():
+                done.set()
 
     def _write(self, job: _Job) -> None:
         store = self.store
+        copied = {name: threading.Event() for name in job.parts}
+        copier = threading.Thread(
+            target=self._copy, args=(job, copied), name=f"efdl-copy-{job.step}", daemon=True
+        )
+        copier.start()
         try:
-            try:
-                self._copy(job)
-            finally:
-                self._copied.set()
             files: dict[str, FileInfo] = {}
-            for name, part in sorted(job.parts.items()):
-                files[name] = store.write(job.step, name, part)
+
+            def write_part(name: str) -> FileInfo:
+                copied[name].wait()  # copying the next part while this one is written
+                return store.write(job.step, name, job.parts[name], sync=False)
+
+            names = sorted(job.parts)
+            with concurrent.futures.ThreadPoolExecutor(WRITERS, "efdl-write") as pool:
+                for name, info in zip(names, pool.map(write_part, names), strict=True):
+                    files[name] = info
+            copier.join()
             files[rank_file(job.rank)] = store.write(job.step, rank_file(job.rank), job.own)
+            store.sync(job.step, job.parts)  # on disk before it is reported
             took = time.perf_counter() - job.started
             self.written.append(sum(f.size for f in files.values()))
             if job.rank != 0:
@@ -280,6 +303,8 @@ class Persister:
                 exc,
                 exc_info=True,
             )
+        finally:
+            copier.join()  # the fence is open in any case
 
     def _gather(self, job: _Job, wait_s: float) -> dict[str, FileInfo] | None:
         """Rank 0: every other rank's report of ``job``'s step, read from storage (polled:
@@ -287,6 +312,7 @@ class Persister:
         deadline = time.monotonic() + wait_s
         waiting = set(range(1, job.world))
         files: dict[str, FileInfo] = {}
+        pause = 0.005  # the others finish about when this rank does: look again soon, then less
         while True:
             for r in sorted(waiting):
                 found = self.store.reported(job.step, r)
@@ -303,4 +329,5 @@ class Persister:
                     wait_s,
                 )
                 return None
-            time.sleep(0.1)
+            time.sleep(pause)
+            pause = min(0.2, pause * 2)
