@@ -196,7 +196,10 @@ class ElasticState:
         )
 
     def _persists_here(self, agreed: list[int], pause: bool) -> bool:
-        """Whether every rank persists at this commit (all decide alike, from ``agreed``)."""
+        """Whether every rank persists at this commit: all decide alike, from ``agreed``,
+        except that when everyone leaves, a rank whose writer is still busy after waiting
+        half the grace period skips (that snapshot then lacks its parts and never completes,
+        the one before it stands)."""
         p = self._persister
         if p is None:
             return False
