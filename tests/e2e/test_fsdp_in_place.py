@@ -4,6 +4,7 @@ the committed one across every rescale (exact digests over the ranks' rows)."""
 
 from __future__ import annotations
 
+import difflib
 import signal
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from tests.e2e.harness import (
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = "fsdp_steps.py"
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture()
@@ -67,3 +69,19 @@ def test_a_sharded_model_grows_and_shrinks_in_place(job: Job) -> None:
     assert {r["world"] for r in rows} >= {2, 3}
     check_consistent(rows)
     opt_chain(rows)
+
+
+def test_the_gpt_example_differs_from_its_torchrun_version_by_the_efdl_change() -> None:
+    """The efdl change to an FSDP2 script: init, fully_shard, the sampler, the state, the
+    decorated function (its model from the state), commit. The torchrun script's own
+    skip-ahead on resume (4 lines) goes: the ElasticSampler resumes by itself."""
+
+    def code(name: str) -> list[str]:
+        text = (ROOT / "examples" / "gpt" / name).read_text()
+        return text.split('"""', 2)[2].splitlines()  # the module docstring aside
+
+    matcher = difflib.SequenceMatcher(a=code("train_torchrun.py"), b=code("train_efdl.py"))
+    changed = sum(
+        max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"
+    )
+    assert 0 < changed <= 20, changed
