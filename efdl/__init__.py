@@ -1,7 +1,8 @@
 """efdl: an elastic, fault-tolerant launcher for PyTorch distributed training.
 
 The worker-side API (``efdl.init_process_group``, ``efdl.elastic_state``, ``efdl.elastic``,
-``efdl.ElasticSampler``, ``efdl.ElasticBatchSampler``, ``efdl.device``) imports torch on
+``efdl.ElasticSampler``, ``efdl.ElasticBatchSampler``, ``efdl.device``,
+``efdl.fully_shard``) imports torch on
 first use, so the agent and tools stay light.
 """
 
@@ -20,6 +21,7 @@ _STATE_API = {
     "elastic_state": "efdl.state.state",
     "init_process_group": "efdl.state.runtime",
     "device": "efdl.state.device",
+    "fully_shard": "efdl.state.sharded",
 }
 
 __all__ = ["__version__", *sorted(_STATE_API)]

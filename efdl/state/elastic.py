@@ -62,6 +62,8 @@ def _rebuild(state: ElasticState, failure: BaseException | None) -> bool:
             rt.placement.generation,
         )
         raise failure
+    if failure is None:  # a pause: the old group still stands
+        state.hand_over(placement.rank if placement is not None else None)
     if placement is None and rt.channel.leave_requested:
         # Leaving at a step boundary, maybe with every other node (preemption): the ranks
         # started persisting this step at the pause; let it reach storage, within the

@@ -110,11 +110,16 @@ def resume(
             below = step
             continue
         reader = {name: i % world for i, name in enumerate(names)}
-        leaves = [transfer.Leaf(t.nbytes, t.on_device, (reader[parts[t.key]],)) for t in lands]
+        ranks = range(world)
+        leaves = [
+            transfer.Leaf.whole(t.nbytes, t.on_device, (reader[parts[t.key]],), ranks)
+            for t in lands
+        ]
         tensors = [t.tensor for t in lands]
+        regions = [transfer.Region(t) for t in tensors]
         fresh = [not t.own and not t.on_device for t in lands]  # the parts read here are not
         moved = transfer.move(  # received here, so they are never zero-filled
-            transfer.plan(leaves, bucket), range(world), tensors, links, timeout, fresh
+            transfer.plan(leaves, bucket), regions, regions, links, timeout, fresh
         )
         _restore_rng(store, manifest, rank)
         in_place = all(t.own for t in lands if t.key.startswith("['model']"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import logging
 import os
 from typing import Any
@@ -23,14 +24,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from efdl.errors import StateLostError
-from efdl.state import transfer
+from efdl.state import sharded, transfer
 from efdl.state import values as state_values
 from efdl.state.cache import CacheSettings, Manifest
 from efdl.state.channel import GRACE_ENV
 from efdl.state.device import device
+from efdl.state.layout import Layout, byte_span, rows
 from efdl.state.persist import Persister
 from efdl.state.resume import resume
 from efdl.state.rng import rng_state
@@ -98,6 +101,9 @@ class ElasticState:
         state_values.check_all(values)
         object.__setattr__(self, "_values", dict(values))
         self.model = model
+        self._sharding = sharded.sharding_of(model)
+        self._layout: Layout | None = None  # the rows this rank holds (sharded)
+        self._rows: dict[str, transfer.Region] | None = None  # held apart from the model
         self.optimizer = optimizer
         self.sampler = sampler
         self.scheduler = scheduler
@@ -115,6 +121,11 @@ class ElasticState:
         self._agree_work: Any = None
         self.last_sync: transfer.Moved | None = None  # what the last sync moved here
         settings = CacheSettings.from_env()
+        if settings is not None and self._sharding is not None:
+            raise NotImplementedError(
+                "A remote cache (--cache-url) of a sharded model (efdl.fully_shard) is not "
+                "supported yet: run without --cache-url."
+            )
         self._persister = Persister(settings) if settings is not None else None
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._on_step_start)
@@ -322,10 +333,16 @@ class ElasticState:
         rt = runtime
         side = rt.side
         rank, world = dist.get_rank(), dist.get_world_size()
-        mine = torch.tensor([self.standing().key()], dtype=torch.int64)
-        keys = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(keys, mine, group=side)
-        choice = choose([int(k.item()) for k in keys])
+        held = self._layout if self._holds else None
+        mine = torch.tensor(
+            [self.standing().key(), *((held.shards, held.index) if held else (0, 0))],
+            dtype=torch.int64,
+        )
+        gathered = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=side)
+        keys = [int(g[0].item()) for g in gathered]
+        layouts = [Layout(int(g[1]), int(g[2])) if int(g[1]) else None for g in gathered]
+        choice = choose(keys, layouts if self._sharding is not None else None)
         self.last_sync = None
         resumed = None
         if choice.step is None and self._persister is not None:
@@ -346,6 +363,12 @@ class ElasticState:
                 resumed.manifest.epoch,
                 self._persister.settings.url if self._persister is not None else "?",
             )
+        elif choice.lost and self._sharding is not None:
+            raise StateLostError(
+                "The job's sharded state is lost: no step's rows are all held by the ranks "
+                "left (a rank that held some died, and its peers have stepped past the step "
+                f"before; steps held: {sorted({k // 2 for k in keys if k >= 0})})."
+            )
         elif choice.lost:
             raise StateLostError(
                 "The job's state is lost: the ranks that held it failed inside "
@@ -354,6 +377,8 @@ class ElasticState:
                 "rollback copies (efdl.elastic_state(..., snapshot_every=1)) or a remote "
                 "cache (--cache-url) with such an optimizer."
             )
+        elif self._sharding is not None:
+            self._reshard(choice, layouts)
         else:
             self._receive(choice)
         self._holds, self._settled, self._torn = True, True, False
@@ -362,7 +387,7 @@ class ElasticState:
         if self.sampler is not None:
             self.sampler.set_world(rank, world)
         self.ddp = self.model  # the old wrapper's buckets go before the new one's come
-        if world > 1 or rt.elastic:
+        if self._sharding is None and (world > 1 or rt.elastic):
             # No init sync: every rank holds the same state now (it would broadcast the
             # whole model from rank 0 over the training group on every rebuild).
             self.ddp = DistributedDataParallel(self.model, init_sync=False)
@@ -387,12 +412,14 @@ class ElasticState:
         lands = transfer.targets(
             header["tree"], header["devices"], self._own_tensors(), holding, device()
         )
-        leaves = [transfer.Leaf(t.nbytes, t.on_device, choice.holders) for t in lands]
+        ranks = range(dist.get_world_size())
+        leaves = [transfer.Leaf.whole(t.nbytes, t.on_device, choice.holders, ranks) for t in lands]
         tensors = [t.tensor for t in lands]
+        regions = [transfer.Region(t) for t in tensors]
         self.last_sync = transfer.move(
             transfer.plan(leaves, _bucket()),
-            choice.needy,
-            tensors,
+            regions,
+            regions,
             self._links(),
             rt.timeout,
             [not t.own and not t.on_device for t in lands],
@@ -400,6 +427,147 @@ class ElasticState:
         if rank != choice.primary:
             in_place = all(t.own for t in lands if t.key.startswith("['model']"))
             self._load(transfer.fill(header["tree"], tensors), model_in_place=in_place)
+
+    def hand_over(self, new_rank: int | None) -> None:
+        """Sharded, at a pause, before the old group goes: the rows of the ranks that leave
+        (``new_rank`` None) go to the ranks that stay, laid out over them in the order of
+        their new ranks, so that the sync in the new group finds every row held (and, if
+        nobody joins, moves nothing more). Every rank of the old group calls it."""
+        rt = runtime
+        if self._sharding is None or not self._holds or self._layout is None:
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        fate = torch.tensor([-1 if new_rank is None else new_rank], dtype=torch.int64)
+        fates = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(fates, fate, group=rt.side)
+        stayers = sorted(
+            (r for r in range(world) if int(fates[r]) >= 0), key=lambda r: int(fates[r])
+        )
+        if len(stayers) in (0, world):  # nobody leaves, or everyone does
+            return
+        after = {r: Layout(len(stayers), i) for i, r in enumerate(stayers)}
+        leaves: list[transfer.Leaf] = []
+        held: list[transfer.Region | None] = []
+        wanted: list[transfer.Region | None] = []
+        kept: dict[str, transfer.Region] = {}
+        for key, t in self._own_tensors().items():
+            if not isinstance(t, DTensor):
+                continue
+            shape, itemsize = t.shape, t.element_size()
+            leaves.append(
+                transfer.rows_leaf(
+                    shape,
+                    itemsize,
+                    t.device.type != "cpu",
+                    [(r, Layout(world, r)) for r in range(world)],
+                    after.items(),
+                )
+            )
+            held.append(
+                transfer.Region(sharded.local(t), byte_span(shape, itemsize, self._layout)[0])
+            )
+            if rank in after:
+                start, end = rows(shape[0], after[rank])
+                mine = torch.empty((end - start, *shape[1:]), dtype=t.dtype, device=t.device)
+                kept[key] = transfer.Region(mine, byte_span(shape, itemsize, after[rank])[0])
+            wanted.append(kept.get(key))
+        self.last_sync = transfer.move(
+            transfer.plan(leaves, _bucket()),
+            held,
+            wanted,
+            self._links(),
+            rt.timeout,
+            [w is not None and w.tensor.device.type == "cpu" for w in wanted],
+            list(transfer.own_copies(leaves, rank)),
+        )
+        if rank in after:
+            self._rows, self._layout = kept, after[rank]
+            sharded.release(self.model, self.optimizer)  # the rows are in self._rows now
+
+    def _reshard(self, choice: Choice, layouts: list[Layout | None]) -> None:
+        """Sharded: build the model anew on this world's mesh (unless it is built on it
+        already: a newcomer, or a cold start) and give every rank its new rows, from the
+        holders of ``choice.step`` (their rows in ``layouts``) and from its own old rows."""
+        assert self._sharding is not None
+        rt = runtime
+        rank, world = dist.get_rank(), dist.get_world_size()
+        old = self.model
+        current = sharded.on_current_group(old)
+        new_layout = Layout(world, rank)
+        if choice.step is None:  # a cold start: every rank's rows are the job's
+            if not current:
+                raise StateLostError("No rank holds any rows of the job's sharded state.")
+            self._layout = new_layout
+            return
+        header = None
+        if rank == choice.primary:
+            header = transfer.header(self._state_dict())
+        header = transfer.share(header, choice.primary, rt.side)
+        holding = rank in choice.holders
+        model = old if current else self._sharding.build(sharded.mesh())
+        mesh = sharded.mesh_of(model)
+        own = self._own_tensors() if holding or current else {}
+        model_tensors = {_key("model", n): t for n, t in model.state_dict().items()}
+        split: set[str] = set(header["sharded"])
+        leaves: list[transfer.Leaf] = []
+        held: list[transfer.Region | None] = []
+        wanted: list[transfer.Region | None] = []
+        landed: list[torch.Tensor] = []
+        fresh: list[bool] = []
+        for key, meta in transfer.tensor_leaves(header["tree"]):
+            on_device = header["devices"].get(key, "cpu") != "cpu"
+            mine = own.get(key) if holding else None
+            if key in split:
+                span = functools.partial(byte_span, meta.shape, meta.element_size())
+                dest = model_tensors.get(key)
+                if dest is None:  # optimizer state: new rows, filled below
+                    dest = sharded.empty(meta.shape, meta.dtype, mesh)
+                leaves.append(
+                    transfer.rows_leaf(
+                        meta.shape,
+                        meta.element_size(),
+                        on_device,
+                        [(r, lay) for r in choice.holders if (lay := layouts[r]) is not None],
+                        [(r, Layout(world, r)) for r in range(world)],
+                    )
+                )
+                if mine is None or self._layout is None:
+                    held.append(None)
+                elif self._rows is not None:  # handed over at the pause
+                    held.append(self._rows[key])
+                else:
+                    held.append(transfer.Region(sharded.local(mine), span(self._layout)[0]))
+                wanted.append(transfer.Region(sharded.local(dest), span(new_layout)[0]))
+                landed.append(dest)
+                fresh.append(False)
+                continue
+            into = model_tensors.get(key, own.get(key))
+            land = transfer.target(
+                key, meta, header["devices"].get(key, "cpu"), into, False, device()
+            )
+            leaves.append(transfer.Leaf.whole(meta.nbytes, on_device, choice.holders, range(world)))
+            held.append(transfer.Region(mine) if mine is not None else None)
+            wanted.append(transfer.Region(land.tensor))
+            landed.append(land.tensor)
+            fresh.append(not land.own and not on_device)
+        # A failure in here leaves the old rows and tensors as they were (new ones land apart).
+        self.last_sync = transfer.move(
+            transfer.plan(leaves, _bucket()),
+            held,
+            wanted,
+            self._links(),
+            rt.timeout,
+            fresh,
+            list(transfer.own_copies(leaves, rank)),
+        )
+        tree = transfer.fill(header["tree"], landed)
+        if model is not old and self.optimizer is not None:
+            sharded.rebind(self.optimizer, old, model)
+        self.model = model
+        self._load(tree, model_in_place=True)
+        self._layout, self._rows = new_layout, None
+        if model is not old:
+            sharded.release(old, None)
 
 
 def _key(*names: str) -> str:

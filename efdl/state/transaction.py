@@ -26,6 +26,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from efdl.state.layout import Layout, covers
+
 
 class Phase(enum.StrEnum):
     COMMITTED = "committed"  # the tensors are those of the last commit()
@@ -95,8 +97,9 @@ class Choice:
             lowest rank holding ``step`` settled, else the lowest holding it.
         holders: the ranks whose tensors are at ``step``: they send, and receive no tensor.
         needy: every other rank: each receives every tensor.
-        lost: no rank holds state and some rank's was torn: the job's state is gone but for
-            the remote cache (rank 0's own state is not the job's).
+        lost: no rank holds state and some rank's was torn, or (sharded) no step's rows
+            are all held: the job's state is gone but for the remote cache (rank 0's own
+            state is not the job's).
     """
 
     step: int | None
@@ -106,14 +109,34 @@ class Choice:
     lost: bool = False
 
 
-def choose(keys: Sequence[int]) -> Choice:
-    """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure."""
+def choose(keys: Sequence[int], layouts: Sequence[Layout | None] | None = None) -> Choice:
+    """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure.
+
+    With a sharded state, ``layouts`` says which rows each rank holds: a step can be taken
+    only if its holders cover every row between them (efdl.state.layout), so the newest
+    step so covered is taken; if some rank held a step and none is covered, the state is
+    lost (the rows of a dead rank are gone, and its peers have stepped past the ones
+    before).
+    """
     standings = [Standing.from_key(k) for k in keys]
-    steps = [s.step for s in standings if s.step is not None]
+    steps = sorted({s.step for s in standings if s.step is not None}, reverse=True)
+    if layouts is not None:
+        steps = [
+            step
+            for step in steps
+            if covers(
+                layout
+                for r, s in enumerate(standings)
+                if s.step == step and (layout := layouts[r]) is not None
+            )
+        ]
+        if not steps:
+            lost = any(s.step is not None or s.torn for s in standings)
+            return Choice(None, 0, (0,), tuple(range(1, len(keys))), lost)
     if not steps:  # a cold start (or a resume from the cache): rank 0's state is the job's
         lost = any(s.torn for s in standings)
         return Choice(None, 0, (0,), tuple(range(1, len(keys))), lost)
-    best = max(steps)
+    best = steps[0]
     holders = tuple(r for r, s in enumerate(standings) if s.step == best)
     settled = [r for r in holders if standings[r].settled]
     needy = tuple(r for r in range(len(keys)) if r not in holders)

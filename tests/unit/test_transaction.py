@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from efdl.state.layout import Layout, covers, rows
 from efdl.state.transaction import Choice, Phase, Recovery, Standing, choose, recovery
 
 
@@ -63,3 +64,63 @@ def test_a_torn_state_with_no_holder_left_is_lost_not_a_cold_start() -> None:
     torn, new = Standing(None, torn=True).key(), Standing(None).key()
     assert choose([torn, new]).lost
     assert not choose([torn, Standing(3).key()]).lost  # a holder is left: it sends
+
+
+# A sharded state: each rank holds some rows (chunk ``index`` of ``shards``), so a step counts
+# only if its holders hold every row between them.
+
+
+def test_sharded_survivors_of_a_graceful_pause_cover_their_step() -> None:
+    keys = [Standing(9).key()] * 3 + [Standing(None).key()]
+    layouts = [Layout(3, 0), Layout(3, 1), Layout(3, 2), None]
+    assert choose(keys, layouts) == Choice(9, 0, (0, 1, 2), (3,))
+
+
+def test_a_sharded_step_missing_a_dead_ranks_rows_is_lost() -> None:
+    # Rank 1 of 3 died: its rows of step 9 are gone; the others stepped past step 8.
+    keys = [Standing(9).key(), Standing(9).key(), Standing(None).key()]
+    layouts = [Layout(3, 0), Layout(3, 2), None]
+    choice = choose(keys, layouts)
+    assert choice.step is None and choice.lost
+
+
+def test_the_newest_sharded_step_whose_rows_are_all_held_wins() -> None:
+    # Two replicas of two shards (HSDP): rank 2 rolled forward to step 10, its replica
+    # (rank 0) did not, and rank 3 died: step 10 lacks rows, step 9 has them all.
+    keys = [Standing(9).key(), Standing(9).key(), Standing(10, False).key()]
+    layouts = [Layout(2, 0), Layout(2, 1), Layout(2, 0)]
+    assert choose(keys, layouts) == Choice(9, 0, (0, 1), (2,))
+
+
+def test_a_sharded_cold_start_keeps_each_ranks_own_rows() -> None:
+    layouts = [Layout(2, 0), Layout(2, 1)]
+    choice = choose([Standing(None).key()] * 2, layouts)
+    assert choice.step is None and not choice.lost
+
+
+@pytest.mark.parametrize(
+    ("layouts", "expected"),
+    [
+        ([Layout(3, 0), Layout(3, 1), Layout(3, 2)], True),
+        ([Layout(3, 0), Layout(3, 2)], False),
+        ([Layout(1, 0)], True),
+        ([Layout(2, 0), Layout(2, 1), Layout(2, 1)], True),
+        ([Layout(2, 0), Layout(3, 1), Layout(3, 2)], False),  # two layouts: not comparable
+        ([], False),
+    ],
+)
+def test_layouts_cover_every_row_only_with_every_index(
+    layouts: list[Layout], expected: bool
+) -> None:
+    assert covers(layouts) is expected
+
+
+@pytest.mark.parametrize(("length", "shards"), [(7, 3), (5, 4), (1, 2), (0, 3), (1000, 7)])
+def test_rows_are_torch_chunks(length: int, shards: int) -> None:
+    import torch
+
+    chunks = list(torch.arange(length).chunk(shards)) if length else []
+    for index in range(shards):
+        start, end = rows(length, Layout(shards, index))
+        chunk = chunks[index].tolist() if index < len(chunks) else []
+        assert list(range(start, end)) == chunk
