@@ -14,4 +14,6 @@ fi
 echo "== ruff"; "$PY" -m ruff check efdl tests benchmarks
 echo "== mypy"; "$PY" -m mypy
 echo "== pytest"
-exec "$PY" -m pytest "$@"
+# Two tests at a time (EFDL_TEST_WORKERS): most of a test's time is waiting on processes,
+# leases and windows, and every test must hold under load anyway.
+exec "$PY" -m pytest -n "${EFDL_TEST_WORKERS:-2}" "$@"
