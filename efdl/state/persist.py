@@ -258,7 +258,6 @@ class Persister:
         )
         copier.start()
         try:
-            files: dict[str, FileInfo] = {}
 
             def write_part(name: str) -> FileInfo:
                 copied[name].wait()  # copying the next part while this one is written
@@ -266,9 +265,7 @@ class Persister:
 
             names = sorted(job.parts)
             with concurrent.futures.ThreadPoolExecutor(WRITERS, "efdl-write") as pool:
-                for name, info in zip(names, pool.map(write_part, names), strict=True):
-                    files[name] = info
-            copier.join()
+                files = dict(zip(names, pool.map(write_part, names), strict=True))
             files[rank_file(job.rank)] = store.write(job.step, rank_file(job.rank), job.own)
             store.sync(job.step, job.parts)  # on disk before it is reported
             took = time.perf_counter() - job.started

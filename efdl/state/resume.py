@@ -119,7 +119,7 @@ def resume(
         regions = [transfer.Region(t) for t in tensors]
         fresh = [not t.own and not t.on_device for t in lands]  # the parts read here are not
         moved = transfer.move(  # received here, so they are never zero-filled
-            transfer.plan(leaves, bucket), regions, regions, links, timeout, fresh
+            leaves, regions, regions, links, timeout, bucket, fresh
         )
         _restore_rng(store, manifest, rank)
         in_place = all(t.own for t in lands if t.key.startswith("['model']"))

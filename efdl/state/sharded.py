@@ -172,13 +172,10 @@ def release(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Free the rows of a model (and of its optimizer's state) laid out for a world that is
     gone. The script may still hold the model, as the variable it first sharded: a use of
     it now fails instead of training a stale copy."""
-    tensors = [p for p in model.parameters()]
+    tensors: list[torch.Tensor] = list(model.parameters())
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values()]
     for t in tensors:
-        if isinstance(t, DTensor):
-            storage = local(t).untyped_storage()
-            if storage.size():
-                storage.resize_(0)
-    for p in model.parameters():
-        p.grad = None
+        if isinstance(t, DTensor) and (storage := local(t).untyped_storage()).size():
+            storage.resize_(0)
+        t.grad = None

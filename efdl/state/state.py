@@ -19,6 +19,7 @@ import enum
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -399,13 +400,25 @@ class ElasticState:
         on_device = transfer.Link(None, device()) if runtime.backend == "nccl" else None
         return {False: transfer.Link(side, cpu), True: on_device or transfer.Link(side, cpu)}
 
+    def _header(self, primary: int) -> dict[str, Any]:
+        """The state's structure and values (no tensor data) from ``primary``, on every rank."""
+        mine = transfer.header(self._state_dict()) if dist.get_rank() == primary else None
+        shared: dict[str, Any] = transfer.share(mine, primary, runtime.side)
+        return shared
+
+    def _move(
+        self,
+        leaves: Sequence[transfer.Leaf],
+        held: Sequence[transfer.Region | None],
+        wanted: Sequence[transfer.Region | None],
+        fresh: Sequence[bool],
+    ) -> transfer.Moved:
+        """Move ``leaves`` over this group's links, in buckets, within its timeout."""
+        return transfer.move(leaves, held, wanted, self._links(), runtime.timeout, _bucket(), fresh)
+
     def _receive(self, choice: Choice) -> None:
-        rt = runtime
         rank = dist.get_rank()
-        header = None
-        if rank == choice.primary:
-            header = transfer.header(self._state_dict())
-        header = transfer.share(header, choice.primary, rt.side)
+        header = self._header(choice.primary)
         holding = rank in choice.holders
         if rank in choice.needy:  # torn until every tensor has arrived
             self._holds, self._torn = False, self._holds
@@ -416,14 +429,8 @@ class ElasticState:
         leaves = [transfer.Leaf.whole(t.nbytes, t.on_device, choice.holders, ranks) for t in lands]
         tensors = [t.tensor for t in lands]
         regions = [transfer.Region(t) for t in tensors]
-        self.last_sync = transfer.move(
-            transfer.plan(leaves, _bucket()),
-            regions,
-            regions,
-            self._links(),
-            rt.timeout,
-            [not t.own and not t.on_device for t in lands],
-        )
+        fresh = [not t.own and not t.on_device for t in lands]
+        self.last_sync = self._move(leaves, regions, regions, fresh)
         if rank != choice.primary:
             in_place = all(t.own for t in lands if t.key.startswith("['model']"))
             self._load(transfer.fill(header["tree"], tensors), model_in_place=in_place)
@@ -471,15 +478,8 @@ class ElasticState:
                 mine = torch.empty((end - start, *shape[1:]), dtype=t.dtype, device=t.device)
                 kept[key] = transfer.Region(mine, byte_span(shape, itemsize, after[rank])[0])
             wanted.append(kept.get(key))
-        self.last_sync = transfer.move(
-            transfer.plan(leaves, _bucket()),
-            held,
-            wanted,
-            self._links(),
-            rt.timeout,
-            [w is not None and w.tensor.device.type == "cpu" for w in wanted],
-            list(transfer.own_copies(leaves, rank)),
-        )
+        fresh = [w is not None and w.tensor.device.type == "cpu" for w in wanted]
+        self.last_sync = self._move(leaves, held, wanted, fresh)
         if rank in after:
             self._rows, self._layout = kept, after[rank]
             sharded.release(self.model, self.optimizer)  # the rows are in self._rows now
@@ -489,7 +489,6 @@ class ElasticState:
         already: a newcomer, or a cold start) and give every rank its new rows, from the
         holders of ``choice.step`` (their rows in ``layouts``) and from its own old rows."""
         assert self._sharding is not None
-        rt = runtime
         rank, world = dist.get_rank(), dist.get_world_size()
         old = self.model
         current = sharded.on_current_group(old)
@@ -499,10 +498,7 @@ class ElasticState:
                 raise StateLostError("No rank holds any rows of the job's sharded state.")
             self._layout = new_layout
             return
-        header = None
-        if rank == choice.primary:
-            header = transfer.header(self._state_dict())
-        header = transfer.share(header, choice.primary, rt.side)
+        header = self._header(choice.primary)
         holding = rank in choice.holders
         model = old if current else self._sharding.build(sharded.mesh())
         mesh = sharded.mesh_of(model)
@@ -551,15 +547,7 @@ class ElasticState:
             landed.append(land.tensor)
             fresh.append(not land.own and not on_device)
         # A failure in here leaves the old rows and tensors as they were (new ones land apart).
-        self.last_sync = transfer.move(
-            transfer.plan(leaves, _bucket()),
-            held,
-            wanted,
-            self._links(),
-            rt.timeout,
-            fresh,
-            list(transfer.own_copies(leaves, rank)),
-        )
+        self.last_sync = self._move(leaves, held, wanted, fresh)
         tree = transfer.fill(header["tree"], landed)
         if model is not old and self.optimizer is not None:
             sharded.rebind(self.optimizer, old, model)

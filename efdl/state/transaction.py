@@ -119,22 +119,16 @@ def choose(keys: Sequence[int], layouts: Sequence[Layout | None] | None = None) 
     before).
     """
     standings = [Standing.from_key(k) for k in keys]
-    steps = sorted({s.step for s in standings if s.step is not None}, reverse=True)
+    held = sorted({s.step for s in standings if s.step is not None}, reverse=True)
+    steps = held
     if layouts is not None:
         steps = [
             step
-            for step in steps
-            if covers(
-                layout
-                for r, s in enumerate(standings)
-                if s.step == step and (layout := layouts[r]) is not None
-            )
+            for step in held
+            if covers(x for x, s in zip(layouts, standings, strict=True) if x and s.step == step)
         ]
-        if not steps:
-            lost = any(s.step is not None or s.torn for s in standings)
-            return Choice(None, 0, (0,), tuple(range(1, len(keys))), lost)
     if not steps:  # a cold start (or a resume from the cache): rank 0's state is the job's
-        lost = any(s.torn for s in standings)
+        lost = any(s.torn for s in standings) or bool(held)  # held, but no step whole
         return Choice(None, 0, (0,), tuple(range(1, len(keys))), lost)
     best = steps[0]
     holders = tuple(r for r, s in enumerate(standings) if s.step == best)

@@ -305,29 +305,32 @@ class Region:
 
 
 def move(
-    messages: Sequence[Message],
+    leaves: Sequence[Leaf],
     held: Sequence[Region | None],
     wanted: Sequence[Region | None],
     links: dict[bool, Link],
     timeout: datetime.timedelta,
+    bucket: int,
     fresh: Sequence[bool] = (),
-    copies: Sequence[Piece] = (),
 ) -> Moved:
-    """Send and receive this rank's share of ``messages``, and make its own ``copies``.
+    """Send and receive this rank's share of ``leaves`` (planned in messages of at most
+    ``bucket`` bytes: :func:`plan`), and copy what it holds itself in another tensor
+    (:func:`own_copies`).
 
     Args:
-        messages: the plan (:func:`plan`), the same on every rank.
+        leaves: what each rank holds and needs, the same on every rank.
         held: per leaf, the bytes this rank holds of it (what it sends), or None.
         wanted: per leaf, where the bytes this rank needs of it land (contiguous), or None.
             Where a leaf is replicated, both are the one tensor.
         links: per ``on_device``, how such tensors travel.
         timeout: the collective timeout; each operation may take :func:`fan_out` times it.
+        bucket: the largest message, in bytes.
         fresh: per leaf, whether this rank's wanted tensor is new host memory (touched on a
             helper thread before it is received into).
-        copies: bytes this rank holds and needs in another tensor (:func:`own_copies`).
     """
     me = dist.get_rank()
     started = time.perf_counter()
+    messages = plan(leaves, bucket)
     per_op = timeout * fan_out(messages)
     mine = [r for r in routes(messages) if me in (r.src, r.dst)]
     incoming = dict.fromkeys(
@@ -359,13 +362,13 @@ def move(
             )
         return data[p.start - region.start : p.end - region.start]
 
-    for p in copies:
+    for p in own_copies(leaves, me):
         src, dst = view(held, p), view(wanted, p)
         if src.data_ptr() != dst.data_ptr():
             prefault.wait(p.leaf)
             dst.copy_(src)
 
-    def bucket(link: Link, n: int) -> torch.Tensor:
+    def staged(link: Link, n: int) -> torch.Tensor:
         buf = staging.get(link.staging)
         if buf is None or buf.numel() < n:
             size = max(m.nbytes for m in messages)
@@ -395,7 +398,7 @@ def move(
                 sent += m.nbytes if sending else 0
                 received += 0 if sending else m.nbytes
                 continue
-        data = bucket(link, m.nbytes)  # packed or staged through the one bucket: one at a time
+        data = staged(link, m.nbytes)  # packed or staged through the one bucket: one at a time
         offset = 0
         if sending:
             for p in pieces:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -182,6 +183,17 @@ ELASTIC_ARGS = [
     "--nproc-per-node",
     "1",
 ]
+
+
+def in_place_job(out_dir: Path, etcd: str, prefix: str) -> Job:
+    """A job of in-place (efdl-aware) workers: lease TTL 3 s, 0.1 s of sleep per step."""
+    return Job(
+        out_dir,
+        etcd,
+        f"{prefix}-{uuid.uuid4().hex[:8]}",
+        ["--lease-ttl", "3", *ELASTIC_ARGS],
+        env={"STEP_SECONDS": "0.1"},
+    )
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:

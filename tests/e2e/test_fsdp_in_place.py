@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import signal
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +13,9 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import (
-    ELASTIC_ARGS,
     Job,
     check_consistent,
+    in_place_job,
     latest_gen,
     pids_of,
     steps_at_world,
@@ -29,13 +28,7 @@ ROOT = Path(__file__).parents[2]
 
 @pytest.fixture()
 def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
-    j = Job(
-        tmp_path,
-        etcd_server.endpoint.target,
-        f"fsdp-{uuid.uuid4().hex[:8]}",
-        ["--lease-ttl", "3", *ELASTIC_ARGS],
-        env={"STEP_SECONDS": "0.1"},
-    )
+    j = in_place_job(tmp_path, etcd_server.endpoint.target, "fsdp")
     yield j
     j.stop()
 

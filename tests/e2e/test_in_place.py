@@ -6,7 +6,6 @@ import difflib
 import os
 import signal
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +14,10 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import (
-    ELASTIC_ARGS,
     Job,
     alive,
     check_consistent,
+    in_place_job,
     last_step_of,
     latest_gen,
     pids_of,
@@ -31,13 +30,7 @@ ROOT = Path(__file__).parents[2]
 
 @pytest.fixture()
 def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
-    j = Job(
-        tmp_path,
-        etcd_server.endpoint.target,
-        f"inplace-{uuid.uuid4().hex[:8]}",
-        ["--lease-ttl", "3", *ELASTIC_ARGS],
-        env={"STEP_SECONDS": "0.1"},
-    )
+    j = in_place_job(tmp_path, etcd_server.endpoint.target, "inplace")
     yield j
     j.stop()
 
