@@ -320,7 +320,7 @@ class SnapshotStore:
         except Exception as exc:  # a valid digest of a file that was bad when written
             raise SnapshotError(f"{where} cannot be loaded: {exc}") from None
 
-    def layout(self, m: Manifest) -> Layout:
+    def structure(self, m: Manifest) -> Structure:
         """Snapshot ``m``'s structure: ``state.pt``, checked."""
         state = self.read(m, STATE)
         where = self.path(m.step, STATE)
@@ -331,7 +331,20 @@ class SnapshotStore:
             isinstance(k, str) and isinstance(v, str) for k, v in parts.items()
         ):
             raise SnapshotError(f"{where} has no valid map of tensors to parts.")
-        missing = sorted(set(parts.values()) - set(m.files))
+        rows = state.get("rows", {})
+        if not isinstance(rows, dict) or not all(
+            isinstance(k, str)
+            and isinstance(v, list)
+            and len(v) == m.world_size
+            and all(isinstance(name, str) for name in v)
+            for k, v in rows.items()
+        ):
+            raise SnapshotError(
+                f"{where} has no valid map of sharded tensors to the parts of each of its "
+                f"{m.world_size} ranks' rows."
+            )
+        named = set(parts.values()) | {name for names in rows.values() for name in names}
+        missing = sorted(named - set(m.files))
         if missing:
             raise SnapshotError(f"{where} names parts its manifest lacks: {missing[:3]}.")
         if "model" not in state["tree"]:
@@ -339,20 +352,20 @@ class SnapshotStore:
         devices = state.get("devices", {})
         if not isinstance(devices, dict):
             raise SnapshotError(f"{where} has no valid map of tensors to devices.")
-        layout = Layout(m, state["tree"], parts, devices)
-        unplaced = [k for k in layout.tensor_keys() if k not in parts]
+        structure = Structure(m, state["tree"], parts, devices, rows)
+        unplaced = [k for k in structure.tensor_keys() if k not in parts and k not in rows]
         if unplaced:
             raise SnapshotError(f"{where}: tensor {unplaced[0]} is in no part.")
-        return layout
+        return structure
 
-    def newest_layout(self, below: int | None = None) -> Layout | None:
+    def newest_structure(self, below: int | None = None) -> Structure | None:
         """The newest snapshot (older than step ``below``, if given) whose manifest and
         structure read; broken ones are skipped with a warning naming the file."""
         for step in self.steps():
             if below is not None and step >= below:
                 continue
             try:
-                return self.layout(self.manifest(step))
+                return self.structure(self.manifest(step))
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", step, exc)
         return None
@@ -362,11 +375,13 @@ class SnapshotStore:
         its state tree with every tensor in place (tools and tests; a job resumes with every
         rank reading some of the parts, see efdl.state.resume)."""
         below: int | None = None
-        while (layout := self.newest_layout(below)) is not None:
+        while (layout := self.newest_structure(below)) is not None:
             try:
-                tensors: dict[str, Any] = {}
-                for name in layout.part_names():
-                    tensors.update(self.read(layout.manifest, name))
+                m = layout.manifest
+                read = {name: self.read(m, name) for name in layout.part_names()}
+                tensors = {key: _entry(read, name, key, m) for key, name in layout.parts.items()}
+                for key, names in layout.rows.items():  # each rank's rows, joined
+                    tensors[key] = _torch().cat([_entry(read, n, key, m) for n in names])
                 for name in layout.manifest.files:
                     if name.startswith("rank-"):
                         self.read(layout.manifest, name)  # every rank's file is intact
@@ -392,17 +407,21 @@ class SnapshotStore:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Layout:
+class Structure:
     """A snapshot's structure: the state tree with every tensor a meta tensor of the right
     shape and dtype, and which part file holds each tensor (by its pytree key path)."""
 
     manifest: Manifest
     tree: dict[str, Any]
-    parts: dict[str, str]  # tensor key path -> part file
+    parts: dict[str, str]  # replicated tensor's key path -> part file
     devices: dict[str, str]  # tensor key path -> the device type it was persisted from
+    # Sharded tensor's key path -> per rank of the snapshot's world, the part of its rows
+    # (rows as efdl.state.layout cuts them: chunk r of world_size along dim 0).
+    rows: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def part_names(self) -> list[str]:
-        return sorted(set(self.parts.values()))
+        named = set(self.parts.values()) | {n for names in self.rows.values() for n in names}
+        return sorted(named)
 
     def tensor_keys(self) -> list[str]:
         import torch.utils._pytree as pytree
@@ -427,6 +446,14 @@ class Layout:
             out.append(leaf)
         filled: dict[str, Any] = pytree.tree_unflatten(out, spec)
         return filled
+
+
+def _entry(read: Mapping[str, Any], name: str, key: str, m: Manifest) -> Any:
+    """Tensor ``key`` of part ``name`` as read; SnapshotError if the part lacks it."""
+    part = read[name]
+    if not isinstance(part, dict) or key not in part:
+        raise SnapshotError(f"step {m.step}: {name} holds no {key}.")
+    return part[key]
 
 
 def split_parts(sizes: Sequence[int], part_bytes: int) -> list[list[int]]:

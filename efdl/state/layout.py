@@ -27,6 +27,13 @@ def rows(length: int, layout: Layout) -> tuple[int, int]:
     return start, min(start + size, length)
 
 
+def overlap(length: int, a: Layout, b: Layout) -> tuple[int, int]:
+    """The rows ``[start, end)`` of a dim-0 ``length`` that both ``a`` and ``b`` hold
+    (``start >= end``: none)."""
+    (a0, a1), (b0, b1) = rows(length, a), rows(length, b)
+    return max(a0, b0), min(a1, b1)
+
+
 def byte_span(shape: Sequence[int], itemsize: int, layout: Layout) -> tuple[int, int]:
     """The bytes of a contiguous tensor of ``shape`` that ``layout`` holds."""
     if not shape:

@@ -4,7 +4,10 @@ Every rank persists the same step (the decision travels in the per-commit agreem
 holds the same replicated state, so each cuts the state's tensors, in key-path order, into
 the same parts of at most ``part_bytes`` and writes the parts assigned to it
 (:func:`efdl.state.cache.split_parts`, :func:`~efdl.state.cache.assign_parts`): the ranks write
-in parallel, each copying and writing about ``1/world`` of the state. Then:
+in parallel, each copying and writing about ``1/world`` of the state. A sharded model's
+tensors (FSDP2's DTensors) are not replicated: each rank writes its own rows of them, in
+parts of its own, and the structure records which part holds each rank's rows, so that a job
+of any world size can read them back laid out anew (efdl.state.resume). Then:
 
 - each rank writes its own file (its RNG states) and a report of what it wrote;
 - rank 0 also writes the state's structure (``state.pt``), waits for every rank's report on
@@ -34,13 +37,15 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
+from efdl.state import sharded
 from efdl.state.cache import (
     STATE,
     CacheSettings,
@@ -52,6 +57,8 @@ from efdl.state.cache import (
     rank_file,
     split_parts,
 )
+from efdl.state.layout import Layout as RowLayout
+from efdl.state.layout import byte_span
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +69,27 @@ REPORT_WAIT_S = 30.0  # rank 0 waits this long for the other ranks' reports, plu
 
 
 @dataclass(frozen=True, slots=True)
-class Layout:
-    """How a state tree is cut into parts, the same on every rank."""
+class Cut:
+    """How a state tree is cut into parts, the same on every rank: the replicated tensors
+    into parts shared out over the ranks, and each rank's rows of the sharded tensors
+    (FSDP2) into parts of its own."""
 
-    keys: list[str]  # tensor leaves' key paths, sorted
-    part_of: list[int]  # per leaf, its part
+    keys: list[str]  # replicated tensors' key paths, sorted
+    part_of: list[int]  # per replicated tensor, its part
     owner: list[int]  # per part, the rank that writes it
+    rows: dict[str, list[int]]  # sharded tensor's key path -> per rank, the part of its rows
 
     @staticmethod
-    def of(sizes: dict[str, int], world: int, part_bytes: int = PART_BYTES) -> Layout:
+    def of(
+        sizes: Mapping[str, int],
+        world: int,
+        part_bytes: int = PART_BYTES,
+        row_sizes: Mapping[str, Sequence[int]] | None = None,
+    ) -> Cut:
+        """Args:
+        sizes: the replicated tensors' sizes by key path.
+        row_sizes: the sharded tensors' rows' sizes by key path, per rank.
+        """
         keys = sorted(sizes)
         total = sum(sizes.values())
         target = min(part_bytes, max(MIN_PART_BYTES, math.ceil(total / world)))
@@ -80,7 +99,26 @@ class Layout:
             for i in members:
                 part_of[i] = p
         part_sizes = [sum(sizes[keys[i]] for i in members) for members in parts]
-        return Layout(keys, part_of, assign_parts(part_sizes, world))
+        owner = assign_parts(part_sizes, world)
+        row_sizes = row_sizes or {}
+        split = sorted(row_sizes)
+        rows: dict[str, list[int]] = {k: [0] * world for k in split}
+        for r in range(world):
+            sized = [row_sizes[k][r] for k in split]
+            # Several parts, for the rank's writers to write at once and a reader to load
+            # one at a time (a part is twice in memory while it loads).
+            size = min(part_bytes, max(MIN_PART_BYTES, math.ceil(sum(sized) / WRITERS)))
+            for members in split_parts(sized, size):
+                for i in members:
+                    rows[split[i]][r] = len(owner)
+                owner.append(r)
+        return Cut(keys, part_of, owner, rows)
+
+
+def _row_sizes(t: torch.Tensor, world: int) -> list[int]:
+    """The bytes of each rank's rows of a tensor sharded over ``world`` ranks."""
+    spans = (byte_span(t.shape, t.element_size(), RowLayout(world, r)) for r in range(world))
+    return [end - start for start, end in spans]
 
 
 @dataclass(slots=True)
@@ -174,14 +212,24 @@ class Persister:
         self._last_step, self._last_time = step, time.monotonic()
         leaves, _ = pytree.tree_flatten_with_path(tree)
         tensors = {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
-        layout = Layout.of({k: t.nbytes for k, t in tensors.items()}, world, self.part_bytes)
+        split = {k: t for k, t in tensors.items() if isinstance(t, DTensor)}
+        cut = Cut.of(
+            {k: t.nbytes for k, t in tensors.items() if k not in split},
+            world,
+            self.part_bytes,
+            {k: _row_sizes(t, world) for k, t in split.items()},
+        )
+        mine = [
+            (key, p, tensors[key])
+            for key, p in zip(cut.keys, cut.part_of, strict=True)
+            if cut.owner[p] == rank
+        ]
+        mine += [(key, cut.rows[key][rank], sharded.local(t)) for key, t in split.items()]
         parts: dict[str, dict[str, torch.Tensor]] = {}
         copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         buffers: dict[str, torch.Tensor] = {}
-        for key, p in zip(layout.keys, layout.part_of, strict=True):
-            if layout.owner[p] != rank:
-                continue
-            src = tensors[key].detach()
+        for key, p, tensor in mine:
+            src = tensor.detach()
             buf = self._buffers.get(key)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
@@ -194,7 +242,7 @@ class Persister:
         self._buffers = buffers  # a share no longer this rank's is freed
         structure = None
         if rank == 0:
-            names = {k: part_file(p) for k, p in zip(layout.keys, layout.part_of, strict=True)}
+            names = {k: part_file(p) for k, p in zip(cut.keys, cut.part_of, strict=True)}
             devices = {k: t.device.type for k, t in tensors.items()}
             skeleton = pytree.tree_map(
                 lambda x: (
@@ -204,7 +252,12 @@ class Persister:
                 ),
                 tree,
             )
-            structure = {"tree": skeleton, "parts": names, "devices": devices}
+            structure = {
+                "tree": skeleton,
+                "parts": names,
+                "rows": {k: [part_file(p) for p in ps] for k, ps in cut.rows.items()},
+                "devices": devices,
+            }
         job = _Job(
             step,
             epoch,
@@ -214,7 +267,7 @@ class Persister:
             copies,
             own,
             structure,
-            {part_file(p) for p in range(len(layout.owner))},
+            {part_file(p) for p in range(len(cut.owner))},
             on_done,
         )
         if any(src.is_cuda for pairs in copies.values() for _, src in pairs):

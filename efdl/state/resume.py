@@ -10,6 +10,11 @@ snapshot before. Then each rank sends what it read to every other rank
 every rank's link carries about the state's size. Each rank also restores its own RNG states,
 if the snapshot has a file for its rank.
 
+A sharded model's tensors (FSDP2) are not shared that way: each rank reads, straight into
+its own new rows, the rows it holds on this world from the parts of the snapshot's ranks
+whose rows overlap them (efdl.state.layout), so a snapshot of any world size is laid out
+anew on this one, and no rank holds more than its rows and a part.
+
 Memory: a part (at most a few hundred MB, a larger tensor alone) twice while it loads, on the
 rank that reads it.
 """
@@ -18,18 +23,24 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from efdl.state import transfer
+from efdl.state import sharded, transfer
 from efdl.state.cache import Manifest, SnapshotError, SnapshotStore, rank_file
+from efdl.state.layout import Layout, overlap, rows
 from efdl.state.rng import set_rng_state
 
 log = logging.getLogger(__name__)
+
+
+# A sharded tensor's key path and whole shape (a meta tensor) -> where this rank's rows of it
+# land: a DTensor on this world's mesh.
+RowsInto = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +58,14 @@ def resume(
     timeout: datetime.timedelta,
     bucket: int,
     own_device: torch.device,
+    rows_into: RowsInto | None = None,
 ) -> Resumed | None:
     """Every rank at once: load the newest intact snapshot into ``own`` (this rank's tensors
     by key path; others are made). None if there is no snapshot to resume from.
+
+    Args:
+        rows_into: for a sharded model, where this rank's rows of each sharded tensor land
+            (None: the model is replicated, and so must the snapshot's be).
 
     Raises:
         SnapshotError: snapshots were found but none could be read whole, after some were
@@ -62,12 +78,13 @@ def resume(
     broken: list[int] = []
     while True:
         found = None
-        if rank == 0 and (layout := store.newest_layout(below)) is not None:
+        if rank == 0 and (structure := store.newest_structure(below)) is not None:
             found = {
-                "step": layout.manifest.step,
-                "tree": layout.tree,
-                "parts": layout.parts,
-                "devices": layout.devices,
+                "step": structure.manifest.step,
+                "tree": structure.tree,
+                "parts": structure.parts,
+                "rows": structure.rows,
+                "devices": structure.devices,
             }
         found = transfer.share(found, 0, side)
         if found is None:
@@ -80,8 +97,27 @@ def resume(
                 )
             return None
         step = int(found["step"])
-        lands = transfer.targets(found["tree"], found["devices"], own, False, own_device)
+        split: dict[str, list[str]] = found["rows"]
+        if bool(split) != (rows_into is not None):
+            raise SnapshotError(
+                f"The snapshot of step {step} in {store.url} is of a "
+                f"{'sharded' if split else 'replicated'} model, this job's is "
+                f"{'sharded' if rows_into is not None else 'replicated'}: resume it with the "
+                "script that wrote it, or point --cache-url elsewhere."
+            )
+        lands = [
+            transfer.target(
+                key, meta, found["devices"].get(key, "cpu"), own.get(key), False, own_device
+            )
+            for key, meta in transfer.tensor_leaves(found["tree"])
+            if key not in split
+        ]
         index = {t.key: t for t in lands}
+        dests = {
+            key: rows_into(key, meta)
+            for key, meta in transfer.tensor_leaves(found["tree"])
+            if key in split and rows_into is not None
+        }
         parts: dict[str, str] = found["parts"]
         names = sorted(set(parts.values()))
         manifest: Manifest | None = None
@@ -92,13 +128,15 @@ def resume(
                     target = index.get(key)
                     if target is None or not isinstance(tensor, torch.Tensor):
                         raise SnapshotError(f"{store.path(step, name)}: unexpected {key!r}.")
-                    if tensor.shape != target.tensor.shape or tensor.dtype != target.tensor.dtype:
-                        raise SnapshotError(
-                            f"{store.path(step, name)}: {key} is {tuple(tensor.shape)} "
-                            f"{tensor.dtype}, its structure says {tuple(target.tensor.shape)} "
-                            f"{target.tensor.dtype}."
-                        )
+                    _check(
+                        store.path(step, name),
+                        key,
+                        tensor,
+                        tuple(target.tensor.shape),
+                        target.tensor.dtype,
+                    )
                     target.tensor.copy_(tensor)
+            _read_rows(store, manifest, split, dests, Layout(world, rank))
             ok = 1
         except SnapshotError as exc:
             log.warning("Skipping cached snapshot of step %d: %s", step, exc)
@@ -123,7 +161,53 @@ def resume(
         )
         _restore_rng(store, manifest, rank)
         in_place = all(t.own for t in lands if t.key.startswith("['model']"))
-        return Resumed(manifest, transfer.fill(found["tree"], tensors), in_place, moved)
+        placed = {**{t.key: t.tensor for t in lands}, **dests}
+        ordered = [placed[key] for key, _ in transfer.tensor_leaves(found["tree"])]
+        return Resumed(manifest, transfer.fill(found["tree"], ordered), in_place, moved)
+
+
+def _check(
+    where: str, key: str, got: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """``got`` (``key`` as read from file ``where``) is of the ``shape`` and ``dtype`` the
+    snapshot's structure says; else a SnapshotError that says both."""
+    if tuple(got.shape) != shape or got.dtype != dtype:
+        raise SnapshotError(
+            f"{where}: {key} is {tuple(got.shape)} {got.dtype}, its structure says {shape} {dtype}."
+        )
+
+
+def _read_rows(
+    store: SnapshotStore,
+    m: Manifest,
+    split: Mapping[str, list[str]],
+    dests: Mapping[str, torch.Tensor],
+    mine: Layout,
+) -> None:
+    """This rank's rows (``mine``) of every sharded tensor into ``dests``, from the parts of
+    the snapshot's ranks whose rows overlap them, a part at a time."""
+    wanted: dict[str, list[tuple[str, int]]] = {}  # part -> (key, snapshot rank)
+    for key, names in split.items():
+        for r, name in enumerate(names):
+            start, end = overlap(dests[key].shape[0], Layout(m.world_size, r), mine)
+            if start < end:
+                wanted.setdefault(name, []).append((key, r))
+    for name in sorted(wanted):
+        part = store.read(m, name)
+        for key, r in wanted[name]:
+            dest = dests[key]
+            held = rows(dest.shape[0], Layout(m.world_size, r))
+            got = part.get(key) if isinstance(part, dict) else None
+            if not isinstance(got, torch.Tensor):
+                raise SnapshotError(f"{store.path(m.step, name)} holds no rows of {key}.")
+            shape = (held[1] - held[0], *dest.shape[1:])
+            _check(store.path(m.step, name), key, got, shape, dest.dtype)
+            start, end = overlap(dest.shape[0], Layout(m.world_size, r), mine)
+            first = rows(dest.shape[0], mine)[0]
+            sharded.local(dest)[start - first : end - first].copy_(
+                got[start - held[0] : end - held[0]]
+            )
+        del part, got  # before the next part is read
 
 
 def _restore_rng(store: SnapshotStore, m: Manifest, rank: int) -> None:

@@ -36,7 +36,7 @@ from efdl.state.channel import GRACE_ENV
 from efdl.state.device import device
 from efdl.state.layout import Layout, byte_span, rows
 from efdl.state.persist import Persister
-from efdl.state.resume import resume
+from efdl.state.resume import Resumed, resume
 from efdl.state.rng import rng_state
 from efdl.state.runtime import runtime
 from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
@@ -122,11 +122,6 @@ class ElasticState:
         self._agree_work: Any = None
         self.last_sync: transfer.Moved | None = None  # what the last sync moved here
         settings = CacheSettings.from_env()
-        if settings is not None and self._sharding is not None:
-            raise NotImplementedError(
-                "A remote cache (--cache-url) of a sharded model (efdl.fully_shard) is not "
-                "supported yet: run without --cache-url."
-            )
         self._persister = Persister(settings) if settings is not None else None
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._on_step_start)
@@ -334,6 +329,7 @@ class ElasticState:
         rt = runtime
         side = rt.side
         rank, world = dist.get_rank(), dist.get_world_size()
+        self.fence()  # a snapshot being persisted has copied the tensors the sync may change
         held = self._layout if self._holds else None
         mine = torch.tensor(
             [self.standing().key(), *((held.shards, held.index) if held else (0, 0))],
@@ -345,18 +341,8 @@ class ElasticState:
         layouts = [Layout(int(g[1]), int(g[2])) if int(g[1]) else None for g in gathered]
         choice = choose(keys, layouts if self._sharding is not None else None)
         self.last_sync = None
-        resumed = None
-        if choice.step is None and self._persister is not None:
-            resumed = resume(
-                self._persister.store,
-                self._own_tensors(),
-                self._links(),
-                rt.timeout,
-                _bucket(),
-                device(),
-            )
+        resumed = self._resume() if choice.step is None else None
         if resumed is not None:
-            self._load(resumed.tree, resumed.model_in_place)
             self.last_sync = resumed.moved
             log.warning(
                 "No rank holds committed state: resuming from step %d (epoch %s) in %s.",
@@ -368,7 +354,9 @@ class ElasticState:
             raise StateLostError(
                 "The job's sharded state is lost: no step's rows are all held by the ranks "
                 "left (a rank that held some died, and its peers have stepped past the step "
-                f"before; steps held: {sorted({k // 2 for k in keys if k >= 0})})."
+                f"before; steps held: {sorted({k // 2 for k in keys if k >= 0})}), and no "
+                "remote cache holds a snapshot to resume from: run with --cache-url to "
+                "survive the loss of a worker."
             )
         elif choice.lost:
             raise StateLostError(
@@ -394,6 +382,58 @@ class ElasticState:
             self.ddp = DistributedDataParallel(self.model, init_sync=False)
         self.generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
+
+    def _resume(self) -> Resumed | None:
+        """Every rank: load the remote cache's newest snapshot (none: None). A sharded model
+        is built on this world's mesh first and its rows read into it (its old rows, of a
+        world that is gone and a step not whole, are freed before)."""
+        p = self._persister
+        if p is None:
+            return None
+        own = self._own_tensors()
+        load = functools.partial(
+            resume, p.store, links=self._links(), timeout=runtime.timeout, bucket=_bucket()
+        )
+        if self._sharding is None:
+            resumed = load(own=own, own_device=device())
+            if resumed is not None:
+                self._load(resumed.tree, resumed.model_in_place)
+            return resumed
+        model = self._on_this_world()
+        if model is not self.model:
+            self._holds, self._torn = False, self._holds or self._torn
+            sharded.release(self.model, self.optimizer)
+        mesh = sharded.mesh_of(model)
+        into = {_key("model", n): t for n, t in model.state_dict().items()}
+
+        def rows_into(key: str, meta: torch.Tensor) -> torch.Tensor:
+            found = into.get(key)
+            return found if found is not None else sharded.empty(meta.shape, meta.dtype, mesh)
+
+        resumed = load(own={**own, **into}, own_device=device(), rows_into=rows_into)
+        if resumed is not None:
+            self._adopt(model, resumed.tree)
+        return resumed
+
+    def _on_this_world(self) -> torch.nn.Module:
+        """The sharded model on this world's mesh: the model itself if it is sharded over
+        this group already (a newcomer, a cold start), else built anew."""
+        assert self._sharding is not None
+        if sharded.on_current_group(self.model):
+            return self.model
+        return self._sharding.build(sharded.mesh())
+
+    def _adopt(self, model: torch.nn.Module, tree: dict[str, Any]) -> None:
+        """Take ``model`` (sharded on this world's mesh, its rows in ``tree``) and ``tree`` as
+        this rank's state; free the old model's rows."""
+        old = self.model
+        if model is not old and self.optimizer is not None:
+            sharded.rebind(self.optimizer, old, model)
+        self.model = model
+        self._load(tree, model_in_place=True)
+        self._layout, self._rows = Layout(dist.get_world_size(), dist.get_rank()), None
+        if model is not old:
+            sharded.release(old, None)
 
     def _links(self) -> dict[bool, transfer.Link]:
         side, cpu = runtime.side, torch.device("cpu")
@@ -443,6 +483,7 @@ class ElasticState:
         rt = runtime
         if self._sharding is None or not self._holds or self._layout is None:
             return
+        self.fence()  # a snapshot being persisted has copied the rows before they go
         rank, world = dist.get_rank(), dist.get_world_size()
         fate = torch.tensor([-1 if new_rank is None else new_rank], dtype=torch.int64)
         fates = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
@@ -500,7 +541,7 @@ class ElasticState:
             return
         header = self._header(choice.primary)
         holding = rank in choice.holders
-        model = old if current else self._sharding.build(sharded.mesh())
+        model = self._on_this_world()
         mesh = sharded.mesh_of(model)
         own = self._own_tensors() if holding or current else {}
         model_tensors = {_key("model", n): t for n, t in model.state_dict().items()}
@@ -548,14 +589,7 @@ class ElasticState:
             fresh.append(not land.own and not on_device)
         # A failure in here leaves the old rows and tensors as they were (new ones land apart).
         self.last_sync = self._move(leaves, held, wanted, fresh)
-        tree = transfer.fill(header["tree"], landed)
-        if model is not old and self.optimizer is not None:
-            sharded.rebind(self.optimizer, old, model)
-        self.model = model
-        self._load(tree, model_in_place=True)
-        self._layout, self._rows = new_layout, None
-        if model is not old:
-            sharded.release(old, None)
+        self._adopt(model, transfer.fill(header["tree"], landed))
 
 
 def _key(*names: str) -> str:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 import uuid
@@ -184,7 +185,29 @@ def test_a_structure_that_misplaces_a_tensor_is_rejected(tmp_path: Path) -> None
     files[STATE] = store.write(20, STATE, state)
     store.commit(Manifest(20, 2, 2, files))
     with pytest.raises(SnapshotError, match=r"tensor \['model'\]\['w'\] is in no part"):
-        store.layout(store.manifest(20))
+        store.structure(store.manifest(20))
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        ({"['model']['w']": ["part-00000.pt"]}, "each of its 2 ranks' rows"),  # one rank's
+        ({"['model']['w']": "part-00000.pt"}, "each of its 2 ranks' rows"),
+        ({"['model']['w']": ["part-00000.pt", "part-00099.pt"]}, "lacks: ['part-00099.pt']"),
+    ],
+)
+def test_a_structure_with_a_bad_map_of_rows_is_rejected(
+    tmp_path: Path, rows: object, expected: str
+) -> None:
+    store = SnapshotStore(str(tmp_path))
+    m = persist(str(tmp_path), 20)
+    state = store.read(m, STATE)
+    state["rows"] = rows
+    files = dict(m.files)
+    files[STATE] = store.write(20, STATE, state)
+    store.commit(Manifest(20, 2, 2, files))
+    with pytest.raises(SnapshotError, match=re.escape(expected)):
+        store.structure(store.manifest(20))
 
 
 class Boom:

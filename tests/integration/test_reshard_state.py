@@ -1,7 +1,8 @@
 """Resharding an FSDP2 model's state with real torch.distributed (gloo) processes: after a
 join, a leave, both at once, the full state the new world holds between its shards is the
 old world's, bit for bit; each rank holds only its rows (plus a bucket) throughout; a crash
-that takes rows nobody else holds is a clear error, never a silent restart."""
+that takes rows nobody else holds is a clear error, never a silent restart, unless a remote
+cache holds a snapshot: then the rows come back from it, laid out for the new world."""
 
 from __future__ import annotations
 
@@ -13,15 +14,31 @@ from pathlib import Path
 
 import pytest
 
+from efdl.state.cache import SnapshotStore
+
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_state.py"
 MB = 1 << 20
 
 
-def run(tmp_path: Path, ranks: list[tuple[int, int]], old: int, new: int, crash: bool = False):
-    """``ranks``: (old rank or -1, new rank or -1) per process."""
+def run(
+    tmp_path: Path,
+    ranks: list[tuple[int, int]],
+    old: int,
+    new: int,
+    crash: bool = False,
+    cache: Path | None = None,
+):
+    """``ranks``: (old rank or -1, new rank or -1) per process. ``cache``: persist every step
+    there."""
     env = {**os.environ, "EFDL_SYNC_BUCKET_MB": "1"}
     if crash:
         env["RESHARD_CRASH"] = "1"
+    if cache is not None:
+        env |= {
+            "EFDL_CACHE_URL": str(cache),
+            "EFDL_CACHE_EVERY_STEPS": "1",
+            "EFDL_CACHE_EVERY": "0",
+        }
     procs = [
         subprocess.Popen(
             [
@@ -95,3 +112,37 @@ def test_a_crash_that_takes_rows_nobody_else_holds_is_a_clear_error(tmp_path: Pa
     results = run(tmp_path, [(0, 0), (1, -1), (2, 1)], 3, 2, crash=True)
     for r in (results[0], results[2]):
         assert r["error"].startswith("StateLostError: The job's sharded state is lost")
+
+
+def check_resumed(results: list[dict[str, object]], cache: Path, old: int, new: int) -> None:
+    """Each rank of the new world resumed the cache's newest snapshot, bit for bit, holding
+    only its rows (and a part being read) on the way."""
+    found = SnapshotStore(str(cache)).newest()
+    assert found is not None
+    manifest, _ = found
+    assert manifest.world_size == old and manifest.step >= 2
+    for r in results:
+        assert "error" not in r, r.get("traceback")
+        assert r["step"] == manifest.step  # the same step: nothing trained twice or skipped
+        assert r["same"] == r["keys"] and len(r["keys"]) > 20
+        assert r["optimizer_on_model"] and r["trained"]
+        state = r["state_bytes"]
+        assert r["grew"] < state / old + state / new + 8 * MB, (r["grew"], state)
+
+
+@pytest.mark.timeout(200)
+def test_a_crash_that_takes_rows_comes_back_from_the_cache_laid_out_anew(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    results = run(tmp_path, [(0, 0), (1, -1), (2, 1)], 3, 2, crash=True, cache=cache)
+    check_resumed([results[0], results[2]], cache, 3, 2)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("old", "new"), [(2, 3), (3, 1)])
+def test_a_job_resumes_from_the_cache_at_another_world_size(
+    tmp_path: Path, old: int, new: int
+) -> None:
+    cache = tmp_path / "cache"
+    run(tmp_path, [(r, -1) for r in range(old)], old, new, cache=cache)  # all leave
+    results = run(tmp_path, [(-1, r) for r in range(new)], old, new, cache=cache)
+    check_resumed(results, cache, old, new)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from efdl.state.layout import Layout, covers, rows
+from efdl.state.layout import Layout, covers, overlap, rows
 from efdl.state.transaction import Choice, Phase, Recovery, Standing, choose, recovery
 
 
@@ -124,3 +124,11 @@ def test_rows_are_torch_chunks(length: int, shards: int) -> None:
         start, end = rows(length, Layout(shards, index))
         chunk = chunks[index].tolist() if index < len(chunks) else []
         assert list(range(start, end)) == chunk
+
+
+def test_the_rows_two_layouts_share() -> None:
+
+    assert overlap(101, Layout(2, 0), Layout(3, 1)) == (34, 51)  # chunks of 51 and of 34
+    assert overlap(101, Layout(2, 1), Layout(3, 0)) == (51, 34)  # none: start >= end
+    assert overlap(101, Layout(3, 2), Layout(1, 0)) == (68, 101)
+    assert overlap(2, Layout(4, 3), Layout(4, 3)) == (2, 2)  # an empty chunk holds nothing

@@ -3,8 +3,9 @@
 Args: old world, old rank (-1: a newcomer), new world, new rank (-1: it leaves), a
 directory, an output JSON path. With RESHARD_CRASH set, the ranks that leave die instead
 (nobody hands rows over). The old world's ranks shard a small transformer-shaped model with
-efdl.fully_shard, train 3 AdamW steps and write the full state (every tensor gathered) to
-the directory, and hand the rows of the ranks that leave to those that stay, as at a pause;
+efdl.fully_shard, train 3 AdamW steps and write the full state after each (every tensor
+gathered) to the directory, and hand the rows of the ranks that leave to those that stay, as
+at a pause; with EFDL_CACHE_URL set they persist every step, and wait for the last snapshot;
 then every rank of the new world joins its group, survivors with the model
 they trained, newcomers with their own, and syncs. The new world's ranks write whether the
 full state they hold between them is the old one, bit for bit.
@@ -102,11 +103,12 @@ if old_rank >= 0:
         state.model(x).pow(2).mean().backward()
         state.optimizer.step()
         state.commit()
+        before = full(state)
+        if old_rank == 0:
+            torch.save({"tensors": before}, where / f"before-{state.step}.pt")
+        del before
     state.model.zero_grad(set_to_none=True)
-    before = full(state)
-    if old_rank == 0:
-        torch.save({"tensors": before, "step": state.step}, where / "before.pt")
-    del before
+    assert state.flush(60), "the last snapshot was not written within 60 s"
     if not os.environ.get("RESHARD_CRASH"):  # a pause (else the ranks that leave die)
         state.hand_over(new_rank if new_rank >= 0 else None)
     dist.destroy_process_group()
@@ -139,7 +141,7 @@ except Exception as exc:  # the test reads the error
 else:
     grew = memory("VmHWM") - rss_before  # before anything whole is gathered below
     after = full(state)
-    ref = torch.load(where / "before.pt", weights_only=True)
+    ref = torch.load(where / f"before-{state.step}.pt", weights_only=True)
     assert state.optimizer is not None
     result |= {
         "step": state.step,
