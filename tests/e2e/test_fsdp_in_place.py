@@ -5,6 +5,7 @@ the committed one across every rescale (exact digests over the ranks' rows)."""
 from __future__ import annotations
 
 import difflib
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,13 +35,23 @@ def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
 
 
 def opt_chain(rows: list[dict[str, object]]) -> None:
-    """Every rank of a step reports the same optimizer state, and a step's is the same in
-    every generation that made it (a rescale neither loses nor changes any of it)."""
-    seen: dict[object, set[object]] = {}
+    """Every rank of a step reports the same optimizer state, and every update starts from
+    the optimizer state some rank held after the step before (a rescale or a resume neither
+    loses nor changes any of it)."""
+    seen: dict[tuple[object, object], set[object]] = {}
+    after: dict[object, set[object]] = {}
     for r in rows:
-        seen.setdefault(r["step"], set()).add(r["opt"])
-    bad = {step: v for step, v in seen.items() if len(v) > 1}
-    assert not bad, f"optimizer state differs at steps {sorted(bad)[:5]}"  # type: ignore[type-var]
+        seen.setdefault((r["gen"], r["step"]), set()).add(r["opt"])
+        after.setdefault(r["step"], set()).add(r["opt"])
+    bad = sorted(str(k) for k, v in seen.items() if len(v) > 1)
+    assert not bad, f"ranks disagree on the optimizer state at (generation, step) {bad[:5]}"
+    for r in rows:
+        step = int(r["step"])  # type: ignore[call-overload]
+        if step > 1 and step - 1 in after:
+            assert r["opt_before"] in after[step - 1], (
+                f"step {step} (pid {r['pid']}, generation {r['gen']}) started from an "
+                f"optimizer state no rank held after step {step - 1}"
+            )
 
 
 def test_a_sharded_model_grows_and_shrinks_in_place(job: Job) -> None:
@@ -62,6 +73,39 @@ def test_a_sharded_model_grows_and_shrinks_in_place(job: Job) -> None:
     assert {r["world"] for r in rows} >= {2, 3}
     check_consistent(rows)
     opt_chain(rows)
+
+
+def test_a_worker_and_a_node_killed_come_back_from_the_cache(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """A SIGKILL takes rows nobody else holds: every rank resumes the cache's newest
+    snapshot, laid out for the world it now has (3 again after the worker is replaced, 2 after
+    the node is gone); the survivors are never restarted."""
+    job = in_place_job(tmp_path, etcd_server.endpoint.target, "fsdp-crash")
+    job.common += ["--cache-url", str(tmp_path / "cache"), "--cache-every-steps", "1"]
+    job.common += ["--cache-every", "0"]
+    try:
+        for name in "abc":
+            job.start(name, script=SCRIPT)
+        rows = job.wait_for("three workers", steps_at_world(3))
+        g3 = latest_gen(rows)
+        a_pid = pids_of(rows, "a")
+
+        (worker,) = job.agents["c"].worker_pids()
+        os.kill(worker, signal.SIGKILL)  # a worker dies; its agent starts another
+        rows = job.wait_for("three again", steps_at_world(3, g3))
+        g3b = latest_gen(rows)
+        assert len(pids_of(rows, "c")) == 2 and pids_of(rows, "a") == a_pid
+
+        job.agents["b"].signal(signal.SIGKILL)  # a whole node dies
+        job.agents["b"].wait()
+        rows = job.wait_for("two left", steps_at_world(2, g3b))
+        assert pids_of(rows, "a") == a_pid
+        assert job.agents["a"].output().count("resuming from step") >= 2
+        check_consistent(rows)
+        opt_chain(rows)
+    finally:
+        job.stop()
 
 
 def test_the_gpt_example_differs_from_its_torchrun_version_by_the_efdl_change() -> None:

@@ -3,9 +3,10 @@
 One JSON line per step to $OUT_DIR/events.jsonl (after optimizer.step(), before commit()), as
 elastic_steps.py writes: node, pid, rank, world, generation, step, epoch, and exact digests of
 the whole model before and after the update ("before", "digest") and of the optimizer state
-("opt"). A digest is position-weighted sums of the tensors' bits, each rank summing its own
-rows, all-reduced in int64: exact whatever the layout, so equal digests across world sizes
-mean the same bits. Knobs: STEP_SECONDS, EPOCHS, SAMPLES, BATCH, MODEL_WIDTH (default 64).
+("opt_before", "opt"). A digest is position-weighted sums of the tensors' bits, each rank
+summing its own rows, all-reduced in int64: exact whatever the layout, so equal digests
+across world sizes mean the same bits. Knobs: STEP_SECONDS, EPOCHS, SAMPLES, BATCH,
+MODEL_WIDTH (default 64).
 """
 
 import json
@@ -95,6 +96,7 @@ def train(state: efdl.ElasticState) -> None:
             optimizer.zero_grad()
             loss.backward()
             before = digest(list(model.parameters()))
+            opt_before = digest(opt_tensors())
             optimizer.step()
             row = {
                 "node": os.environ["EFDL_NODE_ID"],
@@ -106,6 +108,7 @@ def train(state: efdl.ElasticState) -> None:
                 "epoch": state.epoch,
                 "before": before,
                 "digest": digest(list(model.parameters())),
+                "opt_before": opt_before,
                 "opt": digest(opt_tensors()),
                 "samples": idx.tolist(),
                 "t": time.time(),
