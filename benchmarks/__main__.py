@@ -77,6 +77,12 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
         ["--sizes", "4,25,100,300", "--repeat", "3", "--event-repeat", "2"],
         ["--sizes", "4,25", "--repeat", "1", "--event-repeat", "1", "--events", "join,kill"],
     ),
+    (
+        "fsdp",
+        "FSDP2 in place: the GPT example, efdl vs torchrun restarting from DCP",
+        ["--sizes", "25,100,300", "--repeat", "2", "--event-sizes", "25,100"],
+        ["--sizes", "25", "--repeat", "1", "--event-sizes", "25", "--churn-steps", "60"],
+    ),
 ]
 
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +82,11 @@ def efdl_launcher(
     script: Path = ELASTIC,
     lease_ttl: int = 3,
     grace: float = 10,
+    extra: Sequence[str] = (),
+    script_args: Sequence[str] = (),
 ) -> Launcher:
+    """``extra``: more agent flags; ``script_args``: the script's own."""
+
     def cmd(node: str, i: int) -> list[str]:
         return [
             sys.executable,
@@ -108,13 +112,22 @@ def efdl_launcher(
             str(settle),
             "--grace-period",
             str(grace),
+            *extra,
             str(script),
+            *script_args,
         ]
 
     return Launcher("efdl (in place)", cmd, {}, True, script)
 
 
-def torchrun_launcher(port: int, job: str, tuned: bool, max_nodes: int = 3) -> Launcher:
+def torchrun_launcher(
+    port: int,
+    job: str,
+    tuned: bool,
+    max_nodes: int = 3,
+    script: Path = PLAIN,
+    script_args: Sequence[str] = (),
+) -> Launcher:
     def cmd(node: str, i: int) -> list[str]:
         argv = [
             sys.executable,
@@ -137,10 +150,10 @@ def torchrun_launcher(port: int, job: str, tuned: bool, max_nodes: int = 3) -> L
         ]
         if tuned:
             argv += ["--rdzv-conf", TUNED_CONF]
-        return [*argv, str(PLAIN)]
+        return [*argv, str(script), *script_args]
 
     name = "torchrun tuned" if tuned else "torchrun default"
-    return Launcher(name, cmd, TUNED_ENV if tuned else {}, False, PLAIN)
+    return Launcher(name, cmd, TUNED_ENV if tuned else {}, False, script)
 
 
 class Run:
@@ -214,7 +227,7 @@ class Run:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        logged = {int(r["pid"]) for r in self.rows()}  # type: ignore[call-overload]
+        logged = {int(r["pid"]) for r in self.rows() if "pid" in r}  # type: ignore[call-overload]
         for pid in set(pids) | logged:  # workers whose agent died earlier are orphans now
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 if self.launcher.script.name in " ".join(psutil.Process(pid).cmdline()):

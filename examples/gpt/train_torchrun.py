@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--data-mb", type=float, default=4.0)
     parser.add_argument("--checkpoint", default="", help="a directory (none by default)")
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--log-every", type=int, default=10, help="steps between loss lines")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -79,7 +80,7 @@ def main() -> None:
                 progress["step"] += 1
                 progress["samples"] += args.batch * dist.get_world_size()
                 step, world = progress["step"], dist.get_world_size()
-                if dist.get_rank() == 0 and step % 10 == 0:
+                if dist.get_rank() == 0 and step % args.log_every == 0:
                     loss_, seconds = round(loss.item(), 4), round(time.time() - t0, 2)
                     print(
                         json.dumps(
@@ -89,6 +90,7 @@ def main() -> None:
                                 "world": world,
                                 "loss": loss_,
                                 "seconds": seconds,
+                                "t": time.time(),
                             }
                         ),
                         flush=True,

@@ -1,0 +1,326 @@
+"""FSDP2 in place: the GPT example (examples/gpt) under efdl against torchrun, side by side.
+
+- **steady state**: 2 workers on one node (``--standalone``), median step time of rank 0,
+  efdl (train_efdl.py) and torchrun (train_torchrun.py) interleaved, neither checkpointing;
+- **events**: a job of 2 nodes, one worker each (real etcd for efdl, c10d for torchrun at its
+  best tuning), meets a join (a third node), a graceful leave (SIGTERM to one agent) or a
+  node SIGKILL. efdl lays the shards out anew in place and resumes a crash from its remote
+  cache (``--cache-url``, a snapshot whenever the writer is free); torchrun restarts every
+  worker, which reload the DCP checkpoint it saves every ``SAVE_EVERY`` steps (its best
+  practice). *Stood still*: from the last step logged at 2 workers to the first at the new
+  size; *back*: to the first step past the last one trained before the event (the steps
+  lost, trained again, counted in); *lost*: how many steps were trained again;
+- **churn**: the loss of a run whose workers go 2 -> 4 -> 3 -> 4 against fixed runs of 2 and 4
+  workers, by samples seen, in a figure.
+
+Usage: python -m benchmarks.fsdp [--sizes 25,100,300] [--repeat 2] [--event-sizes 25,100]
+       [--events join,leave,node] [--churn-size 25] [--no-churn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.recovery import Launcher, Rows, Run, efdl_launcher, free_port, torchrun_launcher
+from benchmarks.report import pyplot, save, spread
+from efdl.rendezvous.embedded import EmbeddedEtcd
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt"
+EFDL_SCRIPT, TORCHRUN_SCRIPT = GPT / "train_efdl.py", GPT / "train_torchrun.py"
+# millions of parameters -> (layers, width, batch per worker); context 64, 8 heads
+SIZES = {25: (6, 576, 2), 100: (12, 832, 1), 300: (24, 1024, 1)}
+SAVE_EVERY = 5  # torchrun's DCP checkpoint, in steps
+
+
+def script_args(size: int, steps: int = 0, checkpoint: Path | None = None) -> list[str]:
+    layers, width, batch = SIZES[size]
+    args = ["--layers", str(layers), "--width", str(width), "--heads", "8", "--context", "64"]
+    args += ["--batch", str(batch), "--data-mb", "2", "--log-every", "1", "--steps", str(steps)]
+    if checkpoint is not None:
+        args += ["--checkpoint", str(checkpoint), "--save-every", str(SAVE_EVERY)]
+    return args
+
+
+def lines(paths: list[Path]) -> Rows:
+    """The JSON lines rank 0 printed (one per step), from the agents' logs."""
+    rows: Rows = []
+    for path in paths:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            at = line.find('{"step"')
+            if at >= 0:
+                with contextlib.suppress(ValueError):
+                    rows.append(json.loads(line[at:]))
+    return sorted(rows, key=lambda r: float(r["t"]))  # type: ignore[arg-type]
+
+
+class LogRun(Run):
+    """A job whose steps are read from its agents' logs."""
+
+    def rows(self) -> Rows:
+        return lines(sorted(self.out.glob("*.log")))
+
+
+# ---------------------------------------------------------------- steady state
+
+
+def steady(launcher: str, size: int, steps: int, tmp: Path) -> float:
+    """Median step time of rank 0 in s, 2 workers on one node."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    if launcher == "efdl":
+        argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
+        argv += ["--job-id", f"fsdp-{uuid.uuid4().hex[:6]}", "--nproc-per-node", "2"]
+        argv += [str(EFDL_SCRIPT)]
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv += ["--nproc-per-node", "2", str(TORCHRUN_SCRIPT)]
+    log = out / "run.log"
+    with open(log, "wb") as f:
+        subprocess.run(
+            [*argv, *script_args(size, steps)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=True,
+        )
+    times = [float(r["t"]) for r in lines([log])]  # type: ignore[arg-type]
+    skip = max(2, len(times) // 5)  # warm-up
+    return statistics.median(b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False))
+
+
+# ---------------------------------------------------------------- events
+
+
+def launchers(size: int, etcd: str, tmp: Path) -> dict[str, Callable[[], Launcher]]:
+    def efdl() -> Launcher:
+        cache = Path(tempfile.mkdtemp(dir=tmp)) / "cache"
+        extra = ["--cache-url", str(cache), "--cache-every-steps", "1", "--cache-every", "0"]
+        return efdl_launcher(
+            etcd,
+            f"fsdp-{uuid.uuid4().hex[:6]}",
+            script=EFDL_SCRIPT,
+            grace=60,
+            extra=extra,
+            script_args=script_args(size),
+        )
+
+    def torchrun() -> Launcher:
+        checkpoint = Path(tempfile.mkdtemp(dir=tmp)) / "dcp"
+        return torchrun_launcher(
+            free_port(),
+            f"fsdp-{uuid.uuid4().hex[:6]}",
+            tuned=True,
+            script=TORCHRUN_SCRIPT,
+            script_args=script_args(size, checkpoint=checkpoint),
+        )
+
+    return {"efdl (in place)": efdl, "torchrun tuned (DCP)": torchrun}
+
+
+def event_run(launcher: Launcher, event: str, tmp: Path) -> dict[str, float]:
+    """One event on a 2-node job: seconds stood still and back, and steps lost."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    run = LogRun(launcher, out, {"OMP_NUM_THREADS": "1"})
+    target = {"join": 3, "leave": 1, "node": 1}[event]
+    try:
+        run.start("a")
+        run.start("b")
+        run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= SAVE_EVERY + 2, 900)
+        t0 = time.time()
+        if event == "join":
+            run.start("c")
+        elif event == "leave":
+            run.procs["b"].send_signal(signal.SIGTERM)
+        else:
+            run.kill_node("b")
+        rows = run.wait(lambda rs: any(r["world"] == target for r in rs), 900)
+        last = max(int(r["step"]) for r in rows if r["world"] == 2)  # type: ignore[call-overload]
+        rows = run.wait(
+            lambda rs: any(r["world"] == target and int(r["step"]) > last for r in rs),  # type: ignore[call-overload]
+            900,
+        )
+        before = max(float(r["t"]) for r in rows if r["world"] == 2)  # type: ignore[arg-type]
+        new = [r for r in rows if r["world"] == target]
+        first = min(new, key=lambda r: float(r["t"]))  # type: ignore[arg-type]
+        past = min(float(r["t"]) for r in new if int(r["step"]) > last)  # type: ignore[arg-type, call-overload]
+        return {
+            "stood": float(first["t"]) - before,  # type: ignore[arg-type]
+            "back": past - before,
+            "lost": float(last - (int(first["step"]) - 1)),  # type: ignore[call-overload]
+            "event": float(first["t"]) - t0,  # type: ignore[arg-type]
+        }
+    finally:
+        run.stop()
+
+
+# ---------------------------------------------------------------- churn
+
+
+def churn_run(
+    size: int, steps: int, schedule: list[tuple[int, str, str]], etcd: str, tmp: Path
+) -> Rows:
+    """An efdl job of up to 4 one-worker nodes; ``schedule``: (step, "start"|"stop", node)."""
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    launcher = efdl_launcher(
+        etcd,
+        f"churn-{uuid.uuid4().hex[:6]}",
+        max_nodes=4,
+        min_nodes=2,
+        script=EFDL_SCRIPT,
+        grace=60,
+        script_args=script_args(size, steps),
+    )
+    run = LogRun(launcher, out, {"OMP_NUM_THREADS": "1"})
+    try:
+        run.start("a")
+        run.start("b")
+        for at, action, node in schedule:
+            run.wait(lambda rs, at=at: any(int(r["step"]) >= at for r in rs), 1800)  # type: ignore[misc, call-overload]
+            if action == "start":
+                run.start(node)
+            else:
+                run.procs[node].send_signal(signal.SIGTERM)
+        run.wait(lambda rs: any(int(r["step"]) >= steps for r in rs), 3600)  # type: ignore[call-overload]
+        return run.rows()
+    finally:
+        run.stop()
+
+
+def fixed_run(size: int, steps: int, nproc: int, tmp: Path) -> Rows:
+    out = Path(tempfile.mkdtemp(dir=tmp))
+    log = out / "run.log"
+    argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
+    argv += ["--job-id", f"fixed-{uuid.uuid4().hex[:6]}", "--nproc-per-node", str(nproc)]
+    with open(log, "wb") as f:
+        subprocess.run(
+            [*argv, str(EFDL_SCRIPT), *script_args(size, steps)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=3600,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    return lines([log])
+
+
+def by_samples(rows: Rows, batch: int) -> tuple[list[float], list[float]]:
+    """(samples seen, loss) per step, each step's samples = batch x its world size."""
+    seen, xs, ys = 0, [], []
+    steps: dict[int, dict[str, object]] = {}
+    for r in rows:  # a step trained again after a resume counts once, its last time
+        steps[int(r["step"])] = r  # type: ignore[call-overload]
+    for step in sorted(steps):
+        r = steps[step]
+        seen += batch * int(r["world"])  # type: ignore[call-overload]
+        xs.append(float(seen))
+        ys.append(float(r["loss"]))  # type: ignore[arg-type]
+    return xs, ys
+
+
+def smooth(ys: list[float], k: int = 9) -> list[float]:
+    return [statistics.mean(ys[max(0, i - k + 1) : i + 1]) for i in range(len(ys))]
+
+
+def churn_section(size: int, steps: int, etcd: str, tmp: Path) -> None:
+    q = steps // 4
+    schedule = [(q, "start", "c"), (q, "start", "d"), (2 * q, "stop", "d"), (3 * q, "start", "e")]
+    runs = {
+        "churn 2 -> 4 -> 3 -> 4": churn_run(size, steps, schedule, etcd, tmp),
+        "fixed 2": fixed_run(size, steps, 2, tmp),
+        "fixed 4": fixed_run(size, steps, 4, tmp),
+    }
+    batch = SIZES[size][2]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    print(f"\n### Loss with churn ({size}M, {steps} steps, batch {batch} per worker)\n")
+    print("| run | worlds seen | samples | last loss (mean of last 10 steps) |")
+    print("|---|---|---|---|")
+    for name, rows in runs.items():
+        xs, ys = by_samples(rows, batch)
+        worlds = " -> ".join(
+            str(w)
+            for i, w in enumerate(r["world"] for r in rows)
+            if i == 0 or w != rows[i - 1]["world"]
+        )
+        print(f"| {name} | {worlds} | {int(xs[-1])} | {statistics.mean(ys[-10:]):.3f} |")
+        ax.plot(xs, smooth(ys), label=name)
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("training loss (mean of 9 steps)")
+    ax.legend()
+    print()
+    print(save(fig, "fsdp_churn.png", f"GPT {size}M: loss with churn against fixed runs"))
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="25,100,300")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--steady-steps", type=int, default=0, help="0: by size")
+    ap.add_argument("--event-sizes", default="25,100")
+    ap.add_argument("--events", default="join,leave,node")
+    ap.add_argument("--event-repeat", type=int, default=1)
+    ap.add_argument("--churn-size", type=int, default=25)
+    ap.add_argument("--churn-steps", type=int, default=160)
+    ap.add_argument("--no-churn", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    with tempfile.TemporaryDirectory(prefix="efdl-fsdp-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        print(__doc__.split("Usage:")[0])
+        print("### Steady state: median step time (s), 2 workers, no checkpoint\n")
+        print("| params | efdl | torchrun | efdl / torchrun |")
+        print("|---|---|---|---|")
+        for size in sizes:
+            steps = args.steady_steps or {25: 40, 100: 20, 300: 12}[size]
+            got: dict[str, list[float]] = {"efdl": [], "torchrun": []}
+            for _ in range(args.repeat):
+                for launcher in ("torchrun", "efdl"):
+                    got[launcher].append(steady(launcher, size, steps, tmp))
+            ratios = [e / t for e, t in zip(got["efdl"], got["torchrun"], strict=True)]
+            print(
+                f"| {size}M | {spread(got['efdl'], 3)} | {spread(got['torchrun'], 3)} "
+                f"| {spread(ratios, 3)} |",
+                flush=True,
+            )
+        with EmbeddedEtcd() as etcd:
+            events = [e for e in args.events.split(",") if e]
+            print("\n### Events: 2 nodes, one worker each (s; lost: steps trained again)\n")
+            print("| params | event | launcher | stood still | back where it was | lost |")
+            print("|---|---|---|---|---|---|")
+            for size in (int(s) for s in args.event_sizes.split(",") if s):
+                makers = launchers(size, etcd.endpoint.target, tmp)
+                for event in events:
+                    results: dict[str, list[dict[str, float]]] = {name: [] for name in makers}
+                    for _ in range(args.event_repeat):
+                        for name, make in makers.items():
+                            results[name].append(event_run(make(), event, tmp))
+                    for name, rs in results.items():
+                        print(
+                            f"| {size}M | {event} | {name} | {spread([r['stood'] for r in rs])} "
+                            f"| {spread([r['back'] for r in rs])} "
+                            f"| {spread([r['lost'] for r in rs], 0)} |",
+                            flush=True,
+                        )
+            if not args.no_churn:
+                churn_section(args.churn_size, args.churn_steps, etcd.endpoint.target, tmp)
+
+
+if __name__ == "__main__":
+    main()
