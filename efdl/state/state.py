@@ -322,9 +322,10 @@ class ElasticState:
         One all-gather on the CPU side group says what each rank holds; the rank holding the
         newest step settled (the primary) shares the state's structure and every value that
         is not a tensor (a small pickle); the tensors go only to the ranks that lack that
-        step, from every rank that holds it (efdl.state.transfer). When no rank holds any,
-        the ranks read the newest snapshot of the remote cache between them
-        (efdl.state.resume); with no cache, rank 0's state is the job's.
+        step, from every rank that holds it (efdl.state.transfer). When no rank holds any
+        (sharded: no step's rows are all held, as after a crash), the ranks read the newest
+        snapshot of the remote cache between them (efdl.state.resume); with no cache, rank
+        0's state is the job's at a cold start, and lost after a crash.
         """
         rt = runtime
         side = rt.side
@@ -345,7 +346,8 @@ class ElasticState:
         if resumed is not None:
             self.last_sync = resumed.moved
             log.warning(
-                "No rank holds committed state: resuming from step %d (epoch %s) in %s.",
+                "No committed step is held whole by the ranks: resuming from step %d (epoch %s) "
+                "in %s.",
                 resumed.manifest.step,
                 resumed.manifest.epoch,
                 self._persister.settings.url if self._persister is not None else "?",
@@ -354,9 +356,13 @@ class ElasticState:
             raise StateLostError(
                 "The job's sharded state is lost: no step's rows are all held by the ranks "
                 "left (a rank that held some died, and its peers have stepped past the step "
-                f"before; steps held: {sorted({k // 2 for k in keys if k >= 0})}), and no "
-                "remote cache holds a snapshot to resume from: run with --cache-url to "
-                "survive the loss of a worker."
+                f"before; steps held: {sorted({k // 2 for k in keys if k >= 0})}), and "
+                + (
+                    f"the remote cache {self._persister.settings.url} holds no snapshot yet."
+                    if self._persister is not None
+                    else "no remote cache holds a snapshot: run with --cache-url to survive "
+                    "the loss of a worker."
+                )
             )
         elif choice.lost:
             raise StateLostError(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import defaultdict
@@ -148,6 +150,10 @@ class Job:
     def stop(self) -> None:
         for a in self.agents.values():
             a.stop()
+        # An agent killed by signal leaves its run directory (efdl-<job>-*, its socket and
+        # the workers' error files) behind: the job id is this job's alone.
+        for d in Path(tempfile.gettempdir()).glob(f"efdl-{self.job_id}-*"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def steps_at_world(world: int, since_gen: int = 0) -> Callable[[list[dict[str, object]]], bool]:
