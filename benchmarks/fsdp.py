@@ -6,15 +6,17 @@
   best tuning), meets a join (a third node), a graceful leave (SIGTERM to one agent) or a
   node SIGKILL. efdl lays the shards out anew in place and resumes a crash from its remote
   cache (``--cache-url``, a snapshot whenever the writer is free); torchrun restarts every
-  worker, which reload the DCP checkpoint it saves every ``SAVE_EVERY`` steps (its best
-  practice). *Stood still*: from the last step logged at 2 workers to the first at the new
-  size; *back*: to the first step past the last one trained before the event (the steps
-  lost, trained again, counted in); *lost*: how many steps were trained again;
+  worker, which reload the DCP checkpoint it saves every 5 steps (its best practice; the
+  checkpoint's cost is not in the steady state). *Stood still*: from the last step logged at
+  2 workers to the first at the new size (a step is logged as it ends: this counts that
+  first step's own time too); *back*: to the first step past the last one trained before
+  the event (the steps lost, trained again, counted in); *lost*: how many steps were
+  trained again. A run with no step past the old one within 180 s did not recover;
 - **churn**: the loss of a run whose workers go 2 -> 4 -> 3 -> 4 against fixed runs of 2 and 4
   workers, by samples seen, in a figure.
 
 Usage: python -m benchmarks.fsdp [--sizes 25,100,300] [--repeat 2] [--event-sizes 25,100]
-       [--events join,leave,node] [--churn-size 25] [--no-churn]
+       [--events join,leave,node] [--churn-size 25] [--no-churn] [--no-steady]
 """
 
 from __future__ import annotations
@@ -131,8 +133,26 @@ def launchers(size: int, etcd: str, tmp: Path) -> dict[str, Callable[[], Launche
     return {"efdl (in place)": efdl, "torchrun tuned (DCP)": torchrun}
 
 
-def event_run(launcher: Launcher, event: str, tmp: Path) -> dict[str, float]:
-    """One event on a 2-node job: seconds stood still and back, and steps lost."""
+RECOVER_S = 180.0  # a run with no step past the old one at the new size by then: failed
+
+
+def recovered(run: LogRun, pred: Callable[[Rows], bool], timeout_s: float) -> Rows | None:
+    """The rows once ``pred`` holds; None if it does not within ``timeout_s`` or every agent
+    has exited (torchrun's agents all stop when the node hosting their c10d store leaves)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = run.rows()
+        if pred(rows):
+            return rows
+        if all(p.poll() is not None for p in run.procs.values()):
+            return None
+        time.sleep(0.1)
+    return None
+
+
+def event_run(launcher: Launcher, event: str, tmp: Path) -> dict[str, float] | str:
+    """One event on a 2-node job: seconds stood still and back, and steps lost; or why it
+    did not recover."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     run = LogRun(launcher, out, {"OMP_NUM_THREADS": "1"})
     target = {"join": 3, "leave": 1, "node": 1}[event]
@@ -147,12 +167,16 @@ def event_run(launcher: Launcher, event: str, tmp: Path) -> dict[str, float]:
             run.procs["b"].send_signal(signal.SIGTERM)
         else:
             run.kill_node("b")
-        rows = run.wait(lambda rs: any(r["world"] == target for r in rs), 900)
+
+        def back(rs: Rows) -> bool:
+            new = [r for r in rs if r["world"] == target]
+            last = max((int(r["step"]) for r in rs if r["world"] == 2), default=0)  # type: ignore[call-overload]
+            return any(int(r["step"]) > last for r in new)  # type: ignore[call-overload]
+
+        rows = recovered(run, back, RECOVER_S)
+        if rows is None:
+            return f"did not recover in {RECOVER_S:.0f} s"
         last = max(int(r["step"]) for r in rows if r["world"] == 2)  # type: ignore[call-overload]
-        rows = run.wait(
-            lambda rs: any(r["world"] == target and int(r["step"]) > last for r in rs),  # type: ignore[call-overload]
-            900,
-        )
         before = max(float(r["t"]) for r in rows if r["world"] == 2)  # type: ignore[arg-type]
         new = [r for r in rows if r["world"] == target]
         first = min(new, key=lambda r: float(r["t"]))  # type: ignore[arg-type]
@@ -165,6 +189,14 @@ def event_run(launcher: Launcher, event: str, tmp: Path) -> dict[str, float]:
         }
     finally:
         run.stop()
+
+
+def cell(results: list[dict[str, float] | str], key: str, digits: int = 2) -> str:
+    """The median (range) of the runs that recovered, and how many did not."""
+    done = [r[key] for r in results if not isinstance(r, str)]
+    failed = len(results) - len(done)
+    text = spread(done, digits) if done else "-"
+    return text + (f"; {failed} of {len(results)} did not recover" if failed else "")
 
 
 # ---------------------------------------------------------------- churn
@@ -279,15 +311,17 @@ def main() -> None:
     ap.add_argument("--churn-size", type=int, default=25)
     ap.add_argument("--churn-steps", type=int, default=160)
     ap.add_argument("--no-churn", action="store_true")
+    ap.add_argument("--no-steady", action="store_true")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     with tempfile.TemporaryDirectory(prefix="efdl-fsdp-") as tmp_dir:
         tmp = Path(tmp_dir)
         print(__doc__.split("Usage:")[0])
-        print("### Steady state: median step time (s), 2 workers, no checkpoint\n")
-        print("| params | efdl | torchrun | efdl / torchrun |")
-        print("|---|---|---|---|")
-        for size in sizes:
+        if not args.no_steady:
+            print("### Steady state: median step time (s), 2 workers, no checkpoint\n")
+            print("| params | efdl | torchrun | efdl / torchrun |")
+            print("|---|---|---|---|")
+        for size in sizes if not args.no_steady else []:
             steps = args.steady_steps or {25: 40, 100: 20, 300: 12}[size]
             got: dict[str, list[float]] = {"efdl": [], "torchrun": []}
             for _ in range(args.repeat):
@@ -307,15 +341,14 @@ def main() -> None:
             for size in (int(s) for s in args.event_sizes.split(",") if s):
                 makers = launchers(size, etcd.endpoint.target, tmp)
                 for event in events:
-                    results: dict[str, list[dict[str, float]]] = {name: [] for name in makers}
+                    results: dict[str, list[dict[str, float] | str]] = {n: [] for n in makers}
                     for _ in range(args.event_repeat):
                         for name, make in makers.items():
                             results[name].append(event_run(make(), event, tmp))
                     for name, rs in results.items():
                         print(
-                            f"| {size}M | {event} | {name} | {spread([r['stood'] for r in rs])} "
-                            f"| {spread([r['back'] for r in rs])} "
-                            f"| {spread([r['lost'] for r in rs], 0)} |",
+                            f"| {size}M | {event} | {name} | {cell(rs, 'stood')} "
+                            f"| {cell(rs, 'back')} | {cell(rs, 'lost', 0)} |",
                             flush=True,
                         )
             if not args.no_churn:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.state.cache import SnapshotStore
 from tests.e2e.harness import (
     Job,
     check_consistent,
@@ -104,6 +105,40 @@ def test_a_worker_and_a_node_killed_come_back_from_the_cache(
         assert job.agents["a"].output().count("resuming from step") >= 2
         check_consistent(rows)
         opt_chain(rows)
+    finally:
+        job.stop()
+
+
+def test_a_preempted_job_resumes_from_the_cache_at_another_world_size(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """Every node of a 2-worker job is told to leave (a preemption): the ranks persist the
+    step they pause at, each its own rows. Three new nodes resume it from the cache: the
+    first step at world size 3 is the next one, and it starts from exactly the parameters
+    and optimizer state of the step persisted."""
+    cache = tmp_path / "cache"
+    job = in_place_job(tmp_path, etcd_server.endpoint.target, "fsdp-resume")
+    job.common += ["--cache-url", str(cache), "--cache-every-steps", "100000"]
+    job.common += ["--cache-every", "0"]
+    try:
+        job.start("a", script=SCRIPT)
+        job.start("b", script=SCRIPT)
+        job.wait_for("two workers", steps_at_world(2))
+        for name in "ab":
+            job.agents[name].signal(signal.SIGTERM)
+        for name in "ab":
+            assert job.agents[name].wait(60) == 0
+        last = max(int(r["step"]) for r in job.events())  # type: ignore[call-overload]
+        found = SnapshotStore(str(cache)).newest()
+        assert found is not None and found[0].step == last and found[0].world_size == 2
+
+        for name in "cde":
+            job.start(name, script=SCRIPT)
+        rows = job.wait_for("three workers", steps_at_world(3))
+        resumed = [r for r in rows if r["world"] == 3]
+        assert min(int(r["step"]) for r in resumed) == last + 1  # type: ignore[call-overload]
+        check_consistent(rows)  # the first update starts from step `last`'s parameters
+        opt_chain(rows)  # and from its optimizer state
     finally:
         job.stop()
 

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from efdl.state.cache import (
 )
 from efdl.state.persist import Persister
 from efdl.state.rng import rng_state
+from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_state.py"
 
@@ -282,25 +280,9 @@ def test_ranks_resume_a_snapshot_of_another_world_size_reading_it_between_them(
     corrupt(SnapshotStore(url), 50, "part-00001.pt", "flip")  # the newest is broken
     m = SnapshotStore(url).manifest(40)
     assert len([n for n in m.files if n.startswith("part-")]) == 3
-    env = {**os.environ, "EFDL_CACHE_URL": url, "EFDL_SYNC_BUCKET_MB": "0.002"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(r), str(world), str(tmp_path / "store")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    try:
-        outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, text[-3000:]
+    env = {"EFDL_CACHE_URL": url, "EFDL_SYNC_BUCKET_MB": "0.002"}
+    args = [[str(r), str(world), str(tmp_path / "store")] for r in range(world)]
+    outputs = run_ranks(SCRIPT, args, env)
     results = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
     want = tree_at(40)["model"]
     for r in results:

@@ -7,14 +7,12 @@ cache holds a snapshot: then the rows come back from it, laid out for the new wo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from efdl.state.cache import SnapshotStore
+from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_state.py"
 MB = 1 << 20
@@ -30,7 +28,7 @@ def run(
 ):
     """``ranks``: (old rank or -1, new rank or -1) per process. ``cache``: persist every step
     there."""
-    env = {**os.environ, "EFDL_SYNC_BUCKET_MB": "1"}
+    env = {"EFDL_SYNC_BUCKET_MB": "1"}
     if crash:
         env["RESHARD_CRASH"] = "1"
     if cache is not None:
@@ -39,33 +37,11 @@ def run(
             "EFDL_CACHE_EVERY_STEPS": "1",
             "EFDL_CACHE_EVERY": "0",
         }
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                str(old),
-                str(a),
-                str(new),
-                str(b),
-                str(tmp_path),
-                str(tmp_path / f"out{i}.json"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    args = [
+        [str(old), str(a), str(new), str(b), str(tmp_path), str(tmp_path / f"out{i}.json")]
         for i, (a, b) in enumerate(ranks)
     ]
-    try:
-        outputs = [p.communicate(timeout=150)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, text[-3000:]
+    run_ranks(SCRIPT, args, env, timeout_s=150)
     return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(len(ranks))]
 
 

@@ -9,11 +9,11 @@ collective at all, while newcomers still receive the survivor's whole state.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "sync_groups.py"
 
@@ -21,30 +21,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "sync_groups.py"
 @pytest.mark.timeout(120)
 def test_sync_sends_no_cpu_tensor_over_the_training_group(tmp_path: Path) -> None:
     world = 3
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                str(r),
-                str(world),
-                str(tmp_path / "store"),
-                str(tmp_path / f"rank{r}.json"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+    args = [
+        [str(r), str(world), str(tmp_path / "store"), str(tmp_path / f"rank{r}.json")]
         for r in range(world)
     ]
-    try:
-        outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, text[-3000:]
+    run_ranks(SCRIPT, args)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for r in ranks:
         assert r["calls"], "the sync made no collective at all"

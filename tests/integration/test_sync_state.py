@@ -5,50 +5,28 @@ messages; the rest of the state comes from one rank."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "sync_state.py"
 BUCKET_MB = 1
 
 
-def run_ranks(tmp_path: Path, world: int) -> list[dict[str, object]]:
-    env = {**os.environ, "EFDL_SYNC_BUCKET_MB": str(BUCKET_MB)}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                str(r),
-                str(world),
-                str(tmp_path / "store"),
-                str(tmp_path / f"rank{r}.json"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+def run_world(tmp_path: Path, world: int) -> list[dict[str, object]]:
+    args = [
+        [str(r), str(world), str(tmp_path / "store"), str(tmp_path / f"rank{r}.json")]
         for r in range(world)
     ]
-    try:
-        outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, text[-3000:]
+    run_ranks(SCRIPT, args, {"EFDL_SYNC_BUCKET_MB": str(BUCKET_MB)})
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.timeout(120)
 def test_only_stale_ranks_and_newcomers_receive_spread_over_the_holders(tmp_path: Path) -> None:
-    ranks = run_ranks(tmp_path, 5)  # holders 0, 1 at step 5; rank 2 at step 4; 3, 4 new
+    ranks = run_world(tmp_path, 5)  # holders 0, 1 at step 5; rank 2 at step 4; 3, 4 new
     want = ranks[0]
     size = int(want["state_bytes"])  # type: ignore[call-overload]
     for r in ranks:  # everyone holds the holders' state now, exactly
@@ -71,7 +49,7 @@ def test_only_stale_ranks_and_newcomers_receive_spread_over_the_holders(tmp_path
 
 @pytest.mark.timeout(120)
 def test_a_newcomer_receives_in_place_with_at_most_a_bucket_extra(tmp_path: Path) -> None:
-    ranks = run_ranks(tmp_path, 4)
+    ranks = run_world(tmp_path, 4)
     newcomer = ranks[3]
     momentum = int(newcomer["state_bytes"]) // 2  # type: ignore[call-overload]
     # Parameters land in the model's own tensors; only the momentum buffers (which it did

@@ -8,16 +8,20 @@ Knobs as steps.py (STEP_SECONDS, MODEL_WIDTH, BATCH) plus SNAPSHOT_EVERY (efdl's
 copies, default 0: none) and DIGEST=0 (skip the parameter digest). USER_COLLECTIVE=1: every
 rank all-reduces its loss after optimizer.step() (a user's collective between the step and the
 commit); OPTIMIZER_COLLECTIVE=1: the optimizer all-reduces inside step(), after its update.
-Faults (first process only): FAIL_AT="rank:step" exits 3 at that step, before its
+Faults fire once per job, in the first process to reach them (a file in $OUT_DIR claims
+each; not "the first generation": when the agents' starts race, the first generation may be
+restarted before it trains): FAIL_AT="rank:step" exits 3 at that step, before its
 forward pass; KILL_IN="where:rank:step" exits 3 inside that step, where is "backward" (in the
 backward pass: a gradient hook), "optimizer" (inside optimizer.step()), "after_step" (between
 optimizer.step() and commit()) or "collective" (entering the USER_COLLECTIVE all-reduce).
-PAUSE_SKEW="rank:s" makes the agent's news reach that rank (of the first generation) s seconds
-late; each row says whether this rank itself had seen news at the commit before it ("news").
+PAUSE_SKEW="rank:s" makes the agent's news reach that rank s seconds late, the first time that
+rank has news (once per job); each row says whether this rank itself had seen news at the
+commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
-Errors that are not communication (first process only): OOM_AT="rank:step" raises CUDA's
-out-of-memory error there; SKIP_BARRIER_AT="rank:step": every rank but that one enters a
-dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT (default 15) seconds.
+Errors that are not communication: OOM_AT="rank:step" (once per job) raises CUDA's
+out-of-memory error there; SKIP_BARRIER_AT="rank:step" (first generation): every rank but
+that one enters a dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT
+(default 15) seconds.
 BACKEND=nccl (default gloo); DEVICE=cuda trains on efdl.device() (the GPU suite); each entry
 row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
@@ -40,6 +44,17 @@ delay = float(os.environ.get("STEP_SECONDS", "0.1"))
 fail_at = os.environ.get("FAIL_AT", "")
 
 news = [False]
+
+
+def once(fault: str) -> bool:
+    """Whether this process is the first of the job to reach ``fault`` (it claims it)."""
+    try:
+        os.close(os.open(out / f"fault-{fault}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 _pending = efdl.state.channel.AgentChannel.pending
 
 
@@ -47,9 +62,10 @@ def pending(self: efdl.state.channel.AgentChannel, generation: int) -> bool:
     """The agent's news as this rank sees it: late on the PAUSE_SKEW rank."""
     value = _pending(self, generation)
     lag_rank, _, lag = os.environ.get("PAUSE_SKEW", "").partition(":")
-    if value and lag_rank == os.environ.get("RANK") and spawned == "1":
-        first = seen.setdefault(generation, time.monotonic())
-        value = time.monotonic() - first >= float(lag)
+    if value and lag_rank == os.environ.get("RANK"):
+        if generation not in seen:
+            seen[generation] = time.monotonic() if once("skew") else 0.0
+        value = time.monotonic() - seen[generation] >= float(lag)
     news[0] = value
     return value
 
@@ -102,7 +118,8 @@ kill_where, _, kill_at = os.environ.get("KILL_IN", "").partition(":")
 
 def kill_here(where: str) -> None:
     """A crash at this point of the step: gone at once, mid-step."""
-    if kill_where == where and spawned == "1" and f"{dist.get_rank()}:{state.step}" == kill_at:
+    here = f"{dist.get_rank()}:{state.step}"
+    if kill_where == where and here == kill_at and once(f"kill-{here}"):
         os._exit(3)
 
 
@@ -145,9 +162,9 @@ def train(state: efdl.ElasticState) -> None:
         for x, idx in loader:
             rank, world = dist.get_rank(), dist.get_world_size()
             here = f"{rank}:{state.step}"
-            if fail_at and here == fail_at and spawned == "1":
+            if here == fail_at and once(f"fail-{here}"):
                 raise SystemExit(3)
-            if here == os.environ.get("OOM_AT") and spawned == "1":
+            if here == os.environ.get("OOM_AT") and once(f"oom-{here}"):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
             skip_rank, _, skip_step = os.environ.get("SKIP_BARRIER_AT", "").partition(":")
             if skip_step == str(state.step) and skip_rank != str(rank) and spawned == "1":
