@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -40,6 +41,12 @@ ELASTIC = ROOT / "tests" / "e2e" / "scripts" / "elastic_steps.py"
 TUNED_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 Rows = list[dict[str, object]]
+LAUNCHERS = {
+    "efdl": "efdl (in place)",
+    "restart": "efdl (restart)",
+    "default": "torchrun default",
+    "tuned": "torchrun tuned",
+}
 DESCRIPTION = (
     "A job of two nodes (one worker each, gloo on CPU, 0.05 s of sleep per step) meets an event; "
     "the time is from the event to the first training step at the new world size. Events: "
@@ -84,8 +91,12 @@ def efdl_launcher(
     grace: float = 10,
     extra: Sequence[str] = (),
     script_args: Sequence[str] = (),
+    in_place: bool = True,
 ) -> Launcher:
-    """``extra``: more agent flags; ``script_args``: the script's own."""
+    """``extra``: more agent flags; ``script_args``: the script's own; ``in_place``: False
+    runs the plain torchrun script (restart mode) unless ``script`` says otherwise."""
+    if not in_place and script == ELASTIC:
+        script = PLAIN
 
     def cmd(node: str, i: int) -> list[str]:
         return [
@@ -117,7 +128,7 @@ def efdl_launcher(
             *script_args,
         ]
 
-    return Launcher("efdl (in place)", cmd, {}, True, script)
+    return Launcher(LAUNCHERS["efdl" if in_place else "restart"], cmd, {}, in_place, script)
 
 
 def torchrun_launcher(
@@ -154,6 +165,13 @@ def torchrun_launcher(
 
     name = "torchrun tuned" if tuned else "torchrun default"
     return Launcher(name, cmd, TUNED_ENV if tuned else {}, False, script)
+
+
+def launcher(name: str, etcd: str, job: str, max_nodes: int) -> Launcher:
+    """The launcher ``name`` (a key of LAUNCHERS) for one run of ``job``."""
+    if name in ("efdl", "restart"):
+        return efdl_launcher(etcd, job, max_nodes=max_nodes, in_place=name == "efdl")
+    return torchrun_launcher(free_port(), job, name == "tuned", max_nodes)
 
 
 class Run:
@@ -196,14 +214,13 @@ class Run:
         raise TimeoutError(f"{self.launcher.name}: no progress within {timeout_s} s")
 
     def workers_of(self, node: str) -> list[int]:
+        """The node's workers that trained (logged a step): not warm processes waiting."""
+        logged = {int(r["pid"]) for r in self.rows() if "pid" in r}  # type: ignore[call-overload]
         try:
-            return [
-                p.pid
-                for p in psutil.Process(self.procs[node].pid).children(recursive=True)
-                if self.launcher.script.name in " ".join(p.cmdline())
-            ]
+            children = psutil.Process(self.procs[node].pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        return [p.pid for p in children if p.pid in logged]
 
     def kill_node(self, node: str) -> None:
         """SIGKILL a node's agent and every process under it (workers of torchrun live in
@@ -230,7 +247,8 @@ class Run:
         logged = {int(r["pid"]) for r in self.rows() if "pid" in r}  # type: ignore[call-overload]
         for pid in set(pids) | logged:  # workers whose agent died earlier are orphans now
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                if self.launcher.script.name in " ".join(psutil.Process(pid).cmdline()):
+                cmd = " ".join(psutil.Process(pid).cmdline())
+                if self.launcher.script.name in cmd or "efdl.launcher.warm" in cmd:
                     os.kill(pid, signal.SIGKILL)
 
 
@@ -368,9 +386,10 @@ def column(results: list[Result], part: int) -> list[float | str]:
     return [r if isinstance(r, str) else r[part] for r in results]
 
 
-def ratio(results: dict[str, list[Result]], part: int) -> str:
-    e = [v for v in column(results["efdl"], part) if isinstance(v, float)]
-    t = [v for v in column(results["tuned"], part) if isinstance(v, float)]
+def ratio(results: dict[str, list[Result]], part: int, of: str = "efdl") -> str:
+    """Tuned torchrun's median over ``of``'s."""
+    e = [v for v in column(results.get(of, []), part) if isinstance(v, float)]
+    t = [v for v in column(results.get("tuned", []), part) if isinstance(v, float)]
     if part == 2 or not e or not t or statistics.median(e) < 0.01:
         return "-"
     return f"{statistics.median(t) / statistics.median(e):.1f}x"
@@ -381,14 +400,19 @@ MODELS = {"small": (512, 300), "medium": (2048, 150)}  # MLP width, steps
 
 def recovery_table(table: dict[str, dict[str, list[Result]]], part: int, title: str) -> None:
     print(f"{title}:\n")
-    print("| event | efdl (in place) | torchrun default | torchrun tuned | tuned / efdl |")
-    print("|---|---:|---:|---:|---:|")
+    keys = [k for k in LAUNCHERS if any(results.get(k) for results in table.values())]
+    versus = [k for k in ("efdl", "restart") if k in keys and "tuned" in keys]
+    print(
+        "| event | "
+        + " | ".join(LAUNCHERS[k] for k in keys)
+        + "".join(f" | tuned / {LAUNCHERS[k]}" for k in versus)
+        + " |"
+    )
+    print("|---|" + "---:|" * (len(keys) + len(versus)))
     for event, results in table.items():
-        print(
-            f"| {event} | {fmt(column(results['efdl'], part))} | "
-            f"{fmt(column(results['default'], part))} | "
-            f"{fmt(column(results['tuned'], part))} | {ratio(results, part)} |"
-        )
+        cells = [fmt(column(results[k], part)) if results.get(k) else "-" for k in keys]
+        cells += [ratio(results, part, k) for k in versus]
+        print(f"| {event} | " + " | ".join(cells) + " |")
     print(flush=True)
 
 
@@ -400,26 +424,31 @@ def median_of(results: list[Result], part: int) -> float | None:
 def plot_recovery(table: dict[str, dict[str, list[Result]]]) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.8))
-    names = {"efdl": "efdl (in place)", "tuned": "torchrun tuned", "default": "torchrun default"}
-    colors = {"efdl": "tab:blue", "tuned": "tab:orange", "default": "tab:gray"}
+    colors = {"efdl": "tab:blue", "restart": "tab:green", "tuned": "tab:orange"}
+    colors["default"] = "tab:gray"
     events = list(table)
+    names = {k: LAUNCHERS[k] for k in colors if any(table[e].get(k) for e in events)}
+    width = 0.8 / len(names)
     for i, (key, label) in enumerate(names.items()):
+        offset = (i - (len(names) - 1) / 2) * width
         xs, ys, lo, hi, failed = [], [], [], [], []
         for j, event in enumerate(events):
+            if not table[event].get(key):
+                continue
             nums = [v for v in column(table[event][key], 0) if isinstance(v, float)]
             if nums:
                 m = statistics.median(nums)
-                xs.append(j + (i - 1) * 0.27)
+                xs.append(j + offset)
                 ys.append(m)
                 lo.append(m - min(nums))
                 hi.append(max(nums) - m)
             else:
-                failed.append(j + (i - 1) * 0.27)
+                failed.append(j + offset)
         if xs:
-            ax.bar(xs, ys, 0.27, yerr=[lo, hi], capsize=3, label=label, color=colors[key])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=label, color=colors[key])
         for n, x in enumerate(failed):
             shown = label if not xs and n == 0 else None  # one legend entry per launcher
-            ax.bar([x], [60], 0.27, color=colors[key], alpha=0.25, hatch="//", label=shown)
+            ax.bar([x], [60], width, color=colors[key], alpha=0.25, hatch="//", label=shown)
             ax.annotate("none in 60 s", (x, 2), ha="center", fontsize=7, rotation=90)
     ax.set_xticks(range(len(events)), events)
     ax.set(ylabel="event to first step at the new size (s)", yscale="log")
@@ -468,35 +497,37 @@ def main() -> None:
     parser.add_argument("--default-repeat", type=int, default=0, help="0: as --repeat")
     parser.add_argument("--events", default="join,leave,kill,node,spare")
     parser.add_argument("--steady-repeat", type=int, default=3)
+    parser.add_argument(
+        "--launchers",
+        default=",".join(LAUNCHERS),
+        help="which of " + ", ".join(LAUNCHERS) + " to run (comma-separated)",
+    )
     args = parser.parse_args()
+    chosen = args.launchers.split(",")
+    unknown = sorted(set(chosen) - set(LAUNCHERS))
+    if unknown:
+        parser.error(f"--launchers: unknown {unknown}; expected some of {list(LAUNCHERS)}")
     tmp = Path(tempfile.mkdtemp(prefix="efdl-bench-"))
     default_repeat = args.default_repeat or args.repeat
     print(DESCRIPTION.format(repeat=args.repeat, default_repeat=default_repeat))
     table: dict[str, dict[str, list[Result]]] = {}
-    startups: dict[str, list[float | str]] = {"efdl": [], "default": [], "tuned": []}
+    startups: dict[str, list[float | str]] = {k: [] for k in chosen}
     with EmbeddedEtcd() as etcd:
         for event in args.events.split(","):
-            results: dict[str, list[Result]] = {"efdl": [], "default": [], "tuned": []}
+            results: dict[str, list[Result]] = {k: [] for k in chosen}
             for i in range(args.repeat):  # interleaved, so noise hits all alike
                 job = f"bench-{uuid.uuid4().hex[:6]}"
                 most = 2 if event == "spare" else 3
-                runs: list[tuple[str, Callable[[], Launcher]]] = [
+                runs = [
                     (
-                        "efdl",
-                        lambda j=job, m=most: efdl_launcher(etcd.endpoint.target, j, max_nodes=m),
+                        name,
+                        functools.partial(
+                            launcher, name, etcd.endpoint.target, f"{job}-{name}", most
+                        ),
                     )
+                    for name in chosen
+                    if not (name == "default" and i >= default_repeat)
                 ]
-                for name, tuned in (("default", False), ("tuned", True)):
-                    if name == "default" and i >= default_repeat:
-                        continue
-                    runs.append(
-                        (
-                            name,
-                            lambda p=free_port(), j=job, t=tuned, m=most: torchrun_launcher(  # noqa: B008
-                                p, j, t, m
-                            ),
-                        )
-                    )
                 for name, launcher_for in runs:
                     result, startup = measure(launcher_for, event, tmp)
                     results[name].append(result)
@@ -515,14 +546,21 @@ def main() -> None:
         "Startup, measured in the same runs (every event but spare): from starting both agents "
         "to the first step at world size 2 (s), `--min 1 --max 3` / `--nnodes 1:3`.\n"
     )
-    print("| efdl (settle 1 s, its default) | torchrun default | torchrun tuned | tuned / efdl |")
-    print("|---:|---:|---:|---:|")
-    e = statistics.median([v for v in startups["efdl"] if isinstance(v, float)])
-    t = statistics.median([v for v in startups["tuned"] if isinstance(v, float)])
+    keys = [k for k in LAUNCHERS if startups.get(k)]
+    versus = [k for k in ("efdl", "restart") if k in keys and "tuned" in keys]
     print(
-        f"| {fmt(startups['efdl'])} | {fmt(startups['default'])} | {fmt(startups['tuned'])} "
-        f"| {t / e:.1f}x |\n"
+        "| "
+        + " | ".join(LAUNCHERS[k] for k in keys)
+        + "".join(f" | tuned / {LAUNCHERS[k]}" for k in versus)
+        + " |"
     )
+    print("|" + "---:|" * (len(keys) + len(versus)))
+    cells = [fmt(startups[k]) for k in keys]
+    t = [v for v in startups.get("tuned", []) if isinstance(v, float)]
+    for k in versus:
+        e = [v for v in startups[k] if isinstance(v, float)]
+        cells.append(f"{statistics.median(t) / statistics.median(e):.1f}x" if e and t else "-")
+    print("| " + " | ".join(cells) + " |\n")
     print(
         "torchrun's c10d rendezvous waits its last-call window (30 s by default, 1 s tuned) "
         "whenever fewer than its max nodes have arrived; efdl waits its settle window only "
@@ -542,6 +580,8 @@ def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
     ):
         if event not in table:
             continue
+        if not table[event].get("efdl") or not table[event].get("tuned"):
+            continue
         e, t = median_of(table[event]["efdl"], part), median_of(table[event]["tuned"], part)
         if e is None:
             lines.append(f"- {what}: efdl did not recover: goal **not met**.")
@@ -557,26 +597,24 @@ def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
         ("spare", "a spare replacing a dead node"),
         ("join", "a join, until the newcomer trains"),
     ):
-        if event not in table:
+        if event not in table or not table[event].get("efdl"):
             continue
-        e, t = median_of(table[event]["efdl"], 0), median_of(table[event]["tuned"], 0)
+        e, t = median_of(table[event]["efdl"], 0), median_of(table[event].get("tuned", []), 0)
         if e is None:
             lines.append(f"- {what}: efdl did not recover within 60 s.")
         elif t is None:
             lines.append(f"- {what}: efdl {e:.2f} s; tuned torchrun did not recover within 60 s.")
         else:
             lines.append(f"- {what}: efdl {e:.2f} s, tuned torchrun {t:.2f} s ({t / e:.1f}x).")
-        d = median_of(table[event]["default"], 0)
-        fails = sum(isinstance(v, str) for v in column(table[event]["default"], 0))
-        lines[-1] += (
-            f" Default torchrun: {d:.2f} s" if d is not None else " Default torchrun: none"
-        ) + (
-            f", {fails} of {len(table[event]['default'])} runs without recovery in 60 s."
-            if fails
-            else "."
-        )
+        default = table[event].get("default", [])
+        if default:
+            d = median_of(default, 0)
+            fails = sum(isinstance(v, str) for v in column(default, 0))
+            lines[-1] += (
+                f" Default torchrun: {d:.2f} s" if d is not None else " Default torchrun: none"
+            ) + (f", {fails} of {len(default)} runs without recovery in 60 s." if fails else ".")
     lost = {
-        event: max((v for v in column(r["efdl"], 2) if isinstance(v, float)), default=0.0)
+        event: max((v for v in column(r.get("efdl", []), 2) if isinstance(v, float)), default=0.0)
         for event, r in table.items()
     }
     lines.append(
@@ -584,6 +622,16 @@ def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
         + ", ".join(f"{event} {int(v)}" for event, v in lost.items())
         + "; efdl commits every step, so a crash repeats at most the step in flight."
     )
+    for event, results in table.items():  # restart mode: plain scripts, goal 1.5x tuned
+        r, t = median_of(results.get("restart", []), 0), median_of(results.get("tuned", []), 0)
+        if r is None or not results.get("tuned"):
+            continue
+        speedup = f"{t / r:.2f}x" if t is not None else "tuned torchrun did not recover"
+        lines.append(
+            f"- restart mode, {event}: efdl {r:.2f} s vs tuned torchrun "
+            f"{'-' if t is None else f'{t:.2f}'} s: {speedup} (goal >= 1.5x: "
+            f"{verdict(t is None or t / r >= 1.5)})."
+        )
     print("Against the goals (computed from the tables above):\n")
     print("\n".join(lines) + "\n")
 

@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,23 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
                 os._exit(1)
 
     return preexec
+
+
+def spawn_worker(
+    args: Sequence[str], env: Mapping[str, str], stdin: int
+) -> subprocess.Popen[bytes]:
+    """A worker process: in a process group of its own (stopped with its children), its
+    output piped to the agent, SIGKILLed if the agent dies. Call from the agent's main thread
+    (see :func:`die_with_parent`)."""
+    return subprocess.Popen(
+        list(args),
+        env=dict(env),
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=0,
+        preexec_fn=die_with_parent(),
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -307,6 +307,13 @@ _IGNORED = {
     help="Restarts of failed workers on this node before it gives up.",
 )
 @click.option(
+    "--warm-workers",
+    "warm_workers",
+    type=int,
+    help="Worker processes kept started ahead of need, torch imported (default: one per "
+    "worker slot; 0: none). About 300 MB of host memory each.",
+)
+@click.option(
     "--grace-period",
     "grace_period_s",
     type=float,

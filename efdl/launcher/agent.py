@@ -27,6 +27,7 @@ from efdl.launcher.gpus import free_slot
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.store import StoreServer, preload
+from efdl.launcher.warm import WarmPool, warm_command
 from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
 from efdl.rendezvous.agent import RendezvousAgent, end_job
 from efdl.rendezvous.api import KVStore
@@ -43,6 +44,8 @@ from efdl.state.channel import (
 )
 
 log = logging.getLogger(__name__)
+
+REFILL_AFTER_S = 5.0  # after starting workers, how long until the warm pool is filled again
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,9 @@ class NodeAgent:
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
         self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
         self._group: WorkerGroup | None = None
+        size = node.slots if cfg.warm_workers is None else cfg.warm_workers
+        self._warm = WarmPool(size if warm_command(self._args) else 0, self._base_env())
+        self._refill_at: float | None = None
         self._acted = 0
         self._restarts = 0
         self._finishing = False
@@ -170,12 +176,19 @@ class NodeAgent:
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
+            # This node's first workers: their interpreters import torch while it joins.
+            self._warm.fill(self._node.slots if self._warm.size else 0)
             self._join()
             while True:
-                wait_s = None if self._finish_by is None else self._finish_by - time.monotonic()
+                due = [t for t in (self._finish_by, self._refill_at) if t is not None]
+                wait_s = min(due) - time.monotonic() if due else None
                 try:
                     event = self._events.get(timeout=None if wait_s is None else max(0.0, wait_s))
                 except queue.Empty:
+                    if self._refill_at is not None and time.monotonic() >= self._refill_at:
+                        self._refill_at = None
+                        self._refill()
+                        continue
                     self._stop_workers()
                     raise AgentExit(
                         0,
@@ -191,12 +204,23 @@ class NodeAgent:
                 self._group.kill()
             if self._rdzv is not None:
                 self._rdzv.leave()
+            self._warm.close()
             self._server.close()
             self._channel.close()
             self._cache_record.close(timeout_s=2.0)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _refill(self) -> None:
+        started = self._warm.fill()
+        if started:
+            log.info(
+                "%s: started %d warm worker process(es) (pids %s).",
+                self._tag(),
+                len(started),
+                started,
+            )
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._events.put(_Signal(signum))
@@ -401,7 +425,12 @@ class NodeAgent:
                 env.update(self._cache.to_env())
         if self._group is None:
             self._group = WorkerGroup(r.generation, [])
-        self._group.spawn(self._args, envs, r.generation, self._logs, self._events, slots)
+        self._group.spawn(
+            self._args, envs, r.generation, self._logs, self._events, slots, self._warm
+        )
+        # Warm processes to replace the ones taken, once these workers are past their own
+        # start (their imports and the warm ones' would share the node's cores).
+        self._refill_at = time.monotonic() + REFILL_AFTER_S
         log.info(
             "%s: round %d: ranks %d-%d of %d (%s).",
             self._tag(),

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from efdl._process import die_with_parent, reap
+from efdl._process import reap, spawn_worker
+from efdl.launcher import warm
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +89,21 @@ class Worker:
         logs: LogSpec,
         events: queue.Queue[object],
         gpu_slot: int | None = None,
+        pool: warm.WarmPool | None = None,
     ) -> None:
         self.local_rank, self.rank, self.generation = local_rank, rank, generation
         self.gpu_slot = gpu_slot  # which of the node's GPUs it holds for its whole life
         self.error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
         self.error_file.parent.mkdir(parents=True, exist_ok=True)
         self.error_file.unlink(missing_ok=True)
-        self.proc = subprocess.Popen(
-            list(args),
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            process_group=0,
-            preexec_fn=die_with_parent(),
-        )
+        command = warm.warm_command(args)
+        ready = pool.take() if pool is not None and command is not None else None
+        self.warm = ready is not None
+        if ready is not None and command is not None:
+            warm.start(ready, command, env)
+            self.proc = ready
+        else:
+            self.proc = spawn_worker(args, env, subprocess.DEVNULL)
         self.pid = self.proc.pid
         self._threads = []
         for bit, pipe, console in (
@@ -168,9 +169,11 @@ class WorkerGroup:
         logs: LogSpec,
         events: queue.Queue[object],
         gpu_slots: Mapping[int, int | None] | None = None,
+        pool: warm.WarmPool | None = None,
     ) -> None:
         """Start workers for these local ranks (local rank -> environment), each on its GPU
-        slot (local rank -> slot; none on a CPU host)."""
+        slot (local rank -> slot; none on a CPU host), in warm processes from ``pool`` while
+        it has them."""
         slots = gpu_slots or {}
         new = [
             Worker(
@@ -182,6 +185,7 @@ class WorkerGroup:
                 logs,
                 events,
                 slots.get(local_rank),
+                pool,
             )
             for local_rank, env in envs.items()
         ]
@@ -189,10 +193,11 @@ class WorkerGroup:
         for w in new:
             self.exited.pop(w.local_rank, None)
         log.info(
-            "Generation %d: started workers %s (pids %s).",
+            "Generation %d: started workers %s (pids %s%s).",
             generation,
             [w.rank for w in new],
             [w.pid for w in new],
+            f"; {sum(w.warm for w in new)} of them warm" if any(w.warm for w in new) else "",
         )
 
     def remove(self, pid: int) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from efdl.config import EtcdClientConfig, load, read_password, read_yaml
+from efdl.config import EtcdClientConfig, LaunchConfig, load, read_password, read_yaml
 from efdl.errors import ConfigError
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 
@@ -197,3 +197,11 @@ def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) 
             load(LaunchConfig, {"standalone": True, **flags}, env={})
     with pytest.raises(ConfigError, match="EFDL_CACHE"):
         CacheSettings.from_env({"EFDL_CACHE_URL": "/x", "EFDL_CACHE_KEEP": "many"})
+
+
+def test_warm_workers_default_and_bad_values() -> None:
+    base = {"standalone": True}
+    assert load(LaunchConfig, base, env={}).warm_workers is None  # one per slot
+    assert load(LaunchConfig, base, env={"EFDL_WARM_WORKERS": "0"}).warm_workers == 0
+    with pytest.raises(ConfigError, match=r"--warm-workers \(-1\) must not be negative"):
+        load(LaunchConfig, {**base, "warm_workers": -1}, env={})

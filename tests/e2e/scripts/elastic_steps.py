@@ -179,6 +179,7 @@ def train(state: efdl.ElasticState) -> None:
             row = {
                 "node": os.environ["EFDL_NODE_ID"],
                 "pid": os.getpid(),
+                "warm": os.environ.get("EFDL_WARM") == "1",
                 "rank": rank,
                 "world": world,
                 "gen": state.generation,

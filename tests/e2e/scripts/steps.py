@@ -67,6 +67,7 @@ for step in range(start, steps):
         "step": step,
         "gen": int(os.environ.get("EFDL_GENERATION", "0")),
         "pid": os.getpid(),
+        "warm": os.environ.get("EFDL_WARM") == "1",
         "t": time.time(),
         "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
         "local_rank": int(os.environ["LOCAL_RANK"]),

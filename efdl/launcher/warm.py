@@ -1,0 +1,167 @@
+"""Warm worker processes: an interpreter with torch already imported, waiting for its place.
+
+Starting a worker costs a Python interpreter and ``import torch`` (1.5-3 s on a CPU host,
+more on a GPU node with CUDA's libraries) before the script's own first line; every restart,
+replacement and newcomer waited for it. The agent keeps processes started ahead of need
+(``--warm-workers``); when it needs a worker, it hands one of them the worker's command line
+and environment, and the script starts at once in that same process (same pid, same pipes):
+``python script.py`` for plain and efdl-aware scripts alike.
+
+What a warm process does not share with a fresh one: it imported torch under the agent's
+environment, not the worker's. Nothing torch reads at import differs between the two except
+the thread counts (``OMP_NUM_THREADS`` and friends), which are applied again at the hand-over
+(``torch.set_num_threads``); CUDA is not initialised by the import, so ``CUDA_VISIBLE_DEVICES``
+is read first at the script's first CUDA call, as in a fresh process.
+
+Run as ``python -m efdl.launcher.warm``: it imports torch, then waits for one JSON line on its
+standard input, ``{"argv": [...], "env": {...}}`` (argv as after ``python``: ``script args``
+or ``-m module args``), and runs it as ``__main__``. End of input: it exits 0 unused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from efdl._process import spawn_worker
+
+log = logging.getLogger(__name__)
+
+WARM_ENV = "EFDL_WARM"  # set in the worker's environment when it started warm ("1")
+
+
+def warm_command(args: Sequence[str]) -> list[str] | None:
+    """The part of a worker command a warm process runs (after ``python``), or None when the
+    command is not this Python running a script or a module (``--no-python``)."""
+    if len(args) < 2 or args[0] != sys.executable:
+        return None
+    if args[1] == "-m":
+        return list(args[1:]) if len(args) > 2 else None
+    return None if args[1].startswith("-") else list(args[1:])
+
+
+class WarmPool:
+    """Warm processes for one agent: ``take()`` one ready to become a worker, ``fill()`` up
+    to ``size``.
+
+    Args:
+        size: how many to keep (0: none; every worker starts cold).
+        env: the environment they start with (the agent's).
+    """
+
+    def __init__(self, size: int, env: Mapping[str, str]) -> None:
+        self.size = size
+        self._env = dict(env)
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def fill(self, count: int | None = None) -> list[int]:
+        """Start warm processes until ``count`` (default: the pool's size) are waiting;
+        returns the pids of those started."""
+        want = self.size if count is None else count
+        self._procs = [p for p in self._procs if p.poll() is None]
+        started = []
+        while len(self._procs) < want:
+            proc = spawn_worker([sys.executable, "-m", __name__], self._env, subprocess.PIPE)
+            self._procs.append(proc)
+            started.append(proc.pid)
+        return started
+
+    def take(self) -> subprocess.Popen[bytes] | None:
+        """The oldest live warm process (the one furthest along its imports), or None."""
+        while self._procs:
+            proc = self._procs.pop(0)
+            if proc.poll() is None:
+                return proc
+            log.warning("A warm worker process (pid %d) had ended (%s).", proc.pid, proc.returncode)
+        return None
+
+    def close(self) -> None:
+        """Let the unused ones go: end of input makes them exit; kill what does not."""
+        for proc in self._procs:
+            _close_quietly(proc)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs = []
+
+
+def start(proc: subprocess.Popen[bytes], argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Hand a warm process its worker's command line and environment."""
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n")
+    _close_quietly(proc)
+
+
+def _close_quietly(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        if proc.stdin is not None:
+            proc.stdin.close()
+    except OSError:  # it died meanwhile: its exit is reported as any worker's
+        pass
+
+
+def _run(argv: list[str]) -> None:
+    """Run ``argv`` (``script args`` or ``-m module args``) as ``python`` would."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        sys.path[0] = os.getcwd()  # as python -m does
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as python script.py does
+    runpy.run_path(script, run_name="__main__")
+
+
+def main() -> None:
+    import torch
+    import torch.distributed
+
+    with contextlib.suppress(Exception):  # only an optimisation: what the first
+        import torch._dynamo  # optimizer.step() imports lazily (over a second here)
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return  # the agent let it go unused
+    order = json.loads(line)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # a worker's stdin, as the agent gives a cold one
+    os.close(devnull)
+    os.environ.clear()
+    os.environ.update(order["env"])
+    os.environ[WARM_ENV] = "1"
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # libgomp read the agent's at import
+        torch.set_num_threads(int(threads))
+    argv = list(order["argv"])
+    try:
+        _run(argv)
+    except SystemExit:
+        raise
+    except Exception as exc:  # as python prints it: from the script's frames on
+        import runpy
+        import traceback
+
+        ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
+        tb = exc.__traceback__
+        while tb is not None and _where(tb.tb_frame.f_code.co_filename) in ours:
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb)
+        sys.exit(1)
+
+
+def _where(filename: str) -> str:
+    return filename if filename.startswith("<") else os.path.abspath(filename)
+
+
+if __name__ == "__main__":
+    main()

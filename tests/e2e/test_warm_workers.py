@@ -1,0 +1,95 @@
+"""Warm worker processes: the agent keeps interpreters with torch imported, and a replacement
+(in place) or a restart (plain script) starts in them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from efdl.rendezvous.embedded import EmbeddedEtcd
+from tests.e2e.harness import Job, check_consistent, in_place_job, latest_gen, steps_at_world
+
+pytestmark = pytest.mark.timeout(240)
+
+WARM_LINE = re.compile(r"started (\d+) warm worker process\(es\) \(pids \[([\d, ]+)\]\)")
+
+
+def warm_pids(job: Job, node: str, timeout_s: float = 90) -> set[int]:
+    """The pids of the warm processes the agent started after its workers (its log line)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = WARM_LINE.search(job.agents[node].output())
+        if found:
+            return {int(p) for p in found.group(2).split(",")}
+        time.sleep(0.2)
+    raise AssertionError(f"no warm processes started:\n{job.agents[node].output()[-4000:]}")
+
+
+def pids_after(rows: list[dict[str, object]], gen: int, upto: int = 1 << 30) -> set[int]:
+    """The pids of the workers that logged steps in generations ``gen+1..upto``."""
+    return {int(str(r["pid"])) for r in rows if gen < int(str(r["gen"])) <= upto}
+
+
+@pytest.fixture()
+def in_place(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
+    j = in_place_job(tmp_path, etcd_server.endpoint.target, "warm")
+    yield j
+    j.stop()
+
+
+@pytest.fixture()
+def restart(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
+    j = Job(
+        tmp_path,
+        etcd_server.endpoint.target,
+        f"warmr-{uuid.uuid4().hex[:8]}",
+        ["--lease-ttl", "3", "--settle", "0.5", "--grace-period", "5", "--nproc-per-node", "2"],
+        env={"STEP_SECONDS": "0.1"},
+    )
+    yield j
+    j.stop()
+
+
+def test_a_crashed_in_place_worker_is_replaced_by_a_warm_process(in_place: Job) -> None:
+    job = in_place
+    job.start("a", "--nproc-per-node", "2", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    assert all(r["warm"] for r in rows)  # the first workers started in the warm processes
+    ready = warm_pids(job, "a")
+    assert len(ready) == 2  # one per slot, by default
+    victim = next(int(r["pid"]) for r in rows if r["rank"] == 1)  # type: ignore[call-overload]
+    g = latest_gen(rows)
+    os.kill(victim, signal.SIGKILL)
+    rows = job.wait_for("the replacement training", steps_at_world(2, g))
+    new = pids_after(rows, g) - pids_after(rows, 0, g)
+    assert len(new) == 1 and new <= ready, (new, ready)  # the survivor trains on in place
+    check_consistent(rows)
+
+
+def test_a_restart_starts_every_worker_in_a_warm_process(restart: Job) -> None:
+    job = restart
+    job.start("a")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    ready = warm_pids(job, "a")
+    victim = next(int(r["pid"]) for r in rows if r["rank"] == 1)  # type: ignore[call-overload]
+    os.kill(victim, signal.SIGKILL)
+    g = latest_gen(rows)
+    rows = job.wait_for("the restarted workers", steps_at_world(2, g))
+    assert pids_after(rows, g) == ready
+    assert all(r["warm"] for r in rows if int(r["gen"]) > g)  # type: ignore[call-overload]
+
+
+def test_no_warm_processes_with_warm_workers_0(restart: Job) -> None:
+    job = restart
+    job.start("a", "--warm-workers", "0")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    assert not any(r["warm"] for r in rows)
+    out = job.agents["a"].output()
+    assert "warm worker" not in out and "of them warm" not in out, out
