@@ -33,6 +33,13 @@ from efdl._process import spawn_worker
 log = logging.getLogger(__name__)
 
 WARM_ENV = "EFDL_WARM"  # set in the worker's environment when it started warm ("1")
+WAITING_NAME = "efdl-warm"  # the process name (/proc/PID/comm) of one waiting for its place
+
+
+def _set_name(name: str) -> None:
+    """Name this process as ps, top and /proc/PID/comm show it (Linux; 15 bytes)."""
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
+        f.write(name[:15])
 
 
 def warm_command(args: Sequence[str]) -> list[str] | None:
@@ -124,6 +131,7 @@ def _run(argv: list[str]) -> None:
 
 
 def main() -> None:
+    _set_name(WAITING_NAME)  # a waiting process is told apart from a worker
     import torch
     import torch.distributed
 
@@ -139,6 +147,7 @@ def main() -> None:
     os.environ.clear()
     os.environ.update(order["env"])
     os.environ[WARM_ENV] = "1"
+    _set_name(os.path.basename(sys.executable))  # as a fresh worker's
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # libgomp read the agent's at import
         torch.set_num_threads(int(threads))

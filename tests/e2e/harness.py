@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+
+from efdl.launcher.warm import WAITING_NAME
 
 SCRIPTS = Path(__file__).parent / "scripts"
 EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
@@ -62,10 +65,17 @@ class Agent:
         return self.log.read_text(errors="replace")
 
     def worker_pids(self) -> list[int]:
+        """The agent's workers (and their children), not warm processes waiting for a place."""
         try:
-            return [p.pid for p in psutil.Process(self.pid).children(recursive=True)]
+            children = psutil.Process(self.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             return []
+        pids = []
+        for p in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.name() != WAITING_NAME:
+                    pids.append(p.pid)
+        return pids
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
