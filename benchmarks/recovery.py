@@ -386,13 +386,33 @@ def column(results: list[Result], part: int) -> list[float | str]:
     return [r if isinstance(r, str) else r[part] for r in results]
 
 
-def ratio(results: dict[str, list[Result]], part: int, of: str = "efdl") -> str:
-    """Tuned torchrun's median over ``of``'s."""
-    e = [v for v in column(results.get(of, []), part) if isinstance(v, float)]
-    t = [v for v in column(results.get("tuned", []), part) if isinstance(v, float)]
-    if part == 2 or not e or not t or statistics.median(e) < 0.01:
+def ratio(of: list[float | str], tuned: list[float | str]) -> str:
+    """Tuned torchrun's median over ``of``'s ("-" when either never recovered)."""
+    e = [v for v in of if isinstance(v, float)]
+    t = [v for v in tuned if isinstance(v, float)]
+    if not e or not t or statistics.median(e) < 0.01:
         return "-"
     return f"{statistics.median(t) / statistics.median(e):.1f}x"
+
+
+def launcher_table(
+    rows: dict[str, dict[str, list[float | str]]], first: str | None, ratios: bool = True
+) -> None:
+    """A table of a row per key of ``rows`` (in a first column headed ``first``; None: no
+    such column), a column per launcher that ran, then, with ``ratios``, tuned torchrun's
+    median over each efdl launcher's."""
+    keys = [k for k in LAUNCHERS if any(values.get(k) for values in rows.values())]
+    versus = [k for k in ("efdl", "restart") if ratios and k in keys and "tuned" in keys]
+    head = [*([first] if first is not None else []), *(LAUNCHERS[k] for k in keys)]
+    head += [f"tuned / {LAUNCHERS[k]}" for k in versus]
+    print("| " + " | ".join(head) + " |")
+    print("|" + ("---|" if first is not None else "") + "---:|" * (len(keys) + len(versus)))
+    for name, values in rows.items():
+        cells = [*([name] if first is not None else [])]
+        cells += [fmt(values[k]) if values.get(k) else "-" for k in keys]
+        cells += [ratio(values[k], values["tuned"]) for k in versus]
+        print("| " + " | ".join(cells) + " |")
+    print(flush=True)
 
 
 MODELS = {"small": (512, 300), "medium": (2048, 150)}  # MLP width, steps
@@ -400,20 +420,8 @@ MODELS = {"small": (512, 300), "medium": (2048, 150)}  # MLP width, steps
 
 def recovery_table(table: dict[str, dict[str, list[Result]]], part: int, title: str) -> None:
     print(f"{title}:\n")
-    keys = [k for k in LAUNCHERS if any(results.get(k) for results in table.values())]
-    versus = [k for k in ("efdl", "restart") if k in keys and "tuned" in keys]
-    print(
-        "| event | "
-        + " | ".join(LAUNCHERS[k] for k in keys)
-        + "".join(f" | tuned / {LAUNCHERS[k]}" for k in versus)
-        + " |"
-    )
-    print("|---|" + "---:|" * (len(keys) + len(versus)))
-    for event, results in table.items():
-        cells = [fmt(column(results[k], part)) if results.get(k) else "-" for k in keys]
-        cells += [ratio(results, part, k) for k in versus]
-        print(f"| {event} | " + " | ".join(cells) + " |")
-    print(flush=True)
+    rows = {e: {k: column(r, part) for k, r in results.items()} for e, results in table.items()}
+    launcher_table(rows, "event", ratios=part != 2)  # no ratio of steps trained again
 
 
 def median_of(results: list[Result], part: int) -> float | None:
@@ -546,21 +554,7 @@ def main() -> None:
         "Startup, measured in the same runs (every event but spare): from starting both agents "
         "to the first step at world size 2 (s), `--min 1 --max 3` / `--nnodes 1:3`.\n"
     )
-    keys = [k for k in LAUNCHERS if startups.get(k)]
-    versus = [k for k in ("efdl", "restart") if k in keys and "tuned" in keys]
-    print(
-        "| "
-        + " | ".join(LAUNCHERS[k] for k in keys)
-        + "".join(f" | tuned / {LAUNCHERS[k]}" for k in versus)
-        + " |"
-    )
-    print("|" + "---:|" * (len(keys) + len(versus)))
-    cells = [fmt(startups[k]) for k in keys]
-    t = [v for v in startups.get("tuned", []) if isinstance(v, float)]
-    for k in versus:
-        e = [v for v in startups[k] if isinstance(v, float)]
-        cells.append(f"{statistics.median(t) / statistics.median(e):.1f}x" if e and t else "-")
-    print("| " + " | ".join(cells) + " |\n")
+    launcher_table({"": startups}, None)
     print(
         "torchrun's c10d rendezvous waits its last-call window (30 s by default, 1 s tuned) "
         "whenever fewer than its max nodes have arrived; efdl waits its settle window only "

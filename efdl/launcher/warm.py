@@ -87,6 +87,15 @@ class WarmPool:
             log.warning("A warm worker process (pid %d) had ended (%s).", proc.pid, proc.returncode)
         return None
 
+    def start(self, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+        """The worker command ``args`` with ``env``, started in a warm process; None when
+        none is waiting or the command cannot start warm (see :func:`warm_command`)."""
+        command = warm_command(args)
+        proc = self.take() if command is not None else None
+        if proc is not None and command is not None:
+            _hand_over(proc, command, env)
+        return proc
+
     def close(self) -> None:
         """Let the unused ones go: end of input makes them exit; kill what does not."""
         for proc in self._procs:
@@ -100,19 +109,18 @@ class WarmPool:
         self._procs = []
 
 
-def start(proc: subprocess.Popen[bytes], argv: Sequence[str], env: Mapping[str, str]) -> None:
+def _hand_over(proc: subprocess.Popen[bytes], argv: Sequence[str], env: Mapping[str, str]) -> None:
     """Hand a warm process its worker's command line and environment."""
     assert proc.stdin is not None
-    proc.stdin.write(json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n")
+    with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported as a worker's
+        proc.stdin.write(json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n")
     _close_quietly(proc)
 
 
 def _close_quietly(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(OSError):
         if proc.stdin is not None:
             proc.stdin.close()
-    except OSError:  # it died meanwhile: its exit is reported as any worker's
-        pass
 
 
 def _run(argv: list[str]) -> None:
@@ -154,9 +162,8 @@ def main() -> None:
     argv = list(order["argv"])
     try:
         _run(argv)
-    except SystemExit:
-        raise
-    except Exception as exc:  # as python prints it: from the script's frames on
+    except Exception as exc:  # printed as python would, from the script's frames on
+        # (SystemExit is no Exception: the script's exit code stands)
         import runpy
         import traceback
 

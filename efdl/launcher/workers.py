@@ -96,14 +96,9 @@ class Worker:
         self.error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
         self.error_file.parent.mkdir(parents=True, exist_ok=True)
         self.error_file.unlink(missing_ok=True)
-        command = warm.warm_command(args)
-        ready = pool.take() if pool is not None and command is not None else None
-        self.warm = ready is not None
-        if ready is not None and command is not None:
-            warm.start(ready, command, env)
-            self.proc = ready
-        else:
-            self.proc = spawn_worker(args, env, subprocess.DEVNULL)
+        started = pool.start(args, env) if pool is not None else None
+        self.warm = started is not None
+        self.proc = started or spawn_worker(args, env, subprocess.DEVNULL)
         self.pid = self.proc.pid
         self._threads = []
         for bit, pipe, console in (

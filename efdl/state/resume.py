@@ -186,23 +186,24 @@ def _read_rows(
 ) -> None:
     """This rank's rows (``mine``) of every sharded tensor into ``dests``, from the parts of
     the snapshot's ranks whose rows overlap them, a part at a time."""
-    wanted: dict[str, list[tuple[str, int]]] = {}  # part -> (key, snapshot rank)
+    # part -> (key, the rows the part holds, the rows of them this rank holds)
+    wanted: dict[str, list[tuple[str, tuple[int, int], tuple[int, int]]]] = {}
     for key, names in split.items():
+        length = dests[key].shape[0]
         for r, name in enumerate(names):
-            start, end = overlap(dests[key].shape[0], Layout(m.world_size, r), mine)
+            theirs = Layout(m.world_size, r)
+            start, end = overlap(length, theirs, mine)
             if start < end:
-                wanted.setdefault(name, []).append((key, r))
+                wanted.setdefault(name, []).append((key, rows(length, theirs), (start, end)))
     for name in sorted(wanted):
         part = store.read(m, name)
-        for key, r in wanted[name]:
+        for key, held, (start, end) in wanted[name]:
             dest = dests[key]
-            held = rows(dest.shape[0], Layout(m.world_size, r))
             got = part.get(key) if isinstance(part, dict) else None
             if not isinstance(got, torch.Tensor):
                 raise SnapshotError(f"{store.path(m.step, name)} holds no rows of {key}.")
             shape = (held[1] - held[0], *dest.shape[1:])
             _check(store.path(m.step, name), key, got, shape, dest.dtype)
-            start, end = overlap(dest.shape[0], Layout(m.world_size, r), mine)
             first = rows(dest.shape[0], mine)[0]
             sharded.local(dest)[start - first : end - first].copy_(
                 got[start - held[0] : end - held[0]]

@@ -201,6 +201,17 @@ ELASTIC_ARGS = [
 ]
 
 
+def restart_job(out_dir: Path, etcd: str, prefix: str) -> Job:
+    """A job of plain torchrun scripts (restart mode): lease TTL 3 s, 0.1 s per step."""
+    return Job(
+        out_dir,
+        etcd,
+        f"{prefix}-{uuid.uuid4().hex[:8]}",
+        ["--lease-ttl", "3", "--settle", "0.5", "--grace-period", "5"],
+        env={"STEP_SECONDS": "0.1"},
+    )
+
+
 def in_place_job(out_dir: Path, etcd: str, prefix: str) -> Job:
     """A job of in-place (efdl-aware) workers: lease TTL 3 s, 0.1 s of sleep per step."""
     return Job(

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,20 +14,21 @@ import pytest
 
 from efdl.launcher.node import interface_of
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from tests.e2e.harness import EFDL_RUN, Job, latest_gen, steps_at_world, wait_gone
+from tests.e2e.harness import (
+    EFDL_RUN,
+    Job,
+    latest_gen,
+    restart_job,
+    steps_at_world,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture()
 def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
-    j = Job(
-        tmp_path,
-        etcd_server.endpoint.target,
-        f"e2e-{uuid.uuid4().hex[:8]}",
-        ["--lease-ttl", "3", "--settle", "0.5", "--grace-period", "5"],
-        env={"STEP_SECONDS": "0.1"},
-    )
+    j = restart_job(tmp_path, etcd_server.endpoint.target, "e2e")
     yield j
     j.stop()
 

@@ -6,30 +6,34 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from tests.e2e.harness import Job, check_consistent, in_place_job, latest_gen, steps_at_world
+from tests.e2e.harness import (
+    Job,
+    check_consistent,
+    in_place_job,
+    latest_gen,
+    restart_job,
+    steps_at_world,
+)
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
 WARM_LINE = re.compile(r"started (\d+) warm worker process\(es\) \(pids \[([\d, ]+)\]\)")
 
 
-def warm_pids(job: Job, node: str, timeout_s: float = 90) -> set[int]:
+def warm_pids(job: Job, node: str) -> set[int]:
     """The pids of the warm processes the agent started after its workers (its log line)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = WARM_LINE.search(job.agents[node].output())
-        if found:
-            return {int(p) for p in found.group(2).split(",")}
-        time.sleep(0.2)
-    raise AssertionError(f"no warm processes started:\n{job.agents[node].output()[-4000:]}")
+    out = job.agents[node].output
+    wait_until(f"node {node}'s warm processes", lambda: WARM_LINE.search(out()), 90)
+    found = WARM_LINE.search(out())
+    assert found is not None
+    return {int(p) for p in found.group(2).split(",")}
 
 
 def pids_after(rows: list[dict[str, object]], gen: int, upto: int = 1 << 30) -> set[int]:
@@ -46,13 +50,8 @@ def in_place(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
 
 @pytest.fixture()
 def restart(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
-    j = Job(
-        tmp_path,
-        etcd_server.endpoint.target,
-        f"warmr-{uuid.uuid4().hex[:8]}",
-        ["--lease-ttl", "3", "--settle", "0.5", "--grace-period", "5", "--nproc-per-node", "2"],
-        env={"STEP_SECONDS": "0.1"},
-    )
+    j = restart_job(tmp_path, etcd_server.endpoint.target, "warmr")
+    j.common += ["--nproc-per-node", "2"]
     yield j
     j.stop()
 

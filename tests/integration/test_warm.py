@@ -8,9 +8,10 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from efdl.launcher.warm import WARM_ENV, WarmPool, start, warm_command
+from efdl.launcher.warm import WarmPool, warm_command
 
 SCRIPT = """
 import json, os, sys, torch
@@ -35,9 +36,9 @@ def pool() -> Iterator[WarmPool]:
 
 def run_warm(pool: WarmPool, argv: list[str], **env: str) -> tuple[int, str, str]:
     pool.fill()
-    proc = pool.take()
+    worker_env = {**os.environ, "RANK": "3", "OMP_NUM_THREADS": "1", **env}
+    proc = pool.start([sys.executable, *argv], worker_env)
     assert proc is not None
-    start(proc, argv, {**os.environ, "RANK": "3", "OMP_NUM_THREADS": "1", **env})
     out, err = proc.stdout.read(), proc.stderr.read()  # type: ignore[union-attr]
     return proc.wait(timeout=60), out.decode(), err.decode()
 
@@ -81,17 +82,19 @@ def test_a_module_runs_as_python_m_would(
     assert seen["name"] == "__main__" and seen["argv"] == [str(tmp_path / "mytrainer.py"), "x"]
 
 
-def test_an_unused_warm_process_goes_when_the_pool_closes() -> None:
+def test_unused_warm_processes_go_when_the_pool_closes() -> None:
     pool = WarmPool(2, os.environ)
-    pool.fill()
-    procs = [pool.take(), pool.take()]
+    waiting = pool.fill()
+    assert len(waiting) == 2
+    pool.close()  # end of input: they exit unused (close waits for them)
+    assert not [pid for pid in waiting if psutil.pid_exists(pid)]
     assert pool.take() is None
-    pool.fill(1)
-    pool.close()
-    for p in procs:
-        assert p is not None
-        p.stdin.close()  # type: ignore[union-attr]
-        assert p.wait(timeout=60) == 0
+
+
+def test_a_command_that_cannot_start_warm_is_left_to_a_cold_start(pool: WarmPool) -> None:
+    pool.fill()
+    assert pool.start(["/usr/bin/env", "true"], os.environ) is None  # --no-python
+    assert pool.take() is not None  # the warm process is still there for a worker
 
 
 def test_only_this_python_running_a_script_or_module_can_start_warm() -> None:
@@ -101,4 +104,3 @@ def test_only_this_python_running_a_script_or_module_can_start_warm() -> None:
     assert warm_command(["/usr/bin/bash", "run.sh"]) is None  # --no-python
     assert warm_command([py, "-X", "dev", "train.py"]) is None  # interpreter flags: cold
     assert warm_command([py, "-m"]) is None
-    assert WARM_ENV == "EFDL_WARM"
