@@ -39,6 +39,7 @@ from efdl.state.channel import (
     JOIN_TIMEOUT_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SOCKET_ENV,
+    STANDBY_ENV,
     ChannelServer,
     Placement,
 )
@@ -141,6 +142,12 @@ class NodeAgent:
         self._finish_by: float | None = None
         self._in_place: set[int] = set()  # pids of workers that rebuild in place
         self._leaving: set[int] = set()  # pids told to leave at the next step boundary
+        # Replacements of in-place workers that died: those not placed in a round yet, and
+        # those not ready yet (no hello: the node offers that many workers fewer).
+        self._standby: set[int] = set()
+        self._replacing: set[int] = set()
+        self._unsent: dict[int, Placement] = {}  # placements for workers not connected yet
+        self._round: Round | None = None  # the newest active round that placed this node
         url = cfg.cache_for(job_id)
         self._cache = (
             CacheSettings(url, cfg.cache_every_steps, cfg.cache_every_s, cfg.cache_keep)
@@ -262,9 +269,22 @@ class NodeAgent:
         elif isinstance(event, _Failed):
             raise AgentExit(1, event.reason)
         elif isinstance(event, _Hello):
-            self._in_place.add(event.pid)
+            self._on_hello(event.pid)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
+
+    def _on_hello(self, pid: int) -> None:
+        """A worker connected: it rebuilds in place. A replacement is ready now: offer its
+        slot again, and give it the place a round may already have for it."""
+        self._in_place.add(pid)
+        placement = self._unsent.pop(pid, None)
+        if placement is not None:
+            self._channel.send_round(pid, placement)
+        if pid in self._replacing:
+            self._replacing.discard(pid)
+            if self._rdzv is not None:
+                self._rdzv.set_down(len(self._replacing))
+            log.info("%s: the replacement worker (pid %d) is ready.", self._tag(), pid)
 
     def _log_cache(self) -> None:
         """Say whether this job starts cold or resumes from its cache."""
@@ -328,6 +348,8 @@ class NodeAgent:
             log.info("%s: the job waits: %s.", self._tag(), r.reason)
             return  # in-place workers wait for the next round with their state in memory
         member = r.member
+        if member is not None:
+            self._round = r
         if self._rebuilds_in_place():
             self._rebuild_in_place(r)
             return
@@ -348,51 +370,56 @@ class NodeAgent:
         return bool(running) and all(w.pid in self._in_place for w in running)
 
     def _rebuild_in_place(self, r: Round) -> None:
-        """Tell the running workers their new place; start missing local ranks; send the ones
-        not needed any more away at the next step boundary."""
+        """Tell the running workers their new place (survivors in their local rank order,
+        then replacements standing by); start local ranks still missing; send the ones not
+        needed any more away at the next step boundary. A replacement not placed yet waits."""
         group = self._group
         assert group is not None
         member = r.member
         wanted = member.workers if member else 0
-        group_rank = member.group_rank if member else 0
-        kept = set()
-        for w in group.running():
-            if w.pid in self._leaving:
-                continue
-            if w.local_rank < wanted and member is not None:
-                kept.add(w.local_rank)
-                self._channel.send_round(
-                    w.pid,
-                    Placement(
-                        r.generation,
-                        member.first_rank + w.local_rank,
-                        r.world_size,
-                        w.local_rank,
-                        wanted,
-                        group_rank,
-                        r.nodes,
-                        r.store_host,
-                        r.store_port,
-                    ),
+        running = [w for w in group.running() if w.pid not in self._leaving]
+        running.sort(key=lambda w: (w.pid in self._standby, w.local_rank))
+        placed: list[int] = []
+        for w in running:
+            if member is not None and len(placed) < wanted:
+                w.local_rank = len(placed)
+                self._standby.discard(w.pid)
+                placement = Placement(
+                    r.generation,
+                    member.first_rank + w.local_rank,
+                    r.world_size,
+                    w.local_rank,
+                    wanted,
+                    member.group_rank,
+                    r.nodes,
+                    r.store_host,
+                    r.store_port,
                 )
-            else:
+                if not self._channel.send_round(w.pid, placement):
+                    self._unsent[w.pid] = placement  # a replacement still starting
+                placed.append(w.pid)
+            elif w.pid not in self._standby:
                 self._leaving.add(w.pid)
                 self._channel.send(w.pid, {"type": "leave"})
         group.generation = r.generation
-        missing = [lr for lr in range(wanted) if lr not in kept]
+        missing = list(range(len(placed), wanted))
         if missing:
             self._start_workers(r, missing)
         log.info(
-            "%s: round %d in place: %s (kept local ranks %s, started %s, world size %d).",
+            "%s: round %d in place: %s (placed pids %s, started local ranks %s, world size %d).",
             self._tag(),
             r.generation,
             r.reason,
-            sorted(kept),
+            placed,
             missing,
             r.world_size,
         )
 
-    def _start_workers(self, r: Round, local_ranks: range | list[int]) -> None:
+    def _start_workers(
+        self, r: Round, local_ranks: range | list[int], standby: bool = False
+    ) -> list[int]:
+        """Start workers for ``local_ranks`` of round ``r``; ``standby``: replacements that
+        wait, connected, for a later round to place them. Returns their pids."""
         member = r.member
         assert member is not None
         held = self._group.gpu_slots() if self._group is not None else set()
@@ -423,23 +450,27 @@ class NodeAgent:
             env[JOIN_TIMEOUT_ENV] = f"{self._cfg.join_timeout_s:g}"
             if self._cache is not None:
                 env.update(self._cache.to_env())
+            if standby:
+                env[STANDBY_ENV] = "1"
         if self._group is None:
             self._group = WorkerGroup(r.generation, [])
-        self._group.spawn(
+        pids = self._group.spawn(
             self._args, envs, r.generation, self._logs, self._events, slots, self._warm
         )
         # Warm processes to replace the ones taken, once these workers are past their own
         # start (their imports and the warm ones' would share the node's cores).
         self._refill_at = time.monotonic() + REFILL_AFTER_S
-        log.info(
-            "%s: round %d: ranks %d-%d of %d (%s).",
-            self._tag(),
-            r.generation,
-            member.first_rank,
-            member.first_rank + member.workers - 1,
-            r.world_size,
-            r.reason,
-        )
+        if not standby:
+            log.info(
+                "%s: round %d: ranks %d-%d of %d (%s).",
+                self._tag(),
+                r.generation,
+                member.first_rank,
+                member.first_rank + member.workers - 1,
+                r.world_size,
+                r.reason,
+            )
+        return pids
 
     @staticmethod
     def _base_env() -> dict[str, str]:
@@ -448,17 +479,30 @@ class NodeAgent:
     def _stop_workers(self, grace_s: float | None = None) -> None:
         if self._group is not None:
             self._group.stop(self._cfg.grace_period_s if grace_s is None else grace_s)
-            self._group = None
+            self._forget_group()
+
+    def _forget_group(self) -> None:
+        """The group is gone (stopped or killed): so are its replacements."""
+        self._group = None
+        self._standby.clear()
+        self._unsent.clear()
+        if self._replacing:
+            self._replacing.clear()
+            if self._rdzv is not None:
+                self._rdzv.set_down(0)
 
     def _on_exit(self, ev: WorkerExit) -> None:
         group = self._group
         if group is None or ev.pid not in group.pids:
             return  # a worker of a group we stopped on purpose
-        if ev.pid in self._leaving:  # it left at a step boundary, as asked
+        if ev.pid in self._leaving or (ev.pid in self._standby and ev.code == 0):
+            # It left at a step boundary, as asked, or a replacement was sent away before a
+            # round placed it.
             self._leaving.discard(ev.pid)
+            self._standby.discard(ev.pid)
             group.remove(ev.pid)
             if not group.workers:
-                self._group = None
+                self._forget_group()
             return
         group.exited[ev.local_rank] = ev.code
         if ev.code != 0:
@@ -478,7 +522,7 @@ class NodeAgent:
             raise AgentExit(0, "This node's workers finished; the job is done.")
 
     def _worker_failed(self, group: WorkerGroup, ev: WorkerExit) -> None:
-        worker = next(w for w in group.workers if w.local_rank == ev.local_rank)
+        worker = next(w for w in group.workers if w.pid == ev.pid)
         how = f"signal {signal.Signals(-ev.code).name}" if ev.code < 0 else f"exit code {ev.code}"
         error = worker.error_summary()
         log.error(
@@ -490,11 +534,12 @@ class NodeAgent:
             how,
             f"\n{error}" if error else "",
         )
-        in_place = ev.pid in self._in_place and any(
-            w.pid in self._in_place for w in group.running()
-        )
-        if in_place:  # the others roll back and wait; only this one is replaced
+        in_place = ev.pid in self._in_place and self._round is not None
+        if in_place:  # the others roll back and go on; only this one is replaced
             group.remove(ev.pid)
+            self._standby.discard(ev.pid)
+            self._replacing.discard(ev.pid)
+            self._unsent.pop(ev.pid, None)
         else:
             self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
         if self._finishing:
@@ -511,12 +556,24 @@ class NodeAgent:
         log.warning(
             "%s: %s (restart %d of %d).",
             self._tag(),
-            "replacing the failed worker" if in_place else "restarting the workers",
+            "replacing the failed worker; the others go on without it"
+            if in_place
+            else "restarting the workers",
             self._restarts,
             self._cfg.max_restarts,
         )
         assert self._rdzv is not None
-        self._rdzv.request_restart()
+        if not in_place:
+            self._rdzv.request_restart()
+            return
+        # Shrink, then grow: the node offers one worker fewer until the replacement, started
+        # now, says it is ready; it waits for a round that places it.
+        assert self._round is not None
+        pids = self._start_workers(self._round, [ev.local_rank], standby=True)
+        self._in_place.update(pids)
+        self._standby.update(pids)
+        self._replacing.update(pids)
+        self._rdzv.set_down(len(self._replacing))
 
     def _leave(self, signum: int) -> None:
         name = signal.Signals(signum).name
@@ -552,7 +609,8 @@ class NodeAgent:
         log.error("%s: fenced: %s Killing the workers and joining again.", self._tag(), reason)
         if self._group is not None:
             self._group.kill()
-            self._group = None
+        self._replacing.clear()  # the new record offers every slot
+        self._forget_group()
         if self._rdzv is not None:
             self._rdzv.abandon()
         deadline = time.monotonic() + self._cfg.join_timeout_s

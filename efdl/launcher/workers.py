@@ -165,10 +165,10 @@ class WorkerGroup:
         events: queue.Queue[object],
         gpu_slots: Mapping[int, int | None] | None = None,
         pool: warm.WarmPool | None = None,
-    ) -> None:
+    ) -> list[int]:
         """Start workers for these local ranks (local rank -> environment), each on its GPU
         slot (local rank -> slot; none on a CPU host), in warm processes from ``pool`` while
-        it has them."""
+        it has them. Returns their pids."""
         slots = gpu_slots or {}
         new = [
             Worker(
@@ -194,6 +194,7 @@ class WorkerGroup:
             [w.pid for w in new],
             f"; {sum(w.warm for w in new)} of them warm" if any(w.warm for w in new) else "",
         )
+        return [w.pid for w in new]
 
     def remove(self, pid: int) -> None:
         self.workers = [w for w in self.workers if w.pid != pid]

@@ -308,12 +308,25 @@ class RendezvousAgent:
 
     def request_restart(self) -> None:
         """Ask for a new round with the same members (this node restarted its workers)."""
+        self._publish(replace(self._node, incarnation=self._node.incarnation + 1, down=0))
+
+    def set_down(self, down: int) -> None:
+        """Offer ``slots - down`` workers: ``down`` in-place workers died and their
+        replacements are not ready yet. A rise asks for a new round at once (the survivors go
+        on without them); a fall (a replacement is ready) is an ordinary offer of more."""
+        if down > self._node.down:
+            self._publish(replace(self._node, incarnation=self._node.incarnation + 1, down=down))
+        elif down < self._node.down:
+            self._publish(replace(self._node, down=down))
+
+    def _publish(self, node: NodeRecord) -> None:
+        """Replace this node's record with ``node``, as long as it is still ours."""
         assert self._session is not None, "join() first"
-        self._node = replace(self._node, incarnation=self._node.incarnation + 1)
+        self._node = node
         key = self.keys.node(self.node_id)
         lease = self._session.lease_id
         ok = retried(
-            "ask for a restart round",
+            "update the node record",
             lambda: (
                 self._store.txn(
                     [Compare.create_revision_is(key, self._my_revision)],

@@ -11,6 +11,10 @@ Rules:
   worker counts; then they grow into free slots; then newcomers join in join order.
 - Rank 0 is the admitted node with the newest committed step (ties: the earlier in that
   order), so the state to broadcast is on rank 0.
+- A node offers its slots less those whose in-place worker died and is being replaced
+  (``NodeRecord.down``): the survivors go on at once without it, and the replacement joins
+  later as a newcomer would (shrink, then grow), unless that would take the job below
+  ``min``: then the round keeps the node's full count and waits for the replacement.
 - A departure (or a member asking for a restart) makes a round at once. Joins alone wait
   for a settle window after the last change, so joins close together make one round, unless
   the job is already at ``max``.
@@ -121,8 +125,14 @@ class Assignment:
         return sum(m.workers for m in self.members)
 
 
-def assign(view: JobView, policy: Policy) -> Assignment:
-    """Who trains, with how many workers, at which ranks (see the module rules)."""
+def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assignment:
+    """Who trains, with how many workers, at which ranks (see the module rules).
+    ``replaced_count``: count the slots being replaced (``down``) as if they were ready."""
+
+    def offer(node_id: str) -> int:
+        record = view.nodes[node_id].record
+        return record.slots if replaced_count else record.offered
+
     prev = view.round
     prev_members = view.members if prev and prev.status is RoundStatus.ACTIVE else ()
     step = {n: view.steps.get(n, NO_STEP) for n in view.nodes}
@@ -135,16 +145,16 @@ def assign(view: JobView, policy: Policy) -> Assignment:
     budget = policy.max_workers
     counts: dict[str, int] = {}
     for m in survivors:
-        take = min(m.workers, view.nodes[m.node_id].record.slots, budget)
+        take = min(m.workers, offer(m.node_id), budget)
         if take > 0:
             counts[m.node_id] = take
             budget -= take
     for node_id in list(counts):
-        extra = min(view.nodes[node_id].record.slots - counts[node_id], budget)
+        extra = min(offer(node_id) - counts[node_id], budget)
         counts[node_id] += extra
         budget -= extra
     for node_id in newcomers:
-        take = min(view.nodes[node_id].record.slots, budget)
+        take = min(offer(node_id), budget)
         if take > 0:
             counts[node_id] = take
             budget -= take
@@ -181,6 +191,7 @@ class _Changes:
     """How the members differ from the current active round's."""
 
     departed: list[str]
+    lost: list[str]  # lost in-place workers, being replaced (higher incarnation, ``down``)
     restarted: list[str]  # restarted their workers (same record, higher incarnation)
     rejoined: list[str]  # a new record under the same id: new agent, new workers
     joined: list[str]
@@ -190,6 +201,7 @@ class _Changes:
             f"{names(nodes)} {what}"
             for nodes, what in (
                 (self.departed, "left"),
+                (self.lost, "lost workers being replaced"),
                 (self.restarted, "restarted its workers"),
                 (self.rejoined, "joined again"),
                 (self.joined, "joined"),
@@ -209,7 +221,7 @@ def names(nodes: list[str], limit: int = 3) -> str:
 def _changes(view: JobView, assignment: Assignment) -> _Changes:
     prev = view.round
     if prev is None or prev.status is not RoundStatus.ACTIVE:
-        return _Changes([], [], [], [m.node_id for m in assignment.members])
+        return _Changes([], [], [], [], [m.node_id for m in assignment.members])
     kept = [m for m in view.members if m.node_id in view.nodes]
     # A member whose record was made again (its agent was fenced, or restarted under the same
     # id, and the leader never saw the old record go) is a new member. Revision 0: a round
@@ -218,14 +230,15 @@ def _changes(view: JobView, assignment: Assignment) -> _Changes:
         m.node_id for m in kept if m.revision not in (0, view.nodes[m.node_id].joined_revision)
     ]
     before = {m.node_id for m in view.members}
+    bumped = [
+        m.node_id
+        for m in kept
+        if m.node_id not in rejoined and view.nodes[m.node_id].record.incarnation > m.incarnation
+    ]
     return _Changes(
         departed=[m.node_id for m in view.members if m.node_id not in view.nodes],
-        restarted=[
-            m.node_id
-            for m in kept
-            if m.node_id not in rejoined
-            and view.nodes[m.node_id].record.incarnation > m.incarnation
-        ],
+        lost=[n for n in bumped if view.nodes[n].record.down],
+        restarted=[n for n in bumped if not view.nodes[n].record.down],
         rejoined=rejoined,
         joined=[m.node_id for m in assignment.members if m.node_id not in before],
     )
@@ -238,6 +251,8 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     if prev is not None and prev.status.final:
         return Decision(None, None, f"the job is {prev.status.value}")
     assignment = assign(view, policy)
+    if assignment.workers < policy.min_workers:  # keep the replaced slots: wait for them
+        assignment = assign(view, policy, replaced_count=True)
     base = Round(
         generation=generation,
         status=RoundStatus.WAITING,
@@ -271,10 +286,10 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         and prev.status is RoundStatus.ACTIVE
         and _shape(view.members) == _shape(assignment.members)
     )
-    if same_shape and not (changes.restarted or changes.rejoined):
+    if same_shape and not (changes.lost or changes.restarted or changes.rejoined):
         return Decision(None, None, "no change")
     reason = changes.reason()
-    urgent = bool(changes.departed or changes.restarted or changes.rejoined)
+    urgent = bool(changes.departed or changes.lost or changes.restarted or changes.rejoined)
     urgent = urgent or have >= policy.max_workers
     settle_until = view.last_change + policy.settle_s
     if not urgent and now < settle_until:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -179,6 +179,8 @@ class NodeRecord:
         incarnation: bumped by the agent to ask for a new round without a membership change
             (its workers failed and were restarted).
         in_place: whether its workers can rebuild in place (efdl-aware script).
+        down: slots whose in-place worker died and whose replacement is not ready yet; the
+            node offers ``slots - down`` workers until it is (see :attr:`offered`).
     """
 
     node_id: str
@@ -191,6 +193,12 @@ class NodeRecord:
     start_time: float = 0.0
     incarnation: int = 0
     in_place: bool = False
+    down: int = 0
+
+    @property
+    def offered(self) -> int:
+        """How many workers the node can run now."""
+        return self.slots - self.down
 
     def to_json(self) -> bytes:
         return _dump(asdict(self))
@@ -223,6 +231,8 @@ class NodeRecord:
             incarnation=_count(data, "incarnation", where, 0, 1 << 40),
             in_place=bool(_field(data, "in_place", bool, where)),
         )
+        if "down" in data:  # absent from the records of older agents
+            record = replace(record, down=_count(data, "down", where, 0, record.slots))
         if not NODE_ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
         if not HOST_RE.match(record.host):

@@ -26,6 +26,9 @@ GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may
 # noticed within the lease TTL), and how long the job may wait below --min or for all ranks.
 PLACEMENT_TIMEOUT_ENV = "EFDL_PLACEMENT_TIMEOUT"
 JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
+# Set for a worker started to replace one that died in place: it waits, connected to its
+# agent, for a round that places it, instead of joining the generation of its environment.
+STANDBY_ENV = "EFDL_STANDBY"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from efdl.state.channel import (
     JOIN_TIMEOUT_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SOCKET_ENV,
+    STANDBY_ENV,
     AgentChannel,
     Placement,
 )
@@ -202,5 +203,14 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
         _warm_up()  # a newcomer: get the slow first-use imports done before counting in
     if path:
         rt.channel = AgentChannel(path, placement.local_rank, on_round=rt.on_round)
+        if os.environ.get(STANDBY_ENV) == "1":  # a replacement: ready, waiting for a place
+            log.info(
+                "Standing by (generation %d) for a round that places this worker.",
+                placement.generation,
+            )
+            placed = rt.channel.wait(placement.generation, rt.join_timeout_s)
+            if placed is None:
+                raise SystemExit(0)  # sent away (or the agent is gone) before it was placed
+            placement = placed
     if rt.join(placement) is None:
         raise SystemExit(0)  # the agent sent this worker away before it ever trained

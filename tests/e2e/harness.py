@@ -166,6 +166,17 @@ class Job:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def regrown(world: int) -> Callable[[list[dict[str, object]]], bool]:
+    """True once a ``world``-sized generation after one with fewer workers (a worker was
+    lost and the others went on without it) made 3 steps on every rank."""
+
+    def pred(rows: list[dict[str, object]]) -> bool:
+        smaller = [int(r["gen"]) for r in rows if int(r["world"]) < world]  # type: ignore[call-overload]
+        return bool(smaller) and steps_at_world(world, max(smaller))(rows)
+
+    return pred
+
+
 def steps_at_world(world: int, since_gen: int = 0) -> Callable[[list[dict[str, object]]], bool]:
     """True once every rank of a ``world``-sized generation (after ``since_gen``) made 3 steps."""
 

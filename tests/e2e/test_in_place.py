@@ -21,6 +21,7 @@ from tests.e2e.harness import (
     last_step_of,
     latest_gen,
     pids_of,
+    regrown,
     steps_at_world,
 )
 
@@ -64,19 +65,21 @@ def test_grow_shrink_and_crash_without_restarting_survivors(job: Job) -> None:
     check_consistent(rows)
 
 
-def test_a_crashed_worker_is_replaced_and_the_others_roll_back(job: Job) -> None:
+def test_a_crashed_worker_is_replaced_while_the_others_go_on_without_it(job: Job) -> None:
     job.env["FAIL_AT"] = "1:15"
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
-    rows = job.wait_for(
-        "the replacement training",
-        lambda rs: any(r["rescales"] for r in rs) and steps_at_world(2, 1)(rs),
-    )
+    rows = job.wait_for("the replacement training", regrown(2))
     ranks_of = {r["node"]: r["rank"] for r in rows if int(r["step"]) < 15}
     victim = next(n for n, rank in ranks_of.items() if rank == 1)
     survivor = next(n for n in ranks_of if n != victim)
     assert len(pids_of(rows, survivor)) == 1  # never restarted
     assert len(pids_of(rows, victim)) == 2  # replaced once
+    alone = [r for r in rows if r["world"] == 1]
+    assert alone and {r["node"] for r in alone} == {survivor}  # it trained on meanwhile
+    assert (
+        "lost workers being replaced" in job.agents[survivor].output() + job.agents[victim].output()
+    )
     check_consistent(rows)
 
 
@@ -112,7 +115,10 @@ def test_a_crash_in_the_first_step_of_an_epoch_does_not_repeat_the_epoch(job: Jo
     rows = job.events()
     assert any(r["rescales"] for r in rows), "no worker crashed"
     last = {(r["step"], r["rank"]): r for r in rows}  # the committed try of each step
-    assert sorted({step for step, _ in last}) == list(range(1, 73))
+    steps = sorted({int(step) for step, _ in last})  # type: ignore[call-overload]
+    # Every step once; 72 at two workers, more while the survivor trained alone (its
+    # per-worker batch stays 2) until the replacement joined.
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 72
     for epoch in range(3):
         seen = sorted(
             int(i)

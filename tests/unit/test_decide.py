@@ -13,13 +13,16 @@ from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
 T0 = 1_000.0
 
 
-def node(node_id: str, slots: int = 1, rev: int = 0, incarnation: int = 0) -> tuple[str, NodeView]:
+def node(
+    node_id: str, slots: int = 1, rev: int = 0, incarnation: int = 0, down: int = 0
+) -> tuple[str, NodeView]:
     record = NodeRecord(
         node_id,
         host=f"10.0.0.{ord(node_id[-1]) % 250}",
         store_port=29500,
         slots=slots,
         incarnation=incarnation,
+        down=down,
     )
     return node_id, NodeView(record, joined_revision=rev or ord(node_id[-1]))
 
@@ -167,6 +170,44 @@ def test_a_member_restarting_its_workers_gets_a_new_round_at_once() -> None:
     assert layout(d) == layout(r1) and d.members[1].incarnation == 1
     # and that incarnation is not acted on twice
     assert decide(view(node("a"), node("b", incarnation=1), round=d), P, T0 + 6).round is None
+
+
+def test_a_lost_worker_shrinks_the_job_at_once_and_its_replacement_grows_it_back() -> None:
+    p = Policy(min_workers=2, max_workers=8, settle_s=1.0, join_timeout_s=60)
+    r1 = settled(view(node("a", 2), node("b", 2), node("c", 1)), p)
+    assert layout(r1) == [("a", 2, 0), ("b", 2, 2), ("c", 1, 4)]
+    # one of b's workers died: b offers one worker fewer, at once (no settle window)
+    lost = view(node("a", 2), node("b", 2, incarnation=1, down=1), node("c", 1), round=r1)
+    shrunk = decide(lost, p, T0 + 5)
+    assert shrunk.round is not None and shrunk.round.status is RoundStatus.ACTIVE
+    assert layout(shrunk) == [("a", 2, 0), ("b", 1, 2), ("c", 1, 3)]
+    assert "b lost workers being replaced" in shrunk.reason
+    assert (
+        decide(replace(lost, round=shrunk.round, members=shrunk.members), p, T0 + 6).round is None
+    )
+    # the replacement is ready: an ordinary offer of more, settled like a join
+    ready = view(node("a", 2), node("b", 2, incarnation=1), node("c", 1), round=shrunk)
+    ready = replace(ready, last_change=T0 + 7)
+    assert decide(ready, p, T0 + 7.5).round is None
+    grown = decide(ready, p, T0 + 8.1)
+    assert layout(grown) == layout(r1)
+    # a node whose only worker died sits out until its replacement is ready
+    alone = view(node("a", 2), node("b", 2), node("c", 1, incarnation=1, down=1), round=r1)
+    assert layout(decide(alone, p, T0 + 5)) == [("a", 2, 0), ("b", 2, 2)]
+
+
+def test_a_lost_worker_does_not_take_the_job_below_min() -> None:
+    r1 = settled(view(node("a"), node("b")), P)  # min 2: both are needed
+    lost = view(node("a"), node("b", incarnation=1, down=1), round=r1)
+    d = decide(lost, P, T0 + 5)
+    # a round at once with b's full count: the survivor waits for the replacement there
+    assert d.round is not None and d.round.status is RoundStatus.ACTIVE
+    assert layout(d) == layout(r1) and d.members[1].incarnation == 1
+    # and neither the wait for it nor its readiness makes another round
+    assert (
+        decide(view(node("a"), node("b", incarnation=1, down=1), round=d), P, T0 + 6).round is None
+    )
+    assert decide(view(node("a"), node("b", incarnation=1), round=d), P, T0 + 9).round is None
 
 
 def test_members_that_joined_again_under_their_ids_get_a_new_round_at_once() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -32,6 +33,12 @@ GOOD = NodeRecord(
 
 def test_node_record_roundtrip() -> None:
     assert NodeRecord.from_json(GOOD.to_json(), "/efdl/j/nodes/n1") == GOOD
+    one_down = replace(GOOD, down=1, incarnation=4)
+    assert NodeRecord.from_json(one_down.to_json(), "/efdl/j/nodes/n1") == one_down
+    assert one_down.offered == 1
+    older = json.loads(GOOD.to_json())  # an agent that never wrote 'down'
+    del older["down"]
+    assert NodeRecord.from_json(json.dumps(older).encode(), "/efdl/j/nodes/n1").down == 0
 
 
 @pytest.mark.parametrize(
@@ -50,6 +57,8 @@ def test_node_record_roundtrip() -> None:
             "'host' is '\\$\\(touch /tmp/x\\)', not a host",
         ),
         (lambda d: d.update(slots=10**9), r"field 'slots' is 1000000000; expected 1..4096"),
+        (lambda d: d.update(down=3), r"field 'down' is 3; expected 0..2"),
+        (lambda d: d.update(down=-1), r"field 'down' is -1; expected 0..2"),
     ],
 )
 def test_bad_node_records(mutate: object, message: str) -> None:
