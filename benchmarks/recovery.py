@@ -13,6 +13,7 @@ Usage: python -m benchmarks.recovery [--repeat 3] [--default-repeat N] [--events
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import itertools
@@ -317,17 +318,25 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> tupl
             return "did not recover in 60 s", startup
         value = first(rows)
         assert value is not None
-        earlier = [r for r in rows if float(r["t"]) < value]  # type: ignore[arg-type]
-        before = max(float(r["t"]) for r in earlier)  # type: ignore[arg-type]
-        last_step = max(int(r["step"]) for r in earlier)  # type: ignore[call-overload]
-        resumed = min(
-            int(r["step"])  # type: ignore[call-overload]
-            for r in rows
-            if r["world"] == target and float(r["t"]) >= value and new(r)  # type: ignore[arg-type]
-        )
-        return (value - t0, value - before, float(max(0, last_step - resumed + 1))), startup
+        return (value - t0, stood_still(rows, t0, value), float(trained_again(rows))), startup
     finally:
         run.stop()
+
+
+def stood_still(rows: Rows, t0: float, until: float) -> float:
+    """The longest time between two training steps (of any rank, at any size) from the last
+    step before ``t0`` to the first at the new size (``until``): a job that shrinks first
+    trains on while the rest of the event takes its course."""
+    times = sorted({float(r["t"]) for r in rows})  # type: ignore[arg-type]
+    start = max(t for t in times if t <= t0)
+    span = [t for t in times if start <= t <= until]
+    return max(b - a for a, b in itertools.pairwise(span))
+
+
+def trained_again(rows: Rows) -> int:
+    """How many steps were trained more than once: each try of a step has one rank 0."""
+    tries = collections.Counter(r["step"] for r in rows if r["rank"] == 0)
+    return sum(1 for n in tries.values() if n > 1)
 
 
 def standalone_argv(launcher: str, nproc: int, script: Path = ELASTIC) -> list[str]:
@@ -544,7 +553,11 @@ def main() -> None:
             table[event] = results
     for part, title in (
         (0, "Event to the first step at the new world size (s)"),
-        (1, "Training stood still: last step before to first step at the new size (s)"),
+        (
+            1,
+            "Training stood still: the longest time without a step, from the last step "
+            "before the event to the first at the new size (s)",
+        ),
         (2, "Work lost: steps trained again after the event (from the step counters)"),
     ):
         recovery_table(table, part, title)

@@ -46,7 +46,9 @@ from efdl.state.channel import (
 
 log = logging.getLogger(__name__)
 
-REFILL_AFTER_S = 5.0  # after starting workers, how long until the warm pool is filled again
+# How long after starting workers, and after the newest round, the warm pool is filled again:
+# a warm process importing torch takes CPU from the workers' own start and rebuild.
+REFILL_AFTER_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +326,8 @@ class NodeAgent:
         if r.generation <= self._acted:
             return
         self._acted = r.generation
+        if self._refill_at is not None:  # importing torch would slow this rescale down
+            self._refill_at = max(self._refill_at, time.monotonic() + REFILL_AFTER_S)
         if r.status is RoundStatus.CLOSED:
             self._stop_workers()
             raise AgentExit(0, f"The job was stopped ({r.reason}).")

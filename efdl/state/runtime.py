@@ -199,11 +199,12 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     placement = Placement.from_env()
     rt.gate = ready.ReadinessGate(rt.timeout, rt.join_timeout_s)
-    if path and placement.generation > 1:
+    standby = os.environ.get(STANDBY_ENV) == "1"
+    if path and (placement.generation > 1 or standby):
         _warm_up()  # a newcomer: get the slow first-use imports done before counting in
     if path:
         rt.channel = AgentChannel(path, placement.local_rank, on_round=rt.on_round)
-        if os.environ.get(STANDBY_ENV) == "1":  # a replacement: ready, waiting for a place
+        if standby:  # a replacement: ready, waiting for a place
             log.info(
                 "Standing by (generation %d) for a round that places this worker.",
                 placement.generation,
