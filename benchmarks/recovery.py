@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.report import pyplot, save, spread, verdict
+from efdl.launcher import warm
 from efdl.rendezvous.embedded import EmbeddedEtcd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +56,12 @@ DESCRIPTION = (
     "agent), `kill` (one worker process SIGKILLed: world size unchanged, to the first step of "
     "new processes or a new generation), `node` (one node's agent and workers SIGKILLed), "
     "`spare` (`--max 2`: a third node waits as a spare; node b is SIGKILLed and the spare takes "
-    "its place). efdl runs tests/e2e/scripts/elastic_steps.py (rebuild in place, commit every "
-    "step); torchrun 2.13 runs tests/e2e/scripts/steps.py (restart; resumes its step counter "
-    "from a checkpoint written every step) with c10d rendezvous, at its defaults and tuned "
+    "its place). Events come once the job is steady: for efdl, once every agent's warm worker "
+    "process is ready (refilled 5 s after workers start and after the newest round). efdl in "
+    "place runs tests/e2e/scripts/elastic_steps.py (rebuild in place, commit every step), efdl "
+    "in restart mode the plain script below; torchrun 2.13 runs tests/e2e/scripts/steps.py "
+    "(restart; resumes its step counter from a checkpoint written every step) with c10d "
+    "rendezvous, at its defaults and tuned "
     "(`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, `--rdzv-conf " + TUNED_CONF + "`). Runs are "
     "interleaved (efdl, default, tuned, efdl, ...) so machine noise hits all three; medians of "
     "{repeat} runs (default torchrun: {default_repeat}, each costs its 30 s last-call window "
@@ -223,6 +227,17 @@ class Run:
             return []
         return [p.pid for p in children if p.pid in logged]
 
+    def warm_ready(self) -> bool:
+        """Whether every agent has a warm process ready (efdl; none under torchrun)."""
+        for p in self.procs.values():
+            try:
+                names = [c.name() for c in psutil.Process(p.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return False
+            if warm.WAITING_NAME not in names:
+                return False
+        return True
+
     def kill_node(self, node: str) -> None:
         """SIGKILL a node's agent and every process under it (workers of torchrun live in
         sessions of their own and would outlive their agent)."""
@@ -283,6 +298,8 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> tupl
         run.start("b")
         rows = run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= 10)
         startup = min(float(r["t"]) for r in rows if r["world"] == 2) - launched  # type: ignore[arg-type]
+        if launcher.name in (LAUNCHERS["efdl"], LAUNCHERS["restart"]):  # a steady job
+            run.wait(lambda _: run.warm_ready(), timeout_s=60)
         if event == "spare":  # a third node waits beyond --max 2
             run.start("c")
             time.sleep(3)

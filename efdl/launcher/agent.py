@@ -29,7 +29,7 @@ from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.store import StoreServer, preload
 from efdl.launcher.warm import WarmPool, warm_command
 from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
-from efdl.rendezvous.agent import RendezvousAgent, end_job
+from efdl.rendezvous.agent import RendezvousAgent, end_job, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # How long after starting workers, and after the newest round, the warm pool is filled again:
 # a warm process importing torch takes CPU from the workers' own start and rebuild.
 REFILL_AFTER_S = 5.0
+WARM_WAIT_S = 60.0  # the longest a node joining a running job waits for its warm processes
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,9 @@ class NodeAgent:
         size = node.slots if cfg.warm_workers is None else cfg.warm_workers
         self._warm = WarmPool(size if warm_command(self._args) else 0, self._base_env())
         self._refill_at: float | None = None
+        # A worker failed: refill the pool as soon as the next workers start, for a second
+        # round is likely near (a dead node's lease expiring after its peers' failures).
+        self._refill_soon = False
         self._acted = 0
         self._restarts = 0
         self._finishing = False
@@ -187,6 +191,7 @@ class NodeAgent:
         try:
             # This node's first workers: their interpreters import torch while it joins.
             self._warm.fill(self._node.slots if self._warm.size else 0)
+            self._await_warm()
             self._join()
             while True:
                 due = [t for t in (self._finish_by, self._refill_at) if t is not None]
@@ -220,6 +225,35 @@ class NodeAgent:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _await_warm(self) -> None:
+        """Joining a job that trains: let this node's warm processes finish importing torch
+        first, so that the round that admits it does not stop the others (restart mode:
+        all of them) while they do. A new job's nodes join at once: their imports overlap
+        the rendezvous."""
+        if not self._warm.size:
+            return
+        keys = JobKeys(self._job)
+        try:
+            current = parse_round(self._store.get(keys.round), keys)
+        except StoreError:
+            return  # joining says what is wrong with etcd
+        if current is None or current.status is not RoundStatus.ACTIVE:
+            return
+        log.info(
+            "%s: the job trains (generation %d); joining once this node's %d warm worker "
+            "process(es) have imported torch (at most %.0f s).",
+            self._tag(),
+            current.generation,
+            self._node.slots,
+            WARM_WAIT_S,
+        )
+        if not self._warm.wait_ready(self._node.slots, WARM_WAIT_S):
+            log.warning(
+                "%s: the warm worker processes are not ready after %.0f s; joining anyway.",
+                self._tag(),
+                WARM_WAIT_S,
+            )
 
     def _refill(self) -> None:
         started = self._warm.fill()
@@ -326,7 +360,7 @@ class NodeAgent:
         if r.generation <= self._acted:
             return
         self._acted = r.generation
-        if self._refill_at is not None:  # importing torch would slow this rescale down
+        if self._refill_at is not None and not self._refill_soon:  # imports would slow it
             self._refill_at = max(self._refill_at, time.monotonic() + REFILL_AFTER_S)
         if r.status is RoundStatus.CLOSED:
             self._stop_workers()
@@ -463,7 +497,8 @@ class NodeAgent:
         )
         # Warm processes to replace the ones taken, once these workers are past their own
         # start (their imports and the warm ones' would share the node's cores).
-        self._refill_at = time.monotonic() + REFILL_AFTER_S
+        self._refill_at = time.monotonic() + (0.0 if self._refill_soon else REFILL_AFTER_S)
+        self._refill_soon = False
         if not standby:
             log.info(
                 "%s: round %d: ranks %d-%d of %d (%s).",
@@ -557,6 +592,7 @@ class NodeAgent:
                 f"{self._cfg.max_restarts} restarts (--max-restarts), so it leaves the job.",
             )
         self._restarts += 1
+        self._refill_soon = True
         log.warning(
             "%s: %s (restart %d of %d).",
             self._tag(),

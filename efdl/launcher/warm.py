@@ -26,6 +26,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from efdl._process import spawn_worker
@@ -33,7 +34,11 @@ from efdl._process import spawn_worker
 log = logging.getLogger(__name__)
 
 WARM_ENV = "EFDL_WARM"  # set in the worker's environment when it started warm ("1")
-WAITING_NAME = "efdl-warm"  # the process name (/proc/PID/comm) of one waiting for its place
+# The process names (/proc/PID/comm) of a warm process importing torch, and of one ready and
+# waiting for its place.
+WARMING_NAME = "efdl-warming"
+WAITING_NAME = "efdl-warm"
+NAMES = frozenset({WARMING_NAME, WAITING_NAME})
 
 
 def _set_name(name: str) -> None:
@@ -78,6 +83,20 @@ class WarmPool:
             started.append(proc.pid)
         return started
 
+    def ready(self) -> int:
+        """How many have imported torch and wait (their name says so)."""
+        return sum(1 for p in self._procs if p.poll() is None and _name(p.pid) == WAITING_NAME)
+
+    def wait_ready(self, count: int, timeout_s: float) -> bool:
+        """Wait until ``count`` of them are ready, or ``timeout_s`` passed; whether they are.
+        (Polled every 50 ms: a handful of /proc reads.)"""
+        deadline = time.monotonic() + timeout_s
+        while self.ready() < count:
+            if time.monotonic() > deadline or not any(p.poll() is None for p in self._procs):
+                return False
+            time.sleep(0.05)
+        return True
+
     def take(self) -> subprocess.Popen[bytes] | None:
         """The oldest live warm process (the one furthest along its imports), or None."""
         while self._procs:
@@ -107,6 +126,14 @@ class WarmPool:
                 proc.kill()
                 proc.wait()
         self._procs = []
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _hand_over(proc: subprocess.Popen[bytes], argv: Sequence[str], env: Mapping[str, str]) -> None:
@@ -139,12 +166,13 @@ def _run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    _set_name(WAITING_NAME)  # a waiting process is told apart from a worker
+    _set_name(WARMING_NAME)  # told apart from a worker, and from one that is ready
     import torch
     import torch.distributed
 
     with contextlib.suppress(Exception):  # only an optimisation: what the first
         import torch._dynamo  # optimizer.step() imports lazily (over a second here)
+    _set_name(WAITING_NAME)
     line = sys.stdin.buffer.readline()
     if not line:
         return  # the agent let it go unused

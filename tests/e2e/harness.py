@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from efdl.launcher.warm import WAITING_NAME
+from efdl.launcher import warm
 
 SCRIPTS = Path(__file__).parent / "scripts"
 EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
@@ -73,7 +73,7 @@ class Agent:
         pids = []
         for p in children:
             with contextlib.suppress(psutil.NoSuchProcess):
-                if p.name() != WAITING_NAME:
+                if p.name() not in warm.NAMES:
                     pids.append(p.pid)
         return pids
 
