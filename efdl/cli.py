@@ -23,9 +23,9 @@ import click
 from efdl import __version__
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
-from efdl.launcher.agent import NodeAgent
+from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
-from efdl.launcher.node import default_host, local_node
+from efdl.launcher.node import default_host, gpu_infos, local_node, resolve_slots
 from efdl.rendezvous.agent import RendezvousAgent, close_job, start_job
 from efdl.rendezvous.api import Compare, EventType, Put
 from efdl.rendezvous.decide import Policy
@@ -448,11 +448,14 @@ def _worker_command(
 
 def launch(cfg: LaunchConfig, args: list[str]) -> int:
     """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
-    server = EmbeddedEtcd().start() if cfg.standalone else None
+    gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
+    slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
+    warm = warm_pool(cfg, args, slots)  # importing torch while etcd starts and the node joins
+    server = None
     try:
+        server = EmbeddedEtcd().start() if cfg.standalone else None
         settings = cfg.etcd_settings(str(server.endpoint) if server else None)
         host = cfg.host or ("127.0.0.1" if cfg.standalone else default_host(settings.endpoints))
-        gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)
         job_id = check_job_id(cfg.job_id or "standalone")
@@ -469,8 +472,9 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
                 node.slots,
             )
             ids = cuda_ids(gpus[: len(node.gpus)], os.environ.get("CUDA_DEVICE_ORDER"))
-            return NodeAgent(cfg, args, store, node, policy, job_id, ids).run()
+            return NodeAgent(cfg, args, store, node, policy, job_id, ids, warm).run()
     finally:
+        warm.close()  # the agent's run closes it; this is for a start that failed before
         if server:
             server.stop()
 

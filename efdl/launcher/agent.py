@@ -89,6 +89,16 @@ class _Hello:
     pid: int
 
 
+def warm_pool(cfg: LaunchConfig, args: Sequence[str], slots: int) -> WarmPool:
+    """The node's warm worker processes (``--warm-workers``; default one per slot), the first
+    ``slots`` started now: the first workers' interpreters import torch while the agent
+    starts and joins."""
+    size = slots if cfg.warm_workers is None else cfg.warm_workers
+    pool = WarmPool(size if warm_command(args) else 0, dict(os.environ))
+    pool.fill(slots if pool.size else 0)
+    return pool
+
+
 class AgentExit(EfdlError):
     """The agent ends with ``code``; the message says why."""
 
@@ -120,6 +130,7 @@ class NodeAgent:
         policy: Policy,
         job_id: str,
         gpu_ids: Sequence[str] = (),
+        warm: WarmPool | None = None,
     ) -> None:
         self._cfg = cfg
         self._args = list(args)
@@ -136,8 +147,7 @@ class NodeAgent:
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
         self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
         self._group: WorkerGroup | None = None
-        size = node.slots if cfg.warm_workers is None else cfg.warm_workers
-        self._warm = WarmPool(size if warm_command(self._args) else 0, self._base_env())
+        self._warm = warm if warm is not None else warm_pool(cfg, self._args, node.slots)
         self._refill_at: float | None = None
         # A worker failed: refill the pool as soon as the next workers start, for a second
         # round is likely near (a dead node's lease expiring after its peers' failures).
@@ -189,8 +199,6 @@ class NodeAgent:
             sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
         }
         try:
-            # This node's first workers: their interpreters import torch while it joins.
-            self._warm.fill(self._node.slots if self._warm.size else 0)
             self._await_warm()
             self._join()
             while True:

@@ -83,6 +83,11 @@ def default_node_id() -> str:
     return f"{host.strip('-.') or 'node'}-{uuid.uuid4().hex[:6]}"
 
 
+def gpu_infos(gpus: Sequence[Selected]) -> tuple[GpuInfo, ...]:
+    """What a node record says of the GPUs ``--gpus`` gives the job."""
+    return tuple(GpuInfo(s.gpu.index, s.gpu.model, s.gpu.memory_mb, s.gpu.uuid) for s in gpus)
+
+
 def local_node(
     node_id: str | None,
     host: str,
@@ -92,8 +97,7 @@ def local_node(
 ) -> NodeRecord:
     """This node's record: ``gpus`` are the GPUs ``--gpus`` gives the job (see
     efdl.launcher.gpus.select); the first ``slots`` of them back its workers."""
-    offered = tuple(GpuInfo(s.gpu.index, s.gpu.model, s.gpu.memory_mb, s.gpu.uuid) for s in gpus)
-    slots, used = resolve_slots(nproc_per_node, offered)
+    slots, used = resolve_slots(nproc_per_node, gpu_infos(gpus))
     return NodeRecord(
         node_id=check_node_id(node_id or default_node_id()),
         host=host,
