@@ -22,6 +22,7 @@ from tests.e2e.harness import (
     steps_at_world,
     wait_gone,
 )
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,9 +110,9 @@ def test_a_spare_replaces_a_dead_member(job: Job) -> None:
     job.start("a", *common)
     rows = job.wait_for("a training", steps_at_world(1))
     job.start("s", *common)
-    time.sleep(3)
-    assert {r["node"] for r in job.events()} == {"a"}  # s waits as a spare
-    assert "this node is a spare" in job.agents["s"].output()
+    # it joins once its warm process is ready, and waits as a spare
+    wait_until("s to be a spare", lambda: "this node is a spare" in job.agents["s"].output(), 90)
+    assert {r["node"] for r in job.events()} == {"a"}
     job.agents["a"].signal(signal.SIGKILL)
     job.agents["a"].wait()
     rows = job.wait_for(
