@@ -637,6 +637,17 @@ def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
             lines[-1] += (
                 f" Default torchrun: {d:.2f} s" if d is not None else " Default torchrun: none"
             ) + (f", {fails} of {len(default)} runs without recovery in 60 s." if fails else ".")
+    ttl = 3.0  # the benchmark's --lease-ttl
+    for event, what, goal, text in (
+        ("kill", "a worker SIGKILLed", 1.0, "< 1 s"),
+        ("node", "a node SIGKILLed", ttl + 0.5, f"< the lease TTL + 0.5 s = {ttl + 0.5:g} s"),
+    ):
+        still = median_of(table.get(event, {}).get("efdl", []), 1)
+        if still is not None:
+            lines.append(
+                f"- {what}, in place: training stood still {still:.2f} s (goal {text}: "
+                f"{verdict(still < goal)})."
+            )
     lost = {
         event: max((v for v in column(r.get("efdl", []), 2) if isinstance(v, float)), default=0.0)
         for event, r in table.items()

@@ -244,9 +244,12 @@ class NodeAgent:
         keys = JobKeys(self._job)
         try:
             current = parse_round(self._store.get(keys.round), keys)
+            # Its rank 0 alive (a job whose nodes all left, preempted, still has its last
+            # active round; the nodes resuming it start together).
+            live = current is not None and self._store.get(keys.node(current.head)) is not None
         except StoreError:
             return  # joining says what is wrong with etcd
-        if current is None or current.status is not RoundStatus.ACTIVE:
+        if current is None or current.status is not RoundStatus.ACTIVE or not live:
             return
         log.info(
             "%s: the job trains (generation %d); joining once this node's %d warm worker "

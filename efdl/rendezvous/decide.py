@@ -15,7 +15,8 @@ Rules:
   (``NodeRecord.down``): the survivors go on at once without it, and the replacement joins
   later as a newcomer would (shrink, then grow), unless that would take the job below
   ``min``: then the round keeps the node's full count and waits for the replacement.
-- A departure (or a member asking for a restart) makes a round at once. Joins alone wait
+- A departure (or a member asking for a restart) makes a round at once, unless no member
+  stays (then nobody waits for it, and the nodes taking over settle as at a start). Joins alone wait
   for a settle window after the last change, so joins close together make one round, unless
   the job is already at ``max``.
 - The store of the generation lives with rank 0; the leader leaves its port 0 and the
@@ -289,7 +290,12 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     if same_shape and not (changes.lost or changes.restarted or changes.rejoined):
         return Decision(None, None, "no change")
     reason = changes.reason()
-    urgent = bool(changes.departed or changes.lost or changes.restarted or changes.rejoined)
+    # Urgent when members that stay wait for it; when none stays (every member left: a job
+    # resumed by new nodes) the round settles like a first one.
+    stays = any(m.node_id in view.nodes for m in view.members)
+    urgent = stays and bool(
+        changes.departed or changes.lost or changes.restarted or changes.rejoined
+    )
     urgent = urgent or have >= policy.max_workers
     settle_until = view.last_change + policy.settle_s
     if not urgent and now < settle_until:

@@ -196,6 +196,16 @@ def test_a_lost_worker_shrinks_the_job_at_once_and_its_replacement_grows_it_back
     assert layout(decide(alone, p, T0 + 5)) == [("a", 2, 0), ("b", 2, 2)]
 
 
+def test_nodes_taking_over_from_members_that_all_left_settle_as_at_a_start() -> None:
+    p = Policy(min_workers=1, max_workers=4, settle_s=1.0, join_timeout_s=60)
+    r1 = settled(view(node("a"), node("b")), p)
+    v = view(node("c"), node("d"), round=r1, last_change=T0 + 10)  # a, b preempted
+    early = decide(v, p, T0 + 10.2)
+    assert early.round is None and early.wake_at == T0 + 11  # more of them may be coming
+    later = decide(replace(v, nodes={**v.nodes, **dict([node("e")])}), p, T0 + 11.01)
+    assert [m.node_id for m in later.members] == ["c", "d", "e"]
+
+
 def test_a_lost_worker_does_not_take_the_job_below_min() -> None:
     r1 = settled(view(node("a"), node("b")), P)  # min 2: both are needed
     lost = view(node("a"), node("b", incarnation=1, down=1), round=r1)
