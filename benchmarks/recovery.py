@@ -56,8 +56,10 @@ DESCRIPTION = (
     "agent), `kill` (one worker process SIGKILLed: world size unchanged, to the first step of "
     "new processes or a new generation), `node` (one node's agent and workers SIGKILLed), "
     "`spare` (`--max 2`: a third node waits as a spare; node b is SIGKILLed and the spare takes "
-    "its place). Events come once the job is steady: for efdl, once every agent's warm worker "
-    "process is ready (refilled 5 s after workers start and after the newest round). efdl in "
+    "its place). efdl agents keep one warm worker process (`--warm-workers 1`, the default on "
+    "a GPU node; none by default on this 2-core machine), and events come once the job is "
+    "steady: every agent's warm process ready (refilled 5 s after workers start and after the "
+    "newest round, at once after a failure). efdl in "
     "place runs tests/e2e/scripts/elastic_steps.py (rebuild in place, commit every step), efdl "
     "in restart mode the plain script below; torchrun 2.13 runs tests/e2e/scripts/steps.py "
     "(restart; resumes its step counter from a checkpoint written every step) with c10d "
@@ -174,8 +176,9 @@ def torchrun_launcher(
 
 def launcher(name: str, etcd: str, job: str, max_nodes: int) -> Launcher:
     """The launcher ``name`` (a key of LAUNCHERS) for one run of ``job``."""
-    if name in ("efdl", "restart"):
-        return efdl_launcher(etcd, job, max_nodes=max_nodes, in_place=name == "efdl")
+    if name in ("efdl", "restart"):  # one warm process per node: a GPU node's default
+        warm = ("--warm-workers", "1")
+        return efdl_launcher(etcd, job, max_nodes=max_nodes, in_place=name == "efdl", extra=warm)
     return torchrun_launcher(free_port(), job, name == "tuned", max_nodes)
 
 
@@ -300,6 +303,7 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> tupl
         startup = min(float(r["t"]) for r in rows if r["world"] == 2) - launched  # type: ignore[arg-type]
         if launcher.name in (LAUNCHERS["efdl"], LAUNCHERS["restart"]):  # a steady job
             run.wait(lambda _: run.warm_ready(), timeout_s=60)
+            rows = run.rows()  # the processes and generations before the event are these
         if event == "spare":  # a third node waits beyond --max 2
             run.start("c")
             time.sleep(3)

@@ -25,7 +25,7 @@ from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
-from efdl.launcher.node import default_host, gpu_infos, local_node, resolve_slots
+from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
 from efdl.rendezvous.agent import RendezvousAgent, close_job, start_job
 from efdl.rendezvous.api import Compare, EventType, Put
 from efdl.rendezvous.decide import Policy
@@ -311,7 +311,8 @@ _IGNORED = {
     "warm_workers",
     type=int,
     help="Worker processes kept started ahead of need, torch imported (default: one per "
-    "worker slot; 0: none). About 300 MB of host memory each.",
+    "worker slot on a GPU node or one with 4+ cores per slot, else none; 0: none). About "
+    "300 MB of host memory each.",
 )
 @click.option(
     "--grace-period",
@@ -450,7 +451,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
-    warm = warm_pool(cfg, args, slots)  # importing torch while etcd starts and the node joins
+    warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
     server = None
     try:
         server = EmbeddedEtcd().start() if cfg.standalone else None

@@ -269,9 +269,10 @@ class LaunchConfig(EtcdClientConfig):
         join_timeout_s: how long the job may wait below ``min_workers`` before it fails.
         max_restarts: how many times this node restarts its failed workers before giving up.
         warm_workers: worker processes kept started ahead of need (Python up, torch imported),
-            so a restart, a replacement or a newcomer skips that (None: one per worker slot;
-            0: none). Each costs the memory of an interpreter with torch imported (about
-            300 MB of host memory with a CPU build of torch).
+            so a restart, a replacement or a newcomer skips that (None: one per worker slot
+            on a GPU node or one with 4+ cores per slot, else none; 0: none). Each costs
+            the memory of an interpreter with torch imported (about 300 MB of host memory
+            with a CPU build of torch).
         grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
         log_dir: keep per-rank log files (and error files) under this directory.
         tee: torchrun's ``--tee``: accepted; logs always go to the console unless redirected.

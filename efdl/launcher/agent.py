@@ -89,11 +89,19 @@ class _Hello:
     pid: int
 
 
-def warm_pool(cfg: LaunchConfig, args: Sequence[str], slots: int) -> WarmPool:
-    """The node's warm worker processes (``--warm-workers``; default one per slot), the first
-    ``slots`` started now: the first workers' interpreters import torch while the agent
-    starts and joins."""
-    size = slots if cfg.warm_workers is None else cfg.warm_workers
+def default_warm(slots: int, gpus: bool, cpus: int) -> int:
+    """How many warm processes a node keeps unless told: see :func:`warm_pool`."""
+    return slots if gpus or cpus >= 4 * slots else 0
+
+
+def warm_pool(
+    cfg: LaunchConfig, args: Sequence[str], slots: int, gpus: bool, cpus: int
+) -> WarmPool:
+    """The node's warm worker processes, the first ``slots`` started now: the first workers'
+    interpreters import torch while the agent starts and joins. ``--warm-workers``; by
+    default one per slot on a GPU node or one with at least 4 cores per slot, none on a CPU
+    node with fewer: each refill imports torch on a core the workers train on there."""
+    size = default_warm(slots, gpus, cpus) if cfg.warm_workers is None else cfg.warm_workers
     pool = WarmPool(size if warm_command(args) else 0, dict(os.environ))
     pool.fill(slots if pool.size else 0)
     return pool
@@ -147,7 +155,9 @@ class NodeAgent:
         self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
         self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
         self._group: WorkerGroup | None = None
-        self._warm = warm if warm is not None else warm_pool(cfg, self._args, node.slots)
+        if warm is None:
+            warm = warm_pool(cfg, self._args, node.slots, bool(node.gpus), node.cpus)
+        self._warm = warm
         self._refill_at: float | None = None
         # A worker failed: refill the pool as soon as the next workers start, for a second
         # round is likely near (a dead node's lease expiring after its peers' failures).
