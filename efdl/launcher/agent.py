@@ -16,7 +16,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
@@ -33,6 +33,7 @@ from efdl.rendezvous.agent import RendezvousAgent, end_job, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
+from efdl.rendezvous.probe import ProbeListener
 from efdl.state.cache import CacheSettings, SnapshotStore
 from efdl.state.channel import (
     GRACE_ENV,
@@ -79,6 +80,13 @@ class _Persisted:
     step: int
     epoch: int | None
     world_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _PeerFailed:
+    """A worker's collective failed because a peer's connection closed."""
+
+    generation: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +151,17 @@ class NodeAgent:
         self._cfg = cfg
         self._args = list(args)
         self._store = store
-        self._node = node
         self._policy = policy
         self._job = job_id
         self._events: queue.Queue[object] = queue.Queue()
+        # Listens while this process lives: a refused connection tells the others it died.
+        try:
+            self._probe: ProbeListener | None = ProbeListener(node.host)
+            node = replace(node, probe_port=self._probe.port)
+        except OSError as exc:
+            log.warning("Cannot listen on %s for liveness probes (%s).", node.host, exc)
+            self._probe = None
+        self._node = node
         self._server = StoreServer(node.host, cfg.store_port)
         preload()
         self._ctx = JobContext(
@@ -197,6 +212,9 @@ class NodeAgent:
         step, epoch, world = msg.get("step"), msg.get("epoch"), msg.get("world_size")
         if msg.get("type") == "persisted" and isinstance(step, int) and isinstance(world, int):
             self._events.put(_Persisted(step, epoch if isinstance(epoch, int) else None, world))
+        generation = msg.get("generation")
+        if msg.get("type") == "peer_failed" and isinstance(generation, int):
+            self._events.put(_PeerFailed(generation))
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._acted}"
@@ -238,6 +256,8 @@ class NodeAgent:
                 self._rdzv.leave()
             self._warm.close()
             self._server.close()
+            if self._probe is not None:
+                self._probe.close()
             self._channel.close()
             self._cache_record.close(timeout_s=2.0)
             shutil.rmtree(self._run_dir, ignore_errors=True)
@@ -329,6 +349,8 @@ class NodeAgent:
             self._on_hello(event.pid)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
+        elif isinstance(event, _PeerFailed) and self._rdzv is not None:
+            self._rdzv.report_failure(event.generation)
 
     def _on_hello(self, pid: int) -> None:
         """A worker connected: it rebuilds in place. A replacement is ready now: offer its
@@ -625,6 +647,8 @@ class NodeAgent:
         )
         assert self._rdzv is not None
         if not in_place:
+            # A peer's death may be what killed it (restart mode): have the nodes probed.
+            self._rdzv.report_failure(self._acted)
             self._rdzv.request_restart()
             return
         # Shrink, then grow: the node offers one worker fewer until the replacement, started

@@ -9,7 +9,9 @@ limited range request); only the leader reads and watches all node records.
 Keys (``/efdl/<job>/``): ``nodes/<id>`` (the node record, bound to the agent's lease; the
 oldest is the leader), ``steps/<id>`` (the committed step, bound to the lease),
 ``members/<id>`` (the node's place in the newest active round, written by the leader before
-the round), ``round`` (written by the leader with compare-and-swap on its previous revision
+the round), ``failures/<id>`` (the generation in which a collective of the node's workers
+failed, bound to the lease; the leader then probes the nodes: efdl.rendezvous.probe),
+``round`` (written by the leader with compare-and-swap on its previous revision
 and on the leader's own node record, so a leader whose lease is gone cannot write).
 """
 
@@ -53,11 +55,13 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
+from efdl.rendezvous.probe import Reply, knock_all
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_Item = tuple[str, WatchBatch | StoreError | None]
+_Item = tuple[str, object]
+_Target = tuple[str, str, int, int]  # a node to probe: id, host, probe port, lease
 # How long a one-off etcd call (a restart request, the job's end, a store publication) keeps
 # trying through an etcd blip before the agent gives up on it. Each attempt already fails over
 # between members within the request timeout; this spans a restart of etcd itself.
@@ -90,7 +94,7 @@ def parse_nodes(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, NodeView]
     for kv in kvs:
         try:
             nodes[keys.node_id_of(kv.key)] = NodeView(
-                NodeRecord.from_json(kv.value, kv.key), kv.create_revision
+                NodeRecord.from_json(kv.value, kv.key), kv.create_revision, kv.lease
             )
         except RecordError as exc:
             log.error("Job %s: ignoring a bad node record: %s", keys.job_id, exc)
@@ -206,6 +210,13 @@ class RendezvousAgent:
         self._session: LeaseSession | None = None
         self._my_revision = 0
         self._thread: threading.Thread | None = None
+        # Evidence of dead nodes (efdl.rendezvous.probe): the node just before this one (its
+        # record as read), the nodes whose probe port answered (and their lease then), the
+        # targets not probed yet and whether a probe runs.
+        self._pred: KeyValue | None = None
+        self._answered: dict[str, int] = {}
+        self._to_probe: dict[str, _Target] = {}
+        self._probing = False
 
     # ---------------------------------------------------------------- public
 
@@ -305,6 +316,12 @@ class RendezvousAgent:
         self._store.put(
             self.keys.step(self.node_id), str(step).encode(), lease=self._session.lease_id
         )
+
+    def report_failure(self, generation: int) -> None:
+        """A collective of this node's workers failed in ``generation`` (a peer's connection
+        closed, or a worker died): have the nodes probed for dead agents, so that a node
+        whose agent died with its workers leaves the job before its lease expires."""
+        self._inbox.put(("report", generation))
 
     def request_restart(self) -> None:
         """Ask for a new round with the same members (this node restarted its workers)."""
@@ -527,7 +544,10 @@ class RendezvousAgent:
             lambda: self._store.last_created(self.keys.nodes, self._my_revision),
         )
         if not snap.kvs:
+            self._pred = None
             return None
+        self._pred = snap.kvs[0]
+        self._probe(self._pred_target())  # once now: a later refusal is evidence (knock_all)
         return self._store.watch(
             snap.kvs[0].key, start_revision=snap.revision + 1, sink=self._sink("pred")
         )
@@ -535,11 +555,12 @@ class RendezvousAgent:
     def _loop(self) -> None:
         pred_watch = self._follow()
         nodes_watch: Watch | None = None
+        failures_watch: Watch | None = None
         nodes: dict[str, NodeView] = {}
         last_change = self._clock()
         wake_at: float | None = None
         if pred_watch is None:
-            nodes_watch, nodes = self._lead()
+            nodes_watch, failures_watch, nodes = self._lead()
         while True:
             timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
             try:
@@ -570,7 +591,7 @@ class RendezvousAgent:
                         pred_watch.cancel()
                     pred_watch = self._follow()
                     if pred_watch is None:
-                        nodes_watch, nodes = self._lead()
+                        nodes_watch, failures_watch, nodes = self._lead()
                         last_change = self._clock()
             elif tag == "nodes" and isinstance(item, WatchBatch):
                 if item.reset:
@@ -579,9 +600,20 @@ class RendezvousAgent:
                     node_id = self.keys.node_id_of(ev.kv.key)
                     if ev.type is EventType.DELETE:
                         nodes.pop(node_id, None)
+                        self._answered.pop(node_id, None)
                     else:
+                        known = nodes.get(node_id)
                         nodes.update(parse_nodes((ev.kv,), self.keys))
+                        if known is None or known.lease != ev.kv.lease:  # a newcomer
+                            self._probe(self._targets(nodes, {node_id}))
                 last_change = self._clock()
+            elif tag == "failures" and isinstance(item, WatchBatch):
+                if self._is_leader and any(ev.type is EventType.PUT for ev in item.events):
+                    self._probe(self._targets(nodes))
+            elif tag == "report" and isinstance(item, int):
+                self._on_report(item, nodes)
+            elif tag == "probed" and isinstance(item, list):
+                self._on_probed(item)
             if self._is_leader:
                 try:
                     wake_at = self._decide(nodes, last_change)
@@ -590,23 +622,120 @@ class RendezvousAgent:
                         "%s: could not write the next round (%s); retrying.", self._tag(), exc
                     )
                     wake_at = self._clock() + 0.5
-        for w in (pred_watch, nodes_watch):
+        for w in (pred_watch, nodes_watch, failures_watch):
             if w is not None:
                 w.cancel()
 
-    def _lead(self) -> tuple[Watch, dict[str, NodeView]]:
-        """Become the leader: read every node record (the one agent that does) and watch them."""
+    def _lead(self) -> tuple[Watch, Watch, dict[str, NodeView]]:
+        """Become the leader: read every node record (the one agent that does) and watch them,
+        and the failure reports."""
         with self._cond:
             self._is_leader = True
         log.info("%s: this node leads the job.", self._tag())
         snap = self._retried(
             "list the job's nodes", lambda: self._store.get_prefix(self.keys.nodes)
         )
+        start = snap.revision + 1
         watch = self._store.watch(
-            self.keys.nodes, prefix=True, start_revision=snap.revision + 1, sink=self._sink("nodes")
+            self.keys.nodes, prefix=True, start_revision=start, sink=self._sink("nodes")
         )
+        failures = self._store.watch(
+            self.keys.failures, prefix=True, start_revision=start, sink=self._sink("failures")
+        )
+        nodes = parse_nodes(snap.kvs, self.keys)
         self._inbox.put(("wake", None))
-        return watch, parse_nodes(snap.kvs, self.keys)
+        self._probe(self._targets(nodes))  # what answers now may be evidence later
+        return watch, failures, nodes
+
+    # ---------------------------------------------------------------- evidence of dead nodes
+
+    def _on_report(self, generation: int, nodes: dict[str, NodeView]) -> None:
+        """This node's workers saw a collective fail in ``generation``: as leader, probe every
+        node; else report it for the leader, and probe the node before this one (the leader
+        may be the dead one)."""
+        if self._is_leader:
+            self._probe(self._targets(nodes))
+            return
+        assert self._session is not None
+        lease = self._session.lease_id
+        try:
+            self._store.put(self.keys.failure(self.node_id), str(generation).encode(), lease)
+        except StoreError as exc:  # only a hint: the lease still decides
+            log.warning("%s: could not report the failed collective (%s).", self._tag(), exc)
+        self._probe(self._pred_target())
+
+    def _targets(self, nodes: dict[str, NodeView], only: set[str] | None = None) -> list[_Target]:
+        return [
+            (n, v.record.host, v.record.probe_port, v.lease)
+            for n, v in sorted(nodes.items())
+            if n != self.node_id and v.record.probe_port and (only is None or n in only)
+        ]
+
+    def _pred_target(self) -> list[_Target]:
+        kv = self._pred
+        if kv is None:
+            return []
+        try:
+            record = NodeRecord.from_json(kv.value, kv.key)
+        except RecordError:
+            return []
+        return [(record.node_id, record.host, record.probe_port, kv.lease)]
+
+    def _probe(self, targets: list[_Target]) -> None:
+        """Probe ``targets`` on a thread, one probe at a time (targets asked for meanwhile
+        wait for the next); the replies come back to the loop as ``probed``."""
+        with self._cond:
+            self._to_probe.update((t[0], t) for t in targets if t[2])
+            if self._probing or not self._to_probe:
+                return
+            self._probing = True
+
+        def run() -> None:
+            while True:
+                with self._cond:
+                    todo, self._to_probe = list(self._to_probe.values()), {}
+                    if not todo or self._stopped:
+                        self._probing = False
+                        return
+                replies = knock_all((n, host, port) for n, host, port, _ in todo)
+                self._inbox.put(("probed", [(t, replies[t[0]]) for t in todo]))
+
+        threading.Thread(target=run, name="efdl-probe", daemon=True).start()
+
+    def _on_probed(self, replies: list[tuple[_Target, Reply]]) -> None:
+        """Remember who answered; end the lease of a node whose port answered before and
+        refuses now: its agent is gone, and its keys go as if the lease had expired."""
+        for (node_id, host, port, lease), reply in replies:
+            if reply is Reply.ANSWERED:
+                self._answered[node_id] = lease
+                continue
+            if reply is not Reply.REFUSED:
+                continue
+            if self._answered.get(node_id) != lease:
+                log.info(
+                    "%s: node %s refused a connection at %s:%d, which never answered (a "
+                    "firewall?): its lease decides.",
+                    self._tag(),
+                    node_id,
+                    host,
+                    port,
+                )
+                continue
+            del self._answered[node_id]
+            log.warning(
+                "%s: node %s is gone: its agent at %s:%d refused a connection after a "
+                "collective failed; ending its lease instead of waiting up to %d s for it "
+                "to expire.",
+                self._tag(),
+                node_id,
+                host,
+                port,
+                self._ttl_s,
+            )
+            try:
+                self._store.revoke_lease(lease)
+            except StoreError as exc:
+                log.warning("%s: could not end the lease of %s (%s).", self._tag(), node_id, exc)
 
     def _current_members(self, r: Round | None) -> tuple[Member, ...]:
         """The members of round ``r``: known if this node wrote it, else read (once)."""

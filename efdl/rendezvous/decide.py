@@ -72,10 +72,12 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """A live node as the leader sees it: its record and when it joined (create revision)."""
+    """A live node as the leader sees it: its record, when it joined (create revision) and
+    the lease its record is bound to."""
 
     record: NodeRecord
     joined_revision: int
+    lease: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,15 @@ class JobKeys:
     def node(self, node_id: str) -> str:
         return self.nodes + node_id
 
+    @property
+    def failures(self) -> str:
+        """Reports of failed collectives (``failures/<node>``: the generation), bound to the
+        reporter's lease; the leader watches them and probes the job's nodes."""
+        return self.prefix + "failures/"
+
+    def failure(self, node_id: str) -> str:
+        return self.failures + node_id
+
     def step(self, node_id: str) -> str:
         return self.steps + node_id
 
@@ -92,7 +101,7 @@ class JobKeys:
         return self.prefix + "cache"
 
     def node_id_of(self, key: str) -> str:
-        """The node id at the end of a ``nodes/``, ``steps/`` or ``members/`` key."""
+        """The node id at the end of a ``nodes/``, ``steps/``, ``members/`` or ``failures/`` key."""
         return key.rsplit("/", 1)[-1]
 
 
@@ -181,6 +190,8 @@ class NodeRecord:
         in_place: whether its workers can rebuild in place (efdl-aware script).
         down: slots whose in-place worker died and whose replacement is not ready yet; the
             node offers ``slots - down`` workers until it is (see :attr:`offered`).
+        probe_port: where the agent accepts connections while it lives (0: nowhere); a
+            refused connection there is evidence that it died (efdl.rendezvous.probe).
     """
 
     node_id: str
@@ -194,6 +205,7 @@ class NodeRecord:
     incarnation: int = 0
     in_place: bool = False
     down: int = 0
+    probe_port: int = 0
 
     @property
     def offered(self) -> int:
@@ -233,6 +245,8 @@ class NodeRecord:
         )
         if "down" in data:  # absent from the records of older agents
             record = replace(record, down=_count(data, "down", where, 0, record.slots))
+        if "probe_port" in data:
+            record = replace(record, probe_port=_count(data, "probe_port", where, 0, 65535))
         if not NODE_ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
         if not HOST_RE.match(record.host):

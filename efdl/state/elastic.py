@@ -112,6 +112,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                     if not _left_generation(exc):
                         _record(exc)
                         raise
+                    runtime.report(exc)
                     action = state.recover()
                     log.warning(
                         "A collective failed (%s); recovering: %s (step %d).",

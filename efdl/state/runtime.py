@@ -28,6 +28,7 @@ from efdl.state.channel import (
     Placement,
 )
 from efdl.state.device import device, nccl_aborter, nccl_options
+from efdl.state.failure import Failure, classify
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,14 @@ class Runtime:
             log.warning("Destroying the old process group failed (%s); going on.", exc)
         self.breaker.forget()
         self.side = None
+
+    def report(self, exc: BaseException) -> None:
+        """The generation was left because of ``exc``: if a peer's connection closed, tell
+        the agent at once, so that the job's nodes are probed for a dead agent (its node then
+        leaves the job before its lease expires; efdl.rendezvous.probe)."""
+        p, channel = self.placement, self.channel
+        if channel is not None and p is not None and classify(exc) is Failure.PEER:
+            channel.notify({"type": "peer_failed", "generation": p.generation})
 
     def trains_older_than(self, generation: int) -> bool:
         """Whether the main thread still trains a generation older than ``generation``."""

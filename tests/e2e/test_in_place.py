@@ -65,6 +65,24 @@ def test_grow_shrink_and_crash_without_restarting_survivors(job: Job) -> None:
     check_consistent(rows)
 
 
+def test_a_dead_node_leaves_on_the_evidence_long_before_its_lease_expires(job: Job) -> None:
+    """The survivor's collective fails when the dead node's connections close; its agent
+    reports it, the leader finds the dead agent's probe port refusing and ends its lease:
+    the job goes on within seconds, not the 60 s lease TTL."""
+    job.common = [*job.common, "--lease-ttl", "60"]
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    g2 = latest_gen(rows)
+    b_workers = job.agents["b"].worker_pids()
+    job.agents["b"].signal(signal.SIGKILL)
+    job.agents["b"].wait()
+    rows = job.wait_for("a alone", steps_at_world(1, g2), timeout_s=45)
+    assert "node b is gone: its agent at 127.0.0.1:" in job.agents["a"].output()
+    assert not alive(b_workers)
+    check_consistent(rows)
+
+
 def test_a_crashed_worker_is_replaced_while_the_others_go_on_without_it(job: Job) -> None:
     job.env["FAIL_AT"] = "1:15"
     job.start("a", script="elastic_steps.py")

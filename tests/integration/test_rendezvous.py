@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
+from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.status import read_status
 
 Layout = list[tuple[str, int]]
@@ -32,14 +35,21 @@ class Cluster:
         self.agents: dict[str, RendezvousAgent] = {}
         self.stores: list[KVStore] = []
         self.lost: dict[str, str] = {}
+        self.probes: dict[str, ProbeListener] = {}
 
     def store(self) -> EtcdStore:
         s = EtcdStore(self.server.settings(request_timeout_s=3))
         self.stores.append(s)
         return s
 
-    def add(self, node_id: str, slots: int = 1) -> RendezvousAgent:
+    def add(
+        self, node_id: str, slots: int = 1, probe: bool = False, probe_port: int = 0
+    ) -> RendezvousAgent:
         record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots)
+        if probe:  # listens for liveness probes, as efdl-run's agent does
+            self.probes[node_id] = ProbeListener("127.0.0.1")
+            probe_port = self.probes[node_id].port
+        record = replace(record, probe_port=probe_port)
         agent = RendezvousAgent(
             self.store(),
             self.job,
@@ -74,9 +84,18 @@ class Cluster:
     def leaders(self) -> list[str]:
         return [n for n, a in self.agents.items() if a.is_leader]
 
+    def crash(self, node_id: str) -> None:
+        """As a SIGKILL of the node's agent: its probe port refuses, its lease is not
+        revoked."""
+        if node_id in self.probes:
+            self.probes[node_id].close()
+        self.agents[node_id].abandon()
+
     def close(self) -> None:
         for a in self.agents.values():
             a.abandon()
+        for p in self.probes.values():
+            p.close()
         for s in self.stores:
             s.close()
 
@@ -154,6 +173,79 @@ def test_a_crashed_node_goes_when_its_lease_expires(cluster: Callable[..., Clust
     r2 = c.wait(shape(("a", 1), ("b", 1)), "a", "b")
     assert 1.0 < time.monotonic() - t0 < 8
     assert r2.generation == r1.generation + 1 and "c left" in r2.reason
+
+
+def _gone_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is gone: its agent" in r.getMessage()]
+
+
+def test_a_reported_failure_ends_a_dead_nodes_lease_at_once(
+    cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member's workers saw a collective fail: the leader probes the nodes and ends the
+    lease of the one whose agent is gone, long before that lease would expire (60 s)."""
+    c = cluster(ttl_s=60)
+    for n in "abc":
+        c.add(n, probe=True)
+    r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    c.crash("c")
+    c.agents["b"].report_failure(r1.generation)  # not the leader: it reports through etcd
+    r2 = c.wait(shape(("a", 1), ("b", 1)), "a", "b", timeout_s=30)
+    assert r2.generation == r1.generation + 1 and "c left" in r2.reason
+    assert len(_gone_lines(caplog)) == 1 and "node c is gone" in _gone_lines(caplog)[0]
+
+
+def test_a_dead_leader_is_found_by_the_node_after_it(
+    cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    c = cluster(ttl_s=60)
+    for n in "abc":
+        c.add(n, probe=True)
+    r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    c.crash("a")
+    for n in "bc":
+        c.agents[n].report_failure(r1.generation)
+    r2 = c.wait(shape(("b", 1), ("c", 1)), "b", "c", timeout_s=30)
+    assert r2.leader == "b" and "a left" in r2.reason
+    assert ["node a is gone" in line for line in _gone_lines(caplog)] == [True]
+
+
+def test_a_hung_node_is_left_to_its_lease(
+    cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its agent stops refreshing the lease but its port still accepts (a stopped process):
+    no evidence, so it leaves when the lease expires, not at the report."""
+    c = cluster(ttl_s=4)
+    for n in "abc":
+        c.add(n, probe=True)
+    r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    c.agents["c"].abandon()  # its listener stays open
+    c.agents["b"].report_failure(r1.generation)
+    r2 = c.wait(shape(("a", 1), ("b", 1)), "a", "b", timeout_s=30)
+    assert "c left" in r2.reason
+    assert _gone_lines(caplog) == []  # the lease decided, not a probe
+
+
+def test_a_port_that_never_answered_is_no_evidence(
+    cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A firewall that rejects connections refuses a live node's port as a dead one's: a
+    node whose port refused from the start is left to its lease."""
+    caplog.set_level(logging.INFO, logger="efdl.rendezvous.agent")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        rejecting = s.getsockname()[1]
+    c = cluster(ttl_s=4)
+    c.add("a", probe=True)
+    c.add("b", probe=True)
+    c.add("c", probe_port=rejecting)
+    r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    c.crash("c")
+    c.agents["b"].report_failure(r1.generation)
+    r2 = c.wait(shape(("a", 1), ("b", 1)), "a", "b", timeout_s=30)
+    assert "c left" in r2.reason
+    assert _gone_lines(caplog) == []
+    assert any("node c refused a connection" in r.getMessage() for r in caplog.records)
 
 
 def test_leader_crash_hands_over_without_losing_or_doubling_a_round(

@@ -33,12 +33,13 @@ GOOD = NodeRecord(
 
 def test_node_record_roundtrip() -> None:
     assert NodeRecord.from_json(GOOD.to_json(), "/efdl/j/nodes/n1") == GOOD
-    one_down = replace(GOOD, down=1, incarnation=4)
+    one_down = replace(GOOD, down=1, incarnation=4, probe_port=40123)
     assert NodeRecord.from_json(one_down.to_json(), "/efdl/j/nodes/n1") == one_down
     assert one_down.offered == 1
     older = json.loads(GOOD.to_json())  # an agent that never wrote 'down'
-    del older["down"]
-    assert NodeRecord.from_json(json.dumps(older).encode(), "/efdl/j/nodes/n1").down == 0
+    del older["down"], older["probe_port"]  # nor 'probe_port': it is never probed
+    parsed = NodeRecord.from_json(json.dumps(older).encode(), "/efdl/j/nodes/n1")
+    assert (parsed.down, parsed.probe_port) == (0, 0)
 
 
 @pytest.mark.parametrize(
@@ -59,6 +60,8 @@ def test_node_record_roundtrip() -> None:
         (lambda d: d.update(slots=10**9), r"field 'slots' is 1000000000; expected 1..4096"),
         (lambda d: d.update(down=3), r"field 'down' is 3; expected 0..2"),
         (lambda d: d.update(down=-1), r"field 'down' is -1; expected 0..2"),
+        (lambda d: d.update(probe_port=65536), r"field 'probe_port' is 65536; expected 0..65535"),
+        (lambda d: d.update(probe_port="1"), r"field 'probe_port' is '1'; expected int"),
     ],
 )
 def test_bad_node_records(mutate: object, message: str) -> None:

@@ -1,0 +1,95 @@
+"""Evidence that a node's agent is gone, faster than its lease: a refused connection.
+
+Each agent listens on a probe port (published in its node record) for as long as its process
+lives. When a worker's collective fails because a peer's connection closed, its agent reports
+it; the leader then connects to the probe port of every node, and the node just before the
+reporter in the election order to its predecessor's (the leader itself may be the one that
+died). Only "connection refused" from a port that answered before counts: the node's kernel
+saying that no process listens there any more, which happens when the agent was killed, and
+never while it lives (even stopped or too busy to accept, the kernel completes the
+connection). A port that never answered may be behind a firewall that rejects; a timeout, an
+unreachable host or any other error proves nothing (a hung or partitioned node): such a node
+is still decided by its lease, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import socket
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 1.0  # a live agent's kernel answers in well under a millisecond
+PARALLEL = 32  # probes at once: 512 live nodes take a few milliseconds
+
+
+class ProbeListener:
+    """Accepts (and at once closes) connections on ``host`` at a free port, in a daemon
+    thread, until :meth:`close`.
+
+    Raises:
+        OSError: ``host`` cannot be listened on.
+    """
+
+    def __init__(self, host: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((host, 0))
+            self._sock.listen(128)
+        except OSError:
+            self._sock.close()
+            raise
+        self.port: int = self._sock.getsockname()[1]
+        threading.Thread(target=self._accept, name="efdl-probe", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        self._sock.close()
+
+
+class Reply(enum.StrEnum):
+    ANSWERED = "answered"  # a process listens: the agent lives (perhaps stopped)
+    REFUSED = "refused"  # nothing listens there (or a firewall rejects: see knock_all)
+    SILENT = "silent"  # a timeout, no route, no such name: no evidence either way
+
+
+def knock(host: str, port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> Reply:
+    """Connect to ``host:port`` and close at once; what came back."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return Reply.ANSWERED
+    except ConnectionRefusedError:
+        return Reply.REFUSED
+    except OSError as exc:
+        log.debug("Probing %s:%d proved nothing: %s", host, port, exc)
+        return Reply.SILENT
+
+
+def knock_all(targets: Iterable[tuple[str, str, int]]) -> dict[str, Reply]:
+    """Knock at each of ``targets`` (id, host, probe port), in parallel; a port of 0 (an
+    agent that does not listen) is not knocked at and not answered.
+
+    A refusal is evidence only from a port that answered before: a firewall that rejects
+    connections (iptables' REJECT) refuses a live node's port too, and such a node must be
+    left to its lease. The caller keeps what answered."""
+    todo = [(node_id, host, port) for node_id, host, port in targets if port]
+    if not todo:
+        return {}
+    with ThreadPoolExecutor(min(PARALLEL, len(todo)), thread_name_prefix="efdl-probe") as pool:
+        replies = list(pool.map(lambda t: knock(t[1], t[2]), todo))
+    return {node_id: reply for (node_id, _, _), reply in zip(todo, replies, strict=True)}
