@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 # a warm process importing torch takes CPU from the workers' own start and rebuild.
 REFILL_AFTER_S = 5.0
 WARM_WAIT_S = 60.0  # the longest a node joining a running job waits for its warm processes
+# How long a node whose workers failed (restart mode) waits for a round before asking for one:
+# if a dead peer killed them, its eviction (found by probing, efdl.rendezvous.probe) brings a
+# round within a fraction of a second, and one round restarts the workers once, not twice
+# (the second time without warm processes).
+RESTART_HOLD_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +179,7 @@ class NodeAgent:
             warm = warm_pool(cfg, self._args, node.slots, bool(node.gpus), node.cpus)
         self._warm = warm
         self._refill_at: float | None = None
+        self._restart_at: float | None = None  # ask for a round then (see RESTART_HOLD_S)
         # A worker failed: refill the pool as soon as the next workers start, for a second
         # round is likely near (a dead node's lease expiring after its peers' failures).
         self._refill_soon = False
@@ -230,11 +236,18 @@ class NodeAgent:
             self._await_warm()
             self._join()
             while True:
-                due = [t for t in (self._finish_by, self._refill_at) if t is not None]
+                due = [
+                    t for t in (self._finish_by, self._refill_at, self._restart_at) if t is not None
+                ]
                 wait_s = min(due) - time.monotonic() if due else None
                 try:
                     event = self._events.get(timeout=None if wait_s is None else max(0.0, wait_s))
                 except queue.Empty:
+                    if self._restart_at is not None and time.monotonic() >= self._restart_at:
+                        self._restart_at = None
+                        if self._rdzv is not None:
+                            self._rdzv.request_restart()
+                        continue
                     if self._refill_at is not None and time.monotonic() >= self._refill_at:
                         self._refill_at = None
                         self._refill()
@@ -403,6 +416,7 @@ class NodeAgent:
         if r.generation <= self._acted:
             return
         self._acted = r.generation
+        self._restart_at = None  # this round restarts the workers (or stops them)
         if self._refill_at is not None and not self._refill_soon:  # imports would slow it
             self._refill_at = max(self._refill_at, time.monotonic() + REFILL_AFTER_S)
         if r.status is RoundStatus.CLOSED:
@@ -647,9 +661,10 @@ class NodeAgent:
         )
         assert self._rdzv is not None
         if not in_place:
-            # A peer's death may be what killed it (restart mode): have the nodes probed.
+            # A peer's death may be what killed it (restart mode): have the nodes probed, and
+            # ask for a round of the same members only if none comes meanwhile.
             self._rdzv.report_failure(self._acted)
-            self._rdzv.request_restart()
+            self._restart_at = time.monotonic() + RESTART_HOLD_S
             return
         # Shrink, then grow: the node offers one worker fewer until the replacement, started
         # now, says it is ready; it waits for a round that places it.
@@ -695,6 +710,7 @@ class NodeAgent:
         if self._group is not None:
             self._group.kill()
         self._replacing.clear()  # the new record offers every slot
+        self._restart_at = None  # joining again brings a round
         self._forget_group()
         if self._rdzv is not None:
             self._rdzv.abandon()
