@@ -23,6 +23,8 @@ import click
 from efdl import __version__
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
+from efdl.history import Event, follow_events, format_event, read_events, stood_still
+from efdl.kubeflow import pet_params
 from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
@@ -228,7 +230,77 @@ def status(job_id: str, as_json: bool, config_file: Path | None, **flags: Any) -
     cfg = _etcd_config(config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         st = read_status(store, job_id)
-    click.echo(status_json(st) if as_json else format_status(st))
+        events, _ = read_events(store, job_id)
+    if as_json:
+        click.echo(status_json(st))
+        return
+    click.echo(format_status(st))
+    if events:
+        trained, still = stood_still(events, time.time())
+        click.echo(
+            f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(events[0].time))}: "
+            f"trained {trained:.0f} s, stood still {still:.1f} s (rescale pauses measured in "
+            "place, and waiting below --min)"
+        )
+        click.echo("last events (efdl events --job-id ... for all):")
+        for e in events[-5:]:
+            click.echo(f"  {format_event(e)}")
+
+
+def _since(text: str | None) -> float:
+    """--since: a duration back from now (90s, 10m, 2h, 1d) or a local time
+    (2026-11-24 08:00[:00])."""
+    if not text:
+        return 0.0
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return time.time() - float(text[:-1]) * units[text[-1]]
+    for form in ("%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d"):
+        try:
+            return time.mktime(time.strptime(text, form))
+        except ValueError:
+            continue
+    raise ConfigError(
+        f"--since {text!r} is neither a duration (90s, 10m, 2h, 1d) nor a time (2026-11-24 08:00)."
+    )
+
+
+@main.command()
+@etcd_options
+@_job_option
+@click.option("--since", help="Only events since: a duration (10m, 2h) or a time.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new events (Ctrl-C ends).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@handle_errors
+def events(
+    job_id: str,
+    since: str | None,
+    follow: bool,
+    as_json: bool,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Print a job's history: rounds, joins, leaves, crashes, evictions, persists..."""
+    check_job_id(job_id)
+    start = _since(since)
+    cfg = _etcd_config(config_file, flags)
+
+    def show(e: Event) -> None:
+        click.echo(e.to_json().decode() if as_json else format_event(e))
+
+    with EtcdStore(cfg.etcd_settings()) as store:
+        found, revision = read_events(store, job_id, since=start)
+        for e in found:
+            show(e)
+        if not follow:
+            if not found and not as_json:
+                click.echo(f"job {job_id}: no events{' since ' + since if since else ''}.")
+            return
+        try:
+            for e in follow_events(store, job_id, revision):
+                show(e)
+        except KeyboardInterrupt:
+            return
 
 
 @main.command()
@@ -321,6 +393,11 @@ _IGNORED = {
     help="Seconds from SIGTERM to SIGKILL for workers and for leaving.",
 )
 @click.option(
+    "--metrics-port",
+    type=int,
+    help="Serve Prometheus metrics on --host at this port (default: off; 0: any free port).",
+)
+@click.option(
     "--log-dir",
     "--log_dir",
     "log_dir",
@@ -394,6 +471,19 @@ def run_main(
     efdl-run --standalone --nproc-per-node 2 train.py
     """
     setup_logging(verbose)
+    params = pet_params(
+        {
+            **flags,
+            "rdzv_backend": rdzv_backend,
+            "rdzv_endpoint": rdzv_endpoint,
+            "rdzv_conf": rdzv_conf,
+        },
+        os.environ,
+    )
+    rdzv_backend = params.pop("rdzv_backend")
+    rdzv_endpoint = params.pop("rdzv_endpoint")
+    rdzv_conf = params.pop("rdzv_conf")
+    flags = params
     for name, why in _IGNORED.items():
         if flags.pop(name, None) is not None:
             log.info("Ignoring --%s: %s.", name.replace("_", "-"), why)

@@ -274,6 +274,8 @@ class LaunchConfig(EtcdClientConfig):
             the memory of an interpreter with torch imported (about 300 MB of host memory
             with a CPU build of torch).
         grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
+        metrics_port: serve Prometheus metrics on ``--host`` at this port (None: off; 0: a
+            free port, logged).
         log_dir: keep per-rank log files (and error files) under this directory.
         tee: torchrun's ``--tee``: accepted; logs always go to the console unless redirected.
         redirects: torchrun's ``--redirects``: 1 stdout, 2 stderr, 3 both go to files only.
@@ -303,6 +305,7 @@ class LaunchConfig(EtcdClientConfig):
     max_restarts: int = 3
     warm_workers: int | None = None
     grace_period_s: float = 30.0
+    metrics_port: int | None = None
     log_dir: Path | None = None
     tee: int = 0
     redirects: int = 0
@@ -350,6 +353,10 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(f"--join-timeout ({self.join_timeout_s} s) must be positive.")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts ({self.max_restarts}) must not be negative.")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"--metrics-port ({self.metrics_port}) must be a port, 0..65535 (0: any free)."
+            )
         if self.warm_workers is not None and self.warm_workers < 0:
             raise ConfigError(f"--warm-workers ({self.warm_workers}) must not be negative.")
         for name in ("tee", "redirects"):

@@ -22,8 +22,10 @@ from types import FrameType
 
 from efdl.config import LaunchConfig
 from efdl.errors import DuplicateNodeError, EfdlError, StoreError
+from efdl.history import EventLog, Kind
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.gpus import free_slot
+from efdl.launcher.metrics import Metrics, cause_of
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.store import StoreServer, preload
@@ -32,6 +34,7 @@ from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
 from efdl.rendezvous.agent import RendezvousAgent, end_job, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
+from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
 from efdl.rendezvous.probe import ProbeListener
 from efdl.state.cache import CacheSettings, SnapshotStore
@@ -85,6 +88,21 @@ class _Persisted:
     step: int
     epoch: int | None
     world_size: int
+    size: int = 0  # bytes
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Note:
+    """A worker's news for the job's history: it resumed from the cache, or training went
+    on at a new size after standing still ``seconds``."""
+
+    kind: Kind
+    generation: int
+    text: str
+    world_size: int = 0
+    step: int = -1
+    seconds: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +185,20 @@ class NodeAgent:
             log.warning("Cannot listen on %s for liveness probes (%s).", node.host, exc)
             self._probe = None
         self._node = node
+        self._history = EventLog(store, job_id, node.node_id)
+        self._metrics: Metrics | None = None
+        if cfg.metrics_port is not None:
+            self._metrics = Metrics(job_id, node.node_id)
+            try:
+                port = self._metrics.serve(node.host, cfg.metrics_port)
+            except OSError as exc:
+                self._history.close(0)
+                raise AgentExit(
+                    1, f"Cannot serve metrics on {node.host}:{cfg.metrics_port}: {exc}."
+                ) from None
+            log.info("Serving Prometheus metrics at http://%s:%d/metrics.", node.host, port)
+            if isinstance(store, EtcdStore):
+                store.on_request = self._metrics.etcd_request.observe
         self._server = StoreServer(node.host, cfg.store_port)
         preload()
         self._ctx = JobContext(
@@ -215,12 +247,31 @@ class NodeAgent:
         self._rdzv: RendezvousAgent | None = None
 
     def _on_worker_message(self, pid: int, msg: dict[str, object]) -> None:
-        step, epoch, world = msg.get("step"), msg.get("epoch"), msg.get("world_size")
-        if msg.get("type") == "persisted" and isinstance(step, int) and isinstance(world, int):
-            self._events.put(_Persisted(step, epoch if isinstance(epoch, int) else None, world))
+        kind, step, world = msg.get("type"), msg.get("step"), msg.get("world_size")
         generation = msg.get("generation")
-        if msg.get("type") == "peer_failed" and isinstance(generation, int):
+        epoch, size, seconds = msg.get("epoch"), msg.get("bytes"), msg.get("seconds")
+        if kind == "persisted" and isinstance(step, int) and isinstance(world, int):
+            self._events.put(
+                _Persisted(
+                    step,
+                    epoch if isinstance(epoch, int) else None,
+                    world,
+                    size if isinstance(size, int) else 0,
+                    float(seconds) if isinstance(seconds, int | float) else 0.0,
+                )
+            )
+        elif kind == "peer_failed" and isinstance(generation, int):
             self._events.put(_PeerFailed(generation))
+        elif kind == "progress" and isinstance(step, int) and self._metrics is not None:
+            self._metrics.progress(step)  # thread-safe: no need for the main thread
+        elif kind == "resumed" and isinstance(step, int):
+            text = f"resumed from the cache's snapshot of step {step}"
+            self._events.put(_Note(Kind.RESUME, self._acted, text, step=step))
+        elif kind == "rescaled" and isinstance(generation, int) and isinstance(world, int):
+            still = msg.get("stood_still")
+            if isinstance(still, int | float) and isinstance(step, int):
+                text = f"training went on at world size {world}"
+                self._events.put(_Note(Kind.RESCALE, generation, text, world, step, float(still)))
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._acted}"
@@ -268,6 +319,9 @@ class NodeAgent:
             if self._rdzv is not None:
                 self._rdzv.leave()
             self._warm.close()
+            self._history.close(timeout_s=2.0)
+            if self._metrics is not None:
+                self._metrics.close()
             self._server.close()
             if self._probe is not None:
                 self._probe.close()
@@ -334,8 +388,16 @@ class NodeAgent:
             on_lease_lost=lambda reason: post(_LeaseLost(reason)),
             serve_store=self._server.serve,
             on_failure=lambda reason: post(_Failed(reason)),
+            events=self._history,
         )
         self._rdzv.join()
+        if self._metrics is not None:
+            self._metrics.lease_healthy.set(1)
+        self._history.record(
+            Kind.JOIN,
+            self._acted,
+            f"joined with {self._node.slots} worker slot(s) on {self._node.host}",
+        )
         self._log_cache()
         log.info(
             "%s: joined with %d worker slot(s) on %s (GPUs: %s).",
@@ -362,6 +424,17 @@ class NodeAgent:
             self._on_hello(event.pid)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
+        elif isinstance(event, _Note):
+            self._history.record(
+                event.kind,
+                event.generation,
+                event.text,
+                event.world_size,
+                event.step,
+                event.seconds,
+            )
+            if event.kind is Kind.RESCALE and self._metrics is not None:
+                self._metrics.stood_still.observe(event.seconds)
         elif isinstance(event, _PeerFailed) and self._rdzv is not None:
             self._rdzv.report_failure(event.generation)
 
@@ -411,12 +484,26 @@ class NodeAgent:
         assert self._cache is not None
         record = CacheRecord(ev.step, ev.epoch, ev.world_size, self._cache.url, time.time())
         self._cache_record.offer(record.to_json())
+        self._history.record(
+            Kind.PERSIST,
+            self._acted,
+            f"persisted {ev.size / 1e6:.1f} MB to {self._cache.url}",
+            ev.world_size,
+            ev.step,
+            ev.seconds,
+        )
+        if self._metrics is not None:
+            self._metrics.last_persisted.set(ev.step)
+            self._metrics.persisted_bytes.inc(ev.size)
+            if ev.seconds > 0:
+                self._metrics.persist_throughput.set(ev.size / ev.seconds)
 
     def _on_round(self, r: Round) -> None:
         if r.generation <= self._acted:
             return
         self._acted = r.generation
         self._restart_at = None  # this round restarts the workers (or stops them)
+        self._observe(r)
         if self._refill_at is not None and not self._refill_soon:  # imports would slow it
             self._refill_at = max(self._refill_at, time.monotonic() + REFILL_AFTER_S)
         if r.status is RoundStatus.CLOSED:
@@ -455,6 +542,20 @@ class NodeAgent:
             )
             return
         self._start_workers(r, range(member.workers))
+
+    def _observe(self, r: Round) -> None:
+        """The round in the metrics; a final round (written by whoever ended the job, not by
+        the leader's decision) in the history, by the leader."""
+        if r.status.final and self._rdzv is not None and self._rdzv.is_leader:
+            self._history.record(Kind.ROUND, r.generation, f"{r.status.value}: {r.reason}")
+        m = self._metrics
+        if m is None:
+            return
+        m.generation.set(r.generation)
+        m.world_size.set(r.world_size)
+        m.members.set(r.nodes)
+        m.spares.set(r.spares)
+        m.rescales.labels(cause_of(r.status.value, r.reason)).inc()
 
     def _rebuilds_in_place(self) -> bool:
         """Whether this node's workers are efdl-aware and all alive to be told of a round."""
@@ -630,6 +731,11 @@ class NodeAgent:
             how,
             f"\n{error}" if error else "",
         )
+        self._history.record(
+            Kind.CRASH, self._acted, f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}"
+        )
+        if self._metrics is not None:
+            self._metrics.worker_failures.inc()
         in_place = ev.pid in self._in_place and self._round is not None
         if in_place:  # the others roll back and go on; only this one is replaced
             group.remove(ev.pid)
@@ -650,6 +756,14 @@ class NodeAgent:
             )
         self._restarts += 1
         self._refill_soon = True
+        self._history.record(
+            Kind.RESTART,
+            self._acted,
+            f"{'replacing the worker in place' if in_place else 'restarting the workers'} "
+            f"(restart {self._restarts} of {self._cfg.max_restarts})",
+        )
+        if self._metrics is not None:
+            self._metrics.worker_restarts.inc()
         log.warning(
             "%s: %s (restart %d of %d).",
             self._tag(),
@@ -677,6 +791,7 @@ class NodeAgent:
 
     def _leave(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        self._history.record(Kind.LEAVE, self._acted, f"leaving on {name}")
         log.info(
             "%s: %s: leaving gracefully (grace period %.0f s).",
             self._tag(),
@@ -707,6 +822,9 @@ class NodeAgent:
         once (no grace: two generations must never train together), then join again as a new
         member."""
         log.error("%s: fenced: %s Killing the workers and joining again.", self._tag(), reason)
+        self._history.record(Kind.FENCED, self._acted, f"fenced: {reason}")
+        if self._metrics is not None:
+            self._metrics.lease_healthy.set(0)
         if self._group is not None:
             self._group.kill()
         self._replacing.clear()  # the new record offers every slot

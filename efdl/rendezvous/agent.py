@@ -34,6 +34,7 @@ from efdl.errors import (
     RendezvousError,
     StoreError,
 )
+from efdl.history import EventLog, Kind
 from efdl.rendezvous.api import (
     Compare,
     Delete,
@@ -166,6 +167,8 @@ class RendezvousAgent:
             active round: start the generation's fresh c10d store and return its port, which
             the agent then publishes in the round. Default: the record's fixed ``store_port``.
         on_failure: called once if the rendezvous fails on this node (it has left the job).
+        events: the job's history, where the rounds this node writes as leader and the
+            evictions it makes are recorded.
     """
 
     def __init__(
@@ -180,8 +183,10 @@ class RendezvousAgent:
         on_round: Callable[[Round], None] | None = None,
         serve_store: Callable[[Round], int] | None = None,
         on_failure: Callable[[str], None] | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.keys = JobKeys(job_id)
+        self._events = events
         self._on_round = on_round
         self._on_failure = on_failure
         if serve_store is None and node.store_port == 0:
@@ -732,6 +737,11 @@ class RendezvousAgent:
                 port,
                 self._ttl_s,
             )
+            if self._events is not None:
+                gen = self._round.generation if self._round else 0
+                self._events.record(
+                    Kind.EVICT, gen, f"{node_id} is gone: its agent refused a connection"
+                )
             try:
                 self._store.revoke_lease(lease)
             except StoreError as exc:
@@ -783,6 +793,10 @@ class RendezvousAgent:
         if result.succeeded:
             if decision.members:
                 self._members, self._members_of = decision.members, new.round_id
+            if self._events is not None:
+                self._events.record(
+                    Kind.ROUND, new.generation, f"{new.status.value}: {new.reason}", new.world_size
+                )
             kv = KeyValue(self.keys.round, new.to_json(), 0, result.revision)
             self._set_round(kv)
             return None

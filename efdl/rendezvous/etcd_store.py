@@ -160,6 +160,8 @@ class EtcdStore(KVStore):
         self._current = 0
         self._token: str | None = None
         self._closed = False
+        # Called with each request's seconds, failover included (the agent's metrics).
+        self.on_request: Callable[[float], None] | None = None
         self._watches: set[_EtcdWatch] = set()
         # One attempt's share of a request's time when there are members to fail over to.
         n = len(self._channels)
@@ -274,6 +276,16 @@ class EtcdStore(KVStore):
         return StoreError(f"etcd at {endpoint} failed {what} ({code.name}: {details}).")
 
     def _call(
+        self, what: str, fn: Callable[[_Channel, Any, float], T], timeout_s: float | None = None
+    ) -> T:
+        started = time.monotonic()
+        try:
+            return self._failing_over(what, fn, timeout_s)
+        finally:
+            if self.on_request is not None:
+                self.on_request(time.monotonic() - started)
+
+    def _failing_over(
         self, what: str, fn: Callable[[_Channel, Any, float], T], timeout_s: float | None = None
     ) -> T:
         """Run one RPC, failing over between endpoints and renewing the auth token.

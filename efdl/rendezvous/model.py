@@ -77,6 +77,11 @@ class JobKeys:
         return self.nodes + node_id
 
     @property
+    def events(self) -> str:
+        """The job's history (efdl.history), not bound to any lease."""
+        return self.prefix + "events/"
+
+    @property
     def failures(self) -> str:
         """Reports of failed collectives (``failures/<node>``: the generation), bound to the
         reporter's lease; the leader watches them and probes the job's nodes."""

@@ -51,6 +51,10 @@ class Runtime:
         self.gate = ready.ReadinessGate(self.timeout, self.join_timeout_s)
         self.breaker = Breaker()
         self.in_elastic_fn = False  # the main thread runs the @elastic function
+        # For the agent's history and metrics: the last commit (time, generation) and when
+        # local rank 0 last reported progress.
+        self._last_commit: tuple[float, int] | None = None
+        self._reported_at = 0.0
 
     @property
     def elastic(self) -> bool:
@@ -128,6 +132,29 @@ class Runtime:
             log.warning("Destroying the old process group failed (%s); going on.", exc)
         self.breaker.forget()
         self.side = None
+
+    def committed(self, step: int) -> None:
+        """A step was committed: rank 0 tells the agent how long training stood still when
+        this is the first commit of a new generation; local rank 0 reports its progress at
+        most once a second."""
+        p, channel = self.placement, self.channel
+        if channel is None or p is None:
+            return
+        now = time.monotonic()
+        last, self._last_commit = self._last_commit, (now, p.generation)
+        if last is not None and last[1] != p.generation and p.rank == 0:
+            channel.notify(
+                {
+                    "type": "rescaled",
+                    "generation": p.generation,
+                    "world_size": p.world_size,
+                    "step": step,
+                    "stood_still": now - last[0],
+                }
+            )
+        if p.local_rank == 0 and now - self._reported_at >= 1.0:
+            self._reported_at = now
+            channel.notify({"type": "progress", "step": step})
 
     def report(self, exc: BaseException) -> None:
         """The generation was left because of ``exc``: if a peer's connection closed, tell

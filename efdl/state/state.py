@@ -19,6 +19,7 @@ import enum
 import functools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,6 +175,7 @@ class ElasticState:
         self.phase, self._settled = Phase.COMMITTED, True
         rt = runtime
         rt.breaker.stepped()
+        rt.committed(self.step)
         agreed: list[int] | None = None
         if self._agree_work is not None:
             self._agree_work.wait()
@@ -268,7 +270,7 @@ class ElasticState:
             self._state_dict(),
             buffers,
             {"rng": rng_state()},
-            _published,
+            functools.partial(_published, time.monotonic()),
         )
 
     def flush(self, timeout_s: float) -> bool:
@@ -345,6 +347,8 @@ class ElasticState:
         resumed = self._resume() if choice.step is None else None
         if resumed is not None:
             self.last_sync = resumed.moved
+            if runtime.channel is not None and dist.get_rank() == 0:
+                runtime.channel.notify({"type": "resumed", "step": resumed.manifest.step})
             log.warning(
                 "No committed step is held whole by the ranks: resuming from step %d (epoch %s) "
                 "in %s.",
@@ -613,13 +617,21 @@ def _bucket() -> int:
     return max(1, int(mb * (1 << 20)))
 
 
-def _published(m: Manifest) -> None:
-    """Rank 0 wrote a snapshot: tell the agent, which publishes its step in etcd."""
+def _published(started: float, m: Manifest) -> None:
+    """Rank 0 wrote a snapshot (begun at monotonic ``started``): tell the agent, which
+    publishes its step in etcd."""
     log.info("Persisted step %d (world size %d).", m.step, m.world_size)
     channel = runtime.channel
     if channel is not None:
         channel.notify(
-            {"type": "persisted", "step": m.step, "epoch": m.epoch, "world_size": m.world_size}
+            {
+                "type": "persisted",
+                "step": m.step,
+                "epoch": m.epoch,
+                "world_size": m.world_size,
+                "bytes": sum(f.size for f in m.files.values()),
+                "seconds": time.monotonic() - started,
+            }
         )
 
 

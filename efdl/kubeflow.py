@@ -1,0 +1,48 @@
+"""torchrun's ``PET_*`` environment variables, as Kubeflow's PyTorchJob sets them.
+
+torchrun reads any of its options from ``PET_<OPTION>`` when the flag is not given; the
+training operator sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_RDZV_ENDPOINT``,
+``PET_RDZV_ID``, ``PET_RDZV_BACKEND``, ``PET_MAX_RESTARTS`` and ``PET_RDZV_CONF`` (and
+``PET_NODE_RANK``/``PET_MASTER_*`` for static jobs, which efdl ignores as it ignores their
+flags). So a PyTorchJob whose rendezvous points at an etcd v3 service runs ``efdl-run``
+unchanged. A flag beats its ``PET_*`` variable, and efdl's own ``EFDL_*`` variable (more
+specific) beats it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from efdl.config import LaunchConfig, env_name
+from efdl.errors import ConfigError
+
+# PET_* variable -> efdl-run's parameter (the name click passes).
+PET = {
+    "PET_NNODES": "nnodes",
+    "PET_NPROC_PER_NODE": "nproc_per_node",
+    "PET_RDZV_ENDPOINT": "rdzv_endpoint",
+    "PET_RDZV_ID": "job_id",
+    "PET_RDZV_BACKEND": "rdzv_backend",
+    "PET_MAX_RESTARTS": "max_restarts",
+    "PET_RDZV_CONF": "rdzv_conf",
+}
+# Where a parameter has an EFDL_* variable of its own (it wins over PET_*).
+_OWN_ENV = {"job_id": "job_id", "max_restarts": "max_restarts", "nproc_per_node": "nproc_per_node"}
+
+
+def pet_params(params: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """``params`` (efdl-run's, as click parsed them) with the unset ones filled from
+    ``PET_*`` variables in ``env``; values stay strings (validated like the flags)."""
+    out = dict(params)
+    for var, name in PET.items():
+        value = env.get(var)
+        if value is None or value == "" or out.get(name) is not None:
+            continue
+        own = _OWN_ENV.get(name)
+        if own is not None and env.get(env_name(own, LaunchConfig)):
+            continue
+        if name == "max_restarts" and not value.strip().isdigit():
+            raise ConfigError(f"{var} is {value!r}; expected a whole number of restarts.")
+        out[name] = value
+    return out

@@ -1,0 +1,118 @@
+"""The agent's Prometheus metrics (``--metrics-port``; off by default), served on ``--host``.
+
+One registry per agent (not prometheus_client's global one), so that tests can run several
+agents in one process. Names follow Prometheus' conventions: ``efdl_`` prefix, base units
+(seconds, bytes), ``_total`` for counters; labels are few and bounded (``cause``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Rescale causes, from the round's reason (efdl.rendezvous.decide words them).
+CAUSES = ("join", "leave", "lost", "restart", "wait", "other")
+STOOD_STILL_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def cause_of(status: str, reason: str) -> str:
+    """The cause of a round, from its status and reason (one of :data:`CAUSES`)."""
+    if status == "waiting":
+        return "wait"
+    text = reason.lower()
+    for cause, words in (
+        ("lost", ("lost workers",)),
+        ("restart", ("restarted",)),
+        ("leave", (" left",)),
+        ("join", ("joined", "spare")),
+    ):
+        if any(w in text for w in words):
+            return cause
+    return "other"
+
+
+class Metrics:
+    """The instruments, and the HTTP server once :meth:`serve` is called."""
+
+    def __init__(self, job_id: str, node_id: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        info = Gauge("efdl_agent_info", "This agent (value 1).", ["job", "node"], registry=r)
+        info.labels(job_id, node_id).set(1)
+        self.generation = Gauge("efdl_generation", "The newest round seen.", registry=r)
+        self.world_size = Gauge("efdl_world_size", "Workers in the newest round.", registry=r)
+        self.members = Gauge("efdl_members", "Nodes in the newest active round.", registry=r)
+        self.spares = Gauge("efdl_spares", "Nodes waiting as spares.", registry=r)
+        self.rescales = Counter("efdl_rescales", "Rounds seen, by cause.", ["cause"], registry=r)
+        for cause in CAUSES:
+            self.rescales.labels(cause)
+        self.stood_still = Histogram(
+            "efdl_stood_still_seconds",
+            "How long training stood still per rescale (in-place rank 0's measure).",
+            buckets=STOOD_STILL_BUCKETS,
+            registry=r,
+        )
+        self.worker_restarts = Counter(
+            "efdl_worker_restarts", "Workers this node restarted or replaced.", registry=r
+        )
+        self.worker_failures = Counter(
+            "efdl_worker_failures", "Worker processes of this node that failed.", registry=r
+        )
+        self.lease_healthy = Gauge(
+            "efdl_lease_healthy", "1 while this node's lease holds, 0 once lost.", registry=r
+        )
+        self.etcd_request = Histogram(
+            "efdl_etcd_request_seconds",
+            "etcd requests of this agent, failover included.",
+            buckets=ETCD_BUCKETS,
+            registry=r,
+        )
+        self.last_step = Gauge(
+            "efdl_last_committed_step", "The newest step local rank 0 committed.", registry=r
+        )
+        self.steps_per_second = Gauge(
+            "efdl_steps_per_second", "Committed steps per second (local rank 0).", registry=r
+        )
+        self.last_persisted = Gauge(
+            "efdl_last_persisted_step", "The newest step persisted to the cache.", registry=r
+        )
+        self.persist_throughput = Gauge(
+            "efdl_persist_bytes_per_second", "The last snapshot's size over its time.", registry=r
+        )
+        self.persisted_bytes = Counter(
+            "efdl_persisted_bytes", "Bytes of snapshots written to the cache.", registry=r
+        )
+        self._lock = threading.Lock()
+        self._progress: tuple[int, float] | None = None  # the last (step, time) reported
+        self._server: Any = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0: a free one) in a daemon thread; the port."""
+        from prometheus_client import start_http_server
+
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
+
+    def progress(self, step: int, at: float | None = None) -> None:
+        """Local rank 0 committed ``step``; the rate is over the time since the last report."""
+        now = time.monotonic() if at is None else at
+        with self._lock:
+            last = self._progress
+            self._progress = (step, now)
+        self.last_step.set(step)
+        if last is not None and step > last[0] and now > last[1]:
+            self.steps_per_second.set((step - last[0]) / (now - last[1]))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
