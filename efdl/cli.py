@@ -317,6 +317,29 @@ def stop(job_id: str, reason: str, config_file: Path | None, **flags: Any) -> No
     click.echo(f"job {job_id}: generation {r.generation} is {r.status.value} ({r.reason}).")
 
 
+@main.command()
+@etcd_options
+@_job_option
+@click.option(
+    "--out", type=click.Path(path_type=Path), required=True, help="The PNG file to write."
+)
+@click.option("--since", help="Only events since: a duration (10m, 2h) or a time.")
+@handle_errors
+def timeline(
+    job_id: str, out: Path, since: str | None, config_file: Path | None, **flags: Any
+) -> None:
+    """Draw a job's world size over time, its events marked, its stood-still time shaded."""
+    from efdl.timeline import draw  # matplotlib: an optional extra
+
+    check_job_id(job_id)
+    start = _since(since)
+    cfg = _etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        found, _ = read_events(store, job_id, since=start)
+    draw(found, out, f"job {job_id}")
+    click.echo(f"job {job_id}: {len(found)} events drawn to {out}.")
+
+
 _RDZV_ETCD = ("etcd", "etcd-v2", "etcd-v3", "efdl")
 _IGNORED = {
     "node_rank": "ranks are assigned by the rendezvous",

@@ -148,30 +148,46 @@ def follow_events(store: KVStore, job_id: str, revision: int) -> Iterator[Event]
             yield from parse_events(puts, keys)
 
 
-def stood_still(events: list[Event], now: float) -> tuple[float, float]:
-    """(trained, stood still) seconds since the first event: stood still counts the rescales'
-    pauses that in-place workers measured and the time spent in waiting rounds (below --min);
-    the rest of the time since the first active round counts as trained. (Restart mode
-    measures no pauses: its restarts count as trained.)"""
-    first_active = next(
+def _first_active(events: list[Event]) -> float | None:
+    return next(
         (e.time for e in events if e.kind is Kind.ROUND and e.text.startswith("active")), None
     )
-    if first_active is None:
-        return 0.0, 0.0
-    still = sum(e.seconds for e in events if e.kind is Kind.RESCALE and e.seconds > 0)
+
+
+def still_intervals(events: list[Event], now: float) -> list[tuple[float, float, str]]:
+    """When training stood still, as (start, end, why): the rescales' pauses that in-place
+    workers measured (ending at the rescale event), and the time in waiting rounds (below
+    --min) until the next round. (Restart mode measures no pauses.)"""
+    first = _first_active(events)
+    if first is None:
+        return []
+    spans = [
+        (e.time - e.seconds, e.time, "rescale")
+        for e in events
+        if e.kind is Kind.RESCALE and e.seconds > 0
+    ]
     waiting_since: float | None = None
     for e in events:
-        if e.kind is not Kind.ROUND or e.time < first_active:
+        if e.kind is not Kind.ROUND or e.time < first:
             continue
         if e.text.startswith("waiting"):
             waiting_since = e.time if waiting_since is None else waiting_since
         elif waiting_since is not None:
-            still += e.time - waiting_since
+            spans.append((waiting_since, e.time, "waiting"))
             waiting_since = None
     if waiting_since is not None:
-        still += now - waiting_since
-    total = max(0.0, now - first_active)
-    still = min(still, total)
+        spans.append((waiting_since, now, "waiting"))
+    return sorted(spans)
+
+
+def stood_still(events: list[Event], now: float) -> tuple[float, float]:
+    """(trained, stood still) seconds since the first active round: see
+    :func:`still_intervals`; the rest of the time counts as trained."""
+    first = _first_active(events)
+    if first is None:
+        return 0.0, 0.0
+    total = max(0.0, now - first)
+    still = min(total, sum(end - start for start, end, _ in still_intervals(events, now)))
     return total - still, still
 
 
@@ -209,8 +225,12 @@ class EventLog:
         world_size: int = 0,
         step: int = -1,
         seconds: float = -1.0,
+        node: str = "",
     ) -> None:
-        event = Event(time.time(), kind, self._node, generation, text, world_size, step, seconds)
+        """Record an event of this node (or of ``node``: an eviction names the evicted)."""
+        event = Event(
+            time.time(), kind, node or self._node, generation, text, world_size, step, seconds
+        )
         try:
             self._queue.put_nowait(event)
         except queue.Full:

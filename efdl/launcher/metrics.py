@@ -44,7 +44,7 @@ class Metrics:
 
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        info = Gauge("efdl_agent_info", "This agent (value 1).", ["job", "node"], registry=r)
+        info = Gauge("efdl_agent_info", "This agent (value 1).", ["efdl_job", "node"], registry=r)
         info.labels(job_id, node_id).set(1)
         self.generation = Gauge("efdl_generation", "The newest round seen.", registry=r)
         self.world_size = Gauge("efdl_world_size", "Workers in the newest round.", registry=r)

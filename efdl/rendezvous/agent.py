@@ -740,7 +740,10 @@ class RendezvousAgent:
             if self._events is not None:
                 gen = self._round.generation if self._round else 0
                 self._events.record(
-                    Kind.EVICT, gen, f"{node_id} is gone: its agent refused a connection"
+                    Kind.EVICT,
+                    gen,
+                    f"evicted by {self.node_id}: its agent refused a connection",
+                    node=node_id,
                 )
             try:
                 self._store.revoke_lease(lease)

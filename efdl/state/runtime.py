@@ -159,10 +159,16 @@ class Runtime:
     def report(self, exc: BaseException) -> None:
         """The generation was left because of ``exc``: if a peer's connection closed, tell
         the agent at once, so that the job's nodes are probed for a dead agent (its node then
-        leaves the job before its lease expires; efdl.rendezvous.probe)."""
+        leaves the job before its lease expires; efdl.rendezvous.probe), and close this
+        rank's connections of the generation."""
         p, channel = self.placement, self.channel
         if channel is not None and p is not None and classify(exc) is Failure.PEER:
             channel.notify({"type": "peer_failed", "generation": p.generation})
+            # And end this generation's connections now: a rank whose neighbours in the
+            # collective still live would otherwise wait on them (until the breaker cuts it,
+            # after the next generation is ready); this way every rank fails, and reports, at
+            # once.
+            self.breaker.cut(p.generation + 1)
 
     def trains_older_than(self, generation: int) -> bool:
         """Whether the main thread still trains a generation older than ``generation``."""

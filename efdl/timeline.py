@@ -1,0 +1,116 @@
+"""A picture of a job's history: world size over time, events marked, stood-still shaded.
+
+``efdl timeline --job-id J --out job.png``. Needs matplotlib (``pip install 'efdl[timeline]'``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from efdl.errors import ConfigError
+from efdl.history import Event, Kind, still_intervals
+
+# How each kind of event is marked: colour, and whether it gets a label.
+_MARKS = {
+    Kind.JOIN: ("tab:green", True),
+    Kind.LEAVE: ("tab:blue", True),
+    Kind.CRASH: ("tab:red", True),
+    Kind.EVICT: ("darkred", True),
+    Kind.FENCED: ("tab:purple", True),
+    Kind.RESTART: ("tab:orange", False),
+    Kind.RESUME: ("tab:cyan", True),
+    Kind.PERSIST: ("tab:gray", False),
+}
+
+
+def world_steps(events: list[Event]) -> list[tuple[float, int]]:
+    """(time, world size) from each round on: the size the job trained at (0 while it waits
+    below --min or after it ended). In place, a round's size takes effect when rank 0 first
+    steps at it (its rescale event: until then the others go on at the old size); in restart
+    mode, at the round."""
+    trained_at = {e.generation: e.time for e in events if e.kind is Kind.RESCALE}
+    steps = []
+    for e in events:
+        if e.kind is not Kind.ROUND:
+            continue
+        active = e.text.startswith("active")
+        at = trained_at.get(e.generation, e.time) if active else e.time
+        steps.append((at, e.world_size if active else 0))
+    return sorted(steps)
+
+
+def draw(events: list[Event], out: Path, title: str, now: float | None = None) -> Path:
+    """Draw ``events`` to the PNG ``out``; returns it.
+
+    Raises:
+        ConfigError: matplotlib is not installed, or there is nothing to draw.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise ConfigError(
+            "efdl timeline draws with matplotlib, which is not installed: "
+            "pip install 'efdl[timeline]' (or matplotlib)."
+        ) from None
+    steps = world_steps(events)
+    if not steps:
+        raise ConfigError(f"{title}: no rounds in its history to draw.")
+    end = max(e.time for e in events) if now is None else now
+    t0 = steps[0][0]
+    fig: Any
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=110)
+    xs = [t - t0 for t, _ in steps] + [end - t0]
+    ys = [w for _, w in steps] + [steps[-1][1]]
+    ax.step(xs, ys, where="post", color="black", linewidth=1.8, label="world size")
+    shaded = False
+    for start, stop, why in still_intervals(events, end):
+        ax.axvspan(
+            start - t0,
+            max(stop - t0, start - t0 + 0.05),
+            color="tab:red" if why == "rescale" else "tab:orange",
+            alpha=0.25,
+            label=None if shaded else "stood still",
+        )
+        shaded = True
+    top = max(ys) + 1
+    labelled: set[Kind] = set()
+    for e in events:
+        mark = _MARKS.get(e.kind)
+        if mark is None or e.time < t0:
+            continue
+        colour, text = mark
+        ax.axvline(
+            e.time - t0,
+            color=colour,
+            linestyle=":",
+            linewidth=1,
+            label=None if e.kind in labelled else e.kind.value,
+        )
+        labelled.add(e.kind)
+        if text:
+            ax.annotate(
+                f"{e.node}",
+                (e.time - t0, top - 0.3),
+                rotation=90,
+                fontsize=7,
+                color=colour,
+                ha="right",
+                va="top",
+            )
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(f"seconds since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))}")
+    ax.set_ylabel("workers")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8, ncol=4)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
