@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
-from efdl import __version__
+from efdl import __version__, logs
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.history import Event, follow_events, format_event, read_events, stood_still
@@ -42,13 +42,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("efdl")
 
 
-def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="[efdl %(asctime)s.%(msecs)03d %(levelname)s] %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+def setup_logging(verbose: bool, fmt: str = "text") -> None:
+    logs.setup(verbose, fmt)
 
 
 def etcd_options(fn: F) -> F:
@@ -416,6 +411,11 @@ _IGNORED = {
     help="Seconds from SIGTERM to SIGKILL for workers and for leaving.",
 )
 @click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    help="text (default) or json: one object per line with time, job, node, generation, rank.",
+)
+@click.option(
     "--metrics-port",
     type=int,
     help="Serve Prometheus metrics on --host at this port (default: off; 0: any free port).",
@@ -523,6 +523,8 @@ def run_main(
         _apply_rdzv_conf(rdzv_conf, flags)
     data = read_yaml(config_file) if config_file else {}
     cfg = load(LaunchConfig, flags, yaml_data=data, yaml_source=str(config_file or ""))
+    if cfg.log_format != "text":
+        setup_logging(verbose, cfg.log_format)
     args = _worker_command(script, script_args, module, no_python)
     sys.exit(launch(cfg, args))
 
@@ -562,6 +564,7 @@ def _worker_command(
 
 def launch(cfg: LaunchConfig, args: list[str]) -> int:
     """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
+    logs.context.set(job=cfg.job_id or "standalone", node=cfg.node_id or "")
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
@@ -573,6 +576,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)
         job_id = check_job_id(cfg.job_id or "standalone")
+        logs.context.set(node=node.node_id)
         with EtcdStore(settings) as store:
             start_job(store, job_id, cfg.new_run)
             log.info(

@@ -274,6 +274,8 @@ class LaunchConfig(EtcdClientConfig):
             the memory of an interpreter with torch imported (about 300 MB of host memory
             with a CPU build of torch).
         grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
+        log_format: ``text`` (for people) or ``json`` (one object per line, agent and worker
+            lines alike, each with time, job, node, generation and, for workers, rank).
         metrics_port: serve Prometheus metrics on ``--host`` at this port (None: off; 0: a
             free port, logged).
         log_dir: keep per-rank log files (and error files) under this directory.
@@ -306,6 +308,7 @@ class LaunchConfig(EtcdClientConfig):
     warm_workers: int | None = None
     grace_period_s: float = 30.0
     metrics_port: int | None = None
+    log_format: str = "text"
     log_dir: Path | None = None
     tee: int = 0
     redirects: int = 0
@@ -353,6 +356,8 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(f"--join-timeout ({self.join_timeout_s} s) must be positive.")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts ({self.max_restarts}) must not be negative.")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"--log-format is {self.log_format!r}; expected text or json.")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(
                 f"--metrics-port ({self.metrics_port}) must be a port, 0..65535 (0: any free)."

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
+from efdl import logs
 from efdl.config import LaunchConfig
 from efdl.errors import DuplicateNodeError, EfdlError, StoreError
 from efdl.history import EventLog, Kind
@@ -185,6 +186,7 @@ class NodeAgent:
             log.warning("Cannot listen on %s for liveness probes (%s).", node.host, exc)
             self._probe = None
         self._node = node
+        logs.context.set(job=job_id, node=node.node_id)
         self._history = EventLog(store, job_id, node.node_id)
         self._metrics: Metrics | None = None
         if cfg.metrics_port is not None:
@@ -502,6 +504,7 @@ class NodeAgent:
         if r.generation <= self._acted:
             return
         self._acted = r.generation
+        logs.context.set(generation=r.generation)
         self._restart_at = None  # this round restarts the workers (or stops them)
         self._observe(r)
         if self._refill_at is not None and not self._refill_soon:  # imports would slow it
@@ -579,6 +582,7 @@ class NodeAgent:
         for w in running:
             if member is not None and len(placed) < wanted:
                 w.local_rank = len(placed)
+                w.rank = member.first_rank + w.local_rank
                 self._standby.discard(w.pid)
                 placement = Placement(
                     r.generation,

@@ -17,11 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from efdl import logs as logs_format
 from efdl._process import reap, spawn_worker
 from efdl.launcher import warm
 
@@ -56,17 +57,22 @@ class LogSpec:
 
 
 def _pump(
-    stream: IO[bytes], prefix: bytes, console: IO[bytes] | None, file: IO[bytes] | None
+    stream: IO[bytes],
+    render: Callable[[bytes], bytes],
+    console: IO[bytes] | None,
+    file: IO[bytes] | None,
 ) -> None:
-    """Copy lines from a worker pipe to the console (prefixed) and/or a file, until EOF."""
+    """Copy lines from a worker pipe to the console (as ``render`` makes them) and/or a file,
+    until EOF."""
     try:
         for line in iter(stream.readline, b""):
             if file is not None:
                 file.write(line)
                 file.flush()
             if console is not None:
+                shown = render(line)
                 with _console_lock:
-                    console.write(prefix + line)
+                    console.write(shown)
                     console.flush()
     except (OSError, ValueError):
         pass
@@ -113,9 +119,14 @@ class Worker:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 file = open(path, "ab")  # noqa: SIM115 (closed by the pump)
             to_console = None if logs.redirects & bit else console
+            stream = "stdout" if bit == STDOUT else "stderr"
+
+            def render(line: bytes, stream: str = stream) -> bytes:
+                return logs_format.worker_line(self.rank, stream, line)
+
             t = threading.Thread(
                 target=_pump,
-                args=(pipe, f"[rank{rank}]: ".encode(), to_console, file),
+                args=(pipe, render, to_console, file),
                 name=f"efdl-log-r{rank}-{bit}",
                 daemon=True,
             )

@@ -161,3 +161,42 @@ def test_a_pytorchjob_environment_runs_efdl_run_unchanged(
     rows = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert {r["world"] for r in rows} == {2} and {r["rank"] for r in rows} == {0, 1}
     assert f"job {job_id}" in out.stderr
+
+
+JSON_ARGS = ["--node-id", "ip-10-0-0-7.ec2.internal", "--host", "127.0.0.1", "--nproc-per-node"]
+JSON_ARGS += ["2", "--log-format", "json"]
+
+
+def test_json_logs_name_time_job_node_generation_and_rank(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    job_id = f"jsonlog-{uuid.uuid4().hex[:8]}"
+    script = tmp_path / "hello.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('out from', os.environ['RANK'])\n"
+        "print('err from', os.environ['RANK'], file=sys.stderr)\n"
+    )
+    env = {**os.environ, "OUT_DIR": str(tmp_path)}
+    etcd = etcd_server.endpoint.target
+    out = subprocess.run(
+        [*EFDL_RUN, "--etcd", etcd, "--job-id", job_id, *JSON_ARGS, str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in (out.stdout + out.stderr).splitlines() if line]
+    assert lines and all(
+        {"time", "level", "job", "node", "generation", "message"} <= set(line) for line in lines
+    )
+    assert {line["job"] for line in lines} == {job_id}
+    assert {line["node"] for line in lines} == {"ip-10-0-0-7.ec2.internal"}
+    workers = [line for line in lines if "rank" in line]
+    assert {w["rank"] for w in workers} == {0, 1} and all(w["generation"] >= 1 for w in workers)
+    assert {(w["stream"], w["message"]) for w in workers} >= {
+        ("stdout", "out from 0"),
+        ("stderr", "err from 1"),
+    }
+    assert any("logger" in line and "joined" in line["message"] for line in lines)
