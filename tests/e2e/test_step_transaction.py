@@ -44,10 +44,18 @@ def crash_and_recover(job: Job, where: str, **env: str) -> list[dict[str, object
     job.env.update(KILL_IN=f"{where}:1:15", **env)
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
-    return job.wait_for(
-        "the replacement training",
-        lambda rs: any(r["rescales"] for r in rs) and steps_at_world(2, 1)(rs),
-    )
+
+    def replaced(rs: list[dict[str, object]]) -> bool:
+        """A third worker process (the replacement) trains at world size 2 with the
+        survivor. (Not "a world-2 generation after the first": b may join a running a.)"""
+        first: dict[object, int] = {}
+        for r in rs:
+            first.setdefault(r["pid"], int(r["gen"]))  # type: ignore[call-overload]
+        if len(first) < 3:
+            return False
+        return steps_at_world(2, max(first.values()) - 1)(rs)
+
+    return job.wait_for("the replacement training", replaced)
 
 
 def assert_one_state(job: Job, rows: list[dict[str, object]]) -> None:
