@@ -812,9 +812,21 @@ class NodeAgent:
             # so nobody waits for our workers' interpreters to exit.
             self._leave_rendezvous()
             self._group.wait(self._cfg.grace_period_s)
+            self._drain_news()
         self._stop_workers()
         self._leave_rendezvous()
         raise AgentExit(0 if signum == signal.SIGTERM else 128 + signum, f"Left the job on {name}.")
+
+    def _drain_news(self) -> None:
+        """The workers are gone: publish what they said on their way out (the step they
+        persisted at the pause, the last rescale) before the agent exits."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, _Persisted | _Note):
+                self._handle(event)
 
     def _leave_rendezvous(self) -> None:
         if self._rdzv is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -161,6 +163,22 @@ def test_preemption_sigterm_everywhere_loses_nothing_committed(job: Job) -> None
     )  # the step they paused at went to storage on the way out
     new = restart_and_resume(job, {r["pid"] for r in rows})
     check_resumed(new, rows, last)
+    # The job's history has the persists and the leaves (the last persist is the step they
+    # paused at, written on the way out), then the resume.
+    efdl = [sys.executable, "-m", "efdl"]
+    out = subprocess.run(
+        [*efdl, "events", "--etcd", job.etcd, "--job-id", job.job_id, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert "persist" in kinds and "resume" in kinds, out.stdout + out.stderr
+    resume = kinds.index("resume")
+    paused = next(i for i, e in enumerate(events) if e["kind"] == "persist" and e["step"] == last)
+    assert paused < resume and kinds.index("leave") < resume
+    assert events[resume]["step"] == last
 
 
 def test_the_cache_on_s3(etcd_server: EmbeddedEtcd, tmp_path: Path, s3_bucket: str) -> None:
