@@ -12,10 +12,11 @@ import time
 import urllib.request
 import uuid
 
-from efdl.history import EventLog, Kind, read_events
+from efdl.history import EventLog, read_events
 from efdl.launcher.metrics import Metrics
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.model import EventKind
 
 
 def main() -> None:
@@ -31,7 +32,9 @@ def main() -> None:
         t_all = time.perf_counter()
         for i in range(n):
             t0 = time.perf_counter()
-            log.record(Kind.PERSIST, 7, f"persisted 1234.5 MB to s3://bucket/{job}", 512, i, 3.2)
+            log.record(
+                EventKind.PERSIST, 7, f"persisted 1234.5 MB to s3://bucket/{job}", 512, i, 3.2
+            )
             calls.append(time.perf_counter() - t0)
         queued = time.perf_counter() - t_all
         log.close(timeout_s=600)

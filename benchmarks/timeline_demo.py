@@ -20,10 +20,11 @@ from typing import IO
 
 import psutil
 
-from efdl.history import Event, Kind, format_event, read_events
+from efdl.history import format_event, read_events
 from efdl.launcher import warm
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.model import Event, EventKind
 from efdl.timeline import draw
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,14 +71,16 @@ def main() -> None:
                 time.sleep(0.2)
 
         def world(n: int, after: int = 0) -> Callable[[list[Event]], bool]:
-            return lambda es: sum(e.kind is Kind.RESCALE and e.world_size == n for e in es) > after
+            return lambda es: (
+                sum(e.kind is EventKind.RESCALE and e.world_size == n for e in es) > after
+            )
 
         try:
             start("node-a")
             start("node-b")
             until(
                 "two workers",
-                lambda es: any(e.kind is Kind.ROUND and e.world_size == 2 for e in es),
+                lambda es: any(e.kind is EventKind.ROUND and e.world_size == 2 for e in es),
             )
             time.sleep(3)
             start("node-c")

@@ -23,7 +23,7 @@ import click
 from efdl import __version__, logs
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
-from efdl.history import Event, follow_events, format_event, read_events, stood_still
+from efdl.history import follow_events, format_event, read_events, stood_still
 from efdl.kubeflow import pet_params
 from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
@@ -34,7 +34,7 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
-from efdl.rendezvous.model import JobKeys, NodeRecord, RoundStatus, check_job_id
+from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus, check_job_id
 from efdl.rendezvous.status import format_status, read_status, status_json
 
 F = TypeVar("F", bound=Callable[..., Any])

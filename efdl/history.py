@@ -12,108 +12,22 @@ next step waits for etcd; an event that cannot be written is dropped with a warn
 
 from __future__ import annotations
 
-import enum
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from typing import Any
 
 from efdl.errors import StoreError
 from efdl.rendezvous.api import Delete, KVStore
-from efdl.rendezvous.model import JobKeys, RecordError
+from efdl.rendezvous.model import Event, EventKind, JobKeys, RecordError, Round, RoundStatus
 
 log = logging.getLogger(__name__)
 
 LIMIT = 2000  # events kept per job (about 200 bytes each)
 TRIM_EVERY = 64  # a writer trims after this many of its own writes
 _TXN_OPS = 128  # etcd's default --max-txn-ops
-
-
-class Kind(enum.StrEnum):
-    ROUND = "round"  # the leader wrote a round (any status)
-    JOIN = "join"
-    LEAVE = "leave"
-    CRASH = "crash"  # a worker failed
-    RESTART = "restart"  # workers restarted, or a lost in-place worker replaced
-    EVICT = "evict"  # a dead node's lease ended on evidence (efdl.rendezvous.probe)
-    FENCED = "fenced"  # this node's lease was lost: workers killed, joining again
-    PERSIST = "persist"  # rank 0 wrote a snapshot to the remote cache
-    RESUME = "resume"  # the job resumed from the remote cache
-    RESCALE = "rescale"  # training went on at a new size; ``seconds``: how long it stood still
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One thing that happened to the job.
-
-    Attributes:
-        time: wall-clock seconds.
-        kind: what.
-        node: the node it happened on (for a round: the leader).
-        generation: the round generation it happened in (or made).
-        text: one line for people.
-        world_size: the world size it left or made, where that means something (0: none).
-        step: the training step it concerns (-1: none).
-        seconds: a duration it measured (rescale: stood still; persist: writing), or -1.
-    """
-
-    time: float
-    kind: Kind
-    node: str
-    generation: int
-    text: str
-    world_size: int = 0
-    step: int = -1
-    seconds: float = -1.0
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
-
-    @staticmethod
-    def from_json(raw: bytes, key: str) -> Event:
-        where = f"The event at {key}"
-        try:
-            data = json.loads(raw)
-        except ValueError as exc:
-            raise RecordError(f"{where} is not JSON: {exc}.") from None
-        if not isinstance(data, dict):
-            raise RecordError(f"{where} must be a JSON object.")
-        try:
-            kind = Kind(str(data.get("kind")))
-        except ValueError:
-            raise RecordError(
-                f"{where} has kind {data.get('kind')!r}; expected one of "
-                f"{', '.join(k.value for k in Kind)}."
-            ) from None
-        fields: dict[str, type | tuple[type, ...]] = {
-            "time": (int, float),
-            "node": str,
-            "generation": int,
-            "text": str,
-            "world_size": int,
-            "step": int,
-            "seconds": (int, float),
-        }
-        for name, want in fields.items():
-            value = data.get(name)
-            if not isinstance(value, want) or isinstance(value, bool):
-                raise RecordError(f"{where} field {name!r} is {value!r}; expected {want}.")
-        return Event(
-            float(data["time"]),
-            kind,
-            data["node"][:128],
-            data["generation"],
-            data["text"][:1000],
-            data["world_size"],
-            data["step"],
-            float(data["seconds"]),
-        )
-
-    def key(self, keys: JobKeys) -> str:
-        return f"{keys.events}{int(self.time * 1e9):019d}-{self.node}"
 
 
 def parse_events(kvs: Iterable[tuple[str, bytes]], keys: JobKeys) -> list[Event]:
@@ -149,9 +63,7 @@ def follow_events(store: KVStore, job_id: str, revision: int) -> Iterator[Event]
 
 
 def _first_active(events: list[Event]) -> float | None:
-    return next(
-        (e.time for e in events if e.kind is Kind.ROUND and e.text.startswith("active")), None
-    )
+    return next((e.time for e in events if e.round_status is RoundStatus.ACTIVE), None)
 
 
 def still_intervals(events: list[Event], now: float) -> list[tuple[float, float, str]]:
@@ -164,13 +76,13 @@ def still_intervals(events: list[Event], now: float) -> list[tuple[float, float,
     spans = [
         (e.time - e.seconds, e.time, "rescale")
         for e in events
-        if e.kind is Kind.RESCALE and e.seconds > 0
+        if e.kind is EventKind.RESCALE and e.seconds > 0
     ]
     waiting_since: float | None = None
     for e in events:
-        if e.kind is not Kind.ROUND or e.time < first:
+        if e.round_status is None or e.time < first:
             continue
-        if e.text.startswith("waiting"):
+        if e.round_status is RoundStatus.WAITING:
             waiting_since = e.time if waiting_since is None else waiting_since
         elif waiting_since is not None:
             spans.append((waiting_since, e.time, "waiting"))
@@ -217,24 +129,34 @@ class EventLog:
         self._thread = threading.Thread(target=self._run, name="efdl-events", daemon=True)
         self._thread.start()
 
-    def record(
+    def event(
         self,
-        kind: Kind,
+        kind: EventKind,
         generation: int,
         text: str,
         world_size: int = 0,
         step: int = -1,
         seconds: float = -1.0,
         node: str = "",
-    ) -> None:
-        """Record an event of this node (or of ``node``: an eviction names the evicted)."""
-        event = Event(
+    ) -> Event:
+        """An event of this node (or of ``node``: an eviction names the evicted), now."""
+        return Event(
             time.time(), kind, node or self._node, generation, text, world_size, step, seconds
         )
+
+    def record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
+        """:meth:`event`, written."""
+        self.write(self.event(kind, generation, text, **fields))
+
+    def round(self, r: Round) -> None:
+        """A round this node wrote (or saw end the job)."""
+        self.write(Event.of_round(time.time(), self._node, r))
+
+    def write(self, event: Event) -> None:
         try:
             self._queue.put_nowait(event)
         except queue.Full:
-            log.warning("Dropping the event %s: too many not written yet.", kind.value)
+            log.warning("Dropping the event %s: too many not written yet.", event.kind.value)
 
     def _run(self) -> None:
         while (event := self._queue.get()) is not None:

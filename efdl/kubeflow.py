@@ -27,8 +27,8 @@ PET = {
     "PET_MAX_RESTARTS": "max_restarts",
     "PET_RDZV_CONF": "rdzv_conf",
 }
-# Where a parameter has an EFDL_* variable of its own (it wins over PET_*).
-_OWN_ENV = {"job_id": "job_id", "max_restarts": "max_restarts", "nproc_per_node": "nproc_per_node"}
+# The parameters with an EFDL_* variable of their own (it wins over PET_*).
+_OWN_ENV = frozenset({"job_id", "max_restarts", "nproc_per_node"})
 
 
 def pet_params(params: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
@@ -39,8 +39,7 @@ def pet_params(params: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, A
         value = env.get(var)
         if value is None or value == "" or out.get(name) is not None:
             continue
-        own = _OWN_ENV.get(name)
-        if own is not None and env.get(env_name(own, LaunchConfig)):
+        if name in _OWN_ENV and env.get(env_name(name, LaunchConfig)):
             continue
         if name == "max_restarts" and not value.strip().isdigit():
             raise ConfigError(f"{var} is {value!r}; expected a whole number of restarts.")

@@ -10,18 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from efdl.errors import ConfigError
-from efdl.history import Event, Kind, still_intervals
+from efdl.history import still_intervals
+from efdl.rendezvous.model import Event, EventKind, RoundStatus
 
 # How each kind of event is marked: colour, and whether it gets a label.
 _MARKS = {
-    Kind.JOIN: ("tab:green", True),
-    Kind.LEAVE: ("tab:blue", True),
-    Kind.CRASH: ("tab:red", True),
-    Kind.EVICT: ("darkred", True),
-    Kind.FENCED: ("tab:purple", True),
-    Kind.RESTART: ("tab:orange", False),
-    Kind.RESUME: ("tab:cyan", True),
-    Kind.PERSIST: ("tab:gray", False),
+    EventKind.JOIN: ("tab:green", True),
+    EventKind.LEAVE: ("tab:blue", True),
+    EventKind.CRASH: ("tab:red", True),
+    EventKind.EVICT: ("darkred", True),
+    EventKind.FENCED: ("tab:purple", True),
+    EventKind.RESTART: ("tab:orange", False),
+    EventKind.RESUME: ("tab:cyan", True),
+    EventKind.PERSIST: ("tab:gray", False),
 }
 
 
@@ -30,12 +31,12 @@ def world_steps(events: list[Event]) -> list[tuple[float, int]]:
     below --min or after it ended). In place, a round's size takes effect when rank 0 first
     steps at it (its rescale event: until then the others go on at the old size); in restart
     mode, at the round."""
-    trained_at = {e.generation: e.time for e in events if e.kind is Kind.RESCALE}
+    trained_at = {e.generation: e.time for e in events if e.kind is EventKind.RESCALE}
     steps = []
     for e in events:
-        if e.kind is not Kind.ROUND:
+        if e.round_status is None:
             continue
-        active = e.text.startswith("active")
+        active = e.round_status is RoundStatus.ACTIVE
         at = trained_at.get(e.generation, e.time) if active else e.time
         steps.append((at, e.world_size if active else 0))
     return sorted(steps)
@@ -79,7 +80,7 @@ def draw(events: list[Event], out: Path, title: str, now: float | None = None) -
         )
         shaded = True
     top = max(ys) + 1
-    labelled: set[Kind] = set()
+    labelled: set[EventKind] = set()
     for e in events:
         mark = _MARKS.get(e.kind)
         if mark is None or e.time < t0:

@@ -19,14 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from efdl import logs
 from efdl.config import LaunchConfig
 from efdl.errors import DuplicateNodeError, EfdlError, StoreError
-from efdl.history import EventLog, Kind
+from efdl.history import EventLog
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.gpus import free_slot
-from efdl.launcher.metrics import Metrics, cause_of
+from efdl.launcher.metrics import Metrics
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.store import StoreServer, preload
@@ -36,7 +37,16 @@ from efdl.rendezvous.agent import RendezvousAgent, end_job, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import CacheRecord, JobKeys, NodeRecord, RecordError, Round, RoundStatus
+from efdl.rendezvous.model import (
+    CacheRecord,
+    Event,
+    EventKind,
+    JobKeys,
+    NodeRecord,
+    RecordError,
+    Round,
+    RoundStatus,
+)
 from efdl.rendezvous.probe import ProbeListener
 from efdl.state.cache import CacheSettings, SnapshotStore
 from efdl.state.channel import (
@@ -91,19 +101,6 @@ class _Persisted:
     world_size: int
     size: int = 0  # bytes
     seconds: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Note:
-    """A worker's news for the job's history: it resumed from the cache, or training went
-    on at a new size after standing still ``seconds``."""
-
-    kind: Kind
-    generation: int
-    text: str
-    world_size: int = 0
-    step: int = -1
-    seconds: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +185,8 @@ class NodeAgent:
         self._node = node
         logs.context.set(job=job_id, node=node.node_id)
         self._history = EventLog(store, job_id, node.node_id)
-        self._metrics: Metrics | None = None
+        self._metrics = Metrics(job_id, node.node_id)  # served with --metrics-port only
         if cfg.metrics_port is not None:
-            self._metrics = Metrics(job_id, node.node_id)
             try:
                 port = self._metrics.serve(node.host, cfg.metrics_port)
             except OSError as exc:
@@ -264,16 +260,19 @@ class NodeAgent:
             )
         elif kind == "peer_failed" and isinstance(generation, int):
             self._events.put(_PeerFailed(generation))
-        elif kind == "progress" and isinstance(step, int) and self._metrics is not None:
+        elif kind == "progress" and isinstance(step, int):
             self._metrics.progress(step)  # thread-safe: no need for the main thread
         elif kind == "resumed" and isinstance(step, int):
             text = f"resumed from the cache's snapshot of step {step}"
-            self._events.put(_Note(Kind.RESUME, self._acted, text, step=step))
+            self._events.put(self._history.event(EventKind.RESUME, self._acted, text, step=step))
         elif kind == "rescaled" and isinstance(generation, int) and isinstance(world, int):
             still = msg.get("stood_still")
             if isinstance(still, int | float) and isinstance(step, int):
                 text = f"training went on at world size {world}"
-                self._events.put(_Note(Kind.RESCALE, generation, text, world, step, float(still)))
+                event = self._history.event(
+                    EventKind.RESCALE, generation, text, world, step, float(still)
+                )
+                self._events.put(event)
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._acted}"
@@ -316,14 +315,14 @@ class NodeAgent:
             (log.info if done.code == 0 else log.error)("%s: %s", self._tag(), done)
             return done.code
         finally:
+            self._drain_news()
             if self._group is not None:
                 self._group.kill()
             if self._rdzv is not None:
                 self._rdzv.leave()
             self._warm.close()
             self._history.close(timeout_s=2.0)
-            if self._metrics is not None:
-                self._metrics.close()
+            self._metrics.close()
             self._server.close()
             if self._probe is not None:
                 self._probe.close()
@@ -393,10 +392,9 @@ class NodeAgent:
             events=self._history,
         )
         self._rdzv.join()
-        if self._metrics is not None:
-            self._metrics.lease_healthy.set(1)
-        self._history.record(
-            Kind.JOIN,
+        self._metrics.lease_healthy.set(1)
+        self._record(
+            EventKind.JOIN,
             self._acted,
             f"joined with {self._node.slots} worker slot(s) on {self._node.host}",
         )
@@ -426,19 +424,18 @@ class NodeAgent:
             self._on_hello(event.pid)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
-        elif isinstance(event, _Note):
-            self._history.record(
-                event.kind,
-                event.generation,
-                event.text,
-                event.world_size,
-                event.step,
-                event.seconds,
-            )
-            if event.kind is Kind.RESCALE and self._metrics is not None:
-                self._metrics.stood_still.observe(event.seconds)
+        elif isinstance(event, Event):
+            self._note(event)
         elif isinstance(event, _PeerFailed) and self._rdzv is not None:
             self._rdzv.report_failure(event.generation)
+
+    def _record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
+        self._note(self._history.event(kind, generation, text, **fields))
+
+    def _note(self, event: Event) -> None:
+        """Into the job's history, and into the metrics it moves."""
+        self._history.write(event)
+        self._metrics.count(event)
 
     def _on_hello(self, pid: int) -> None:
         """A worker connected: it rebuilds in place. A replacement is ready now: offer its
@@ -486,19 +483,15 @@ class NodeAgent:
         assert self._cache is not None
         record = CacheRecord(ev.step, ev.epoch, ev.world_size, self._cache.url, time.time())
         self._cache_record.offer(record.to_json())
-        self._history.record(
-            Kind.PERSIST,
+        self._record(
+            EventKind.PERSIST,
             self._acted,
             f"persisted {ev.size / 1e6:.1f} MB to {self._cache.url}",
-            ev.world_size,
-            ev.step,
-            ev.seconds,
+            world_size=ev.world_size,
+            step=ev.step,
+            seconds=ev.seconds,
         )
-        if self._metrics is not None:
-            self._metrics.last_persisted.set(ev.step)
-            self._metrics.persisted_bytes.inc(ev.size)
-            if ev.seconds > 0:
-                self._metrics.persist_throughput.set(ev.size / ev.seconds)
+        self._metrics.persisted(ev.step, ev.size, ev.seconds)
 
     def _on_round(self, r: Round) -> None:
         if r.generation <= self._acted:
@@ -550,15 +543,8 @@ class NodeAgent:
         """The round in the metrics; a final round (written by whoever ended the job, not by
         the leader's decision) in the history, by the leader."""
         if r.status.final and self._rdzv is not None and self._rdzv.is_leader:
-            self._history.record(Kind.ROUND, r.generation, f"{r.status.value}: {r.reason}")
-        m = self._metrics
-        if m is None:
-            return
-        m.generation.set(r.generation)
-        m.world_size.set(r.world_size)
-        m.members.set(r.nodes)
-        m.spares.set(r.spares)
-        m.rescales.labels(cause_of(r.status.value, r.reason)).inc()
+            self._history.round(r)
+        self._metrics.round(r)
 
     def _rebuilds_in_place(self) -> bool:
         """Whether this node's workers are efdl-aware and all alive to be told of a round."""
@@ -735,11 +721,9 @@ class NodeAgent:
             how,
             f"\n{error}" if error else "",
         )
-        self._history.record(
-            Kind.CRASH, self._acted, f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}"
+        self._record(
+            EventKind.CRASH, self._acted, f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}"
         )
-        if self._metrics is not None:
-            self._metrics.worker_failures.inc()
         in_place = ev.pid in self._in_place and self._round is not None
         if in_place:  # the others roll back and go on; only this one is replaced
             group.remove(ev.pid)
@@ -760,14 +744,12 @@ class NodeAgent:
             )
         self._restarts += 1
         self._refill_soon = True
-        self._history.record(
-            Kind.RESTART,
+        self._record(
+            EventKind.RESTART,
             self._acted,
             f"{'replacing the worker in place' if in_place else 'restarting the workers'} "
             f"(restart {self._restarts} of {self._cfg.max_restarts})",
         )
-        if self._metrics is not None:
-            self._metrics.worker_restarts.inc()
         log.warning(
             "%s: %s (restart %d of %d).",
             self._tag(),
@@ -795,7 +777,7 @@ class NodeAgent:
 
     def _leave(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        self._history.record(Kind.LEAVE, self._acted, f"leaving on {name}")
+        self._record(EventKind.LEAVE, self._acted, f"leaving on {name}")
         log.info(
             "%s: %s: leaving gracefully (grace period %.0f s).",
             self._tag(),
@@ -812,20 +794,19 @@ class NodeAgent:
             # so nobody waits for our workers' interpreters to exit.
             self._leave_rendezvous()
             self._group.wait(self._cfg.grace_period_s)
-            self._drain_news()
         self._stop_workers()
         self._leave_rendezvous()
         raise AgentExit(0 if signum == signal.SIGTERM else 128 + signum, f"Left the job on {name}.")
 
     def _drain_news(self) -> None:
-        """The workers are gone: publish what they said on their way out (the step they
-        persisted at the pause, the last rescale) before the agent exits."""
+        """The agent exits: publish what its workers said on their way out (the step they
+        persisted at the pause, the last rescale), which the loop has not handled."""
         while True:
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(event, _Persisted | _Note):
+            if isinstance(event, _Persisted | Event):
                 self._handle(event)
 
     def _leave_rendezvous(self) -> None:
@@ -838,9 +819,8 @@ class NodeAgent:
         once (no grace: two generations must never train together), then join again as a new
         member."""
         log.error("%s: fenced: %s Killing the workers and joining again.", self._tag(), reason)
-        self._history.record(Kind.FENCED, self._acted, f"fenced: {reason}")
-        if self._metrics is not None:
-            self._metrics.lease_healthy.set(0)
+        self._record(EventKind.FENCED, self._acted, f"fenced: {reason}")
+        self._metrics.lease_healthy.set(0)
         if self._group is not None:
             self._group.kill()
         self._replacing.clear()  # the new record offers every slot

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+from efdl.rendezvous.model import Event, EventKind, Round
+
 log = logging.getLogger(__name__)
 
 # Rescale causes, from the round's reason (efdl.rendezvous.decide words them).
@@ -100,6 +102,30 @@ class Metrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         self._server = server
         return int(server.server_port)
+
+    def round(self, r: Round) -> None:
+        """A round this node saw."""
+        self.generation.set(r.generation)
+        self.world_size.set(r.world_size)
+        self.members.set(r.nodes)
+        self.spares.set(r.spares)
+        self.rescales.labels(cause_of(r.status.value, r.reason)).inc()
+
+    def count(self, event: Event) -> None:
+        """An event of this node's history, in the counters it moves."""
+        if event.kind is EventKind.CRASH:
+            self.worker_failures.inc()
+        elif event.kind is EventKind.RESTART:
+            self.worker_restarts.inc()
+        elif event.kind is EventKind.RESCALE and event.seconds >= 0:
+            self.stood_still.observe(event.seconds)
+
+    def persisted(self, step: int, size: int, seconds: float) -> None:
+        """Rank 0 wrote a snapshot of ``step``, ``size`` bytes in ``seconds``."""
+        self.last_persisted.set(step)
+        self.persisted_bytes.inc(size)
+        if seconds > 0:
+            self.persist_throughput.set(size / seconds)
 
     def progress(self, step: int, at: float | None = None) -> None:
         """Local rank 0 committed ``step``; the rate is over the time since the last report."""

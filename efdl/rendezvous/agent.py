@@ -34,7 +34,7 @@ from efdl.errors import (
     RendezvousError,
     StoreError,
 )
-from efdl.history import EventLog, Kind
+from efdl.history import EventLog
 from efdl.rendezvous.api import (
     Compare,
     Delete,
@@ -49,6 +49,7 @@ from efdl.rendezvous.api import (
 from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import (
+    EventKind,
     JobKeys,
     Member,
     NodeRecord,
@@ -740,7 +741,7 @@ class RendezvousAgent:
             if self._events is not None:
                 gen = self._round.generation if self._round else 0
                 self._events.record(
-                    Kind.EVICT,
+                    EventKind.EVICT,
                     gen,
                     f"evicted by {self.node_id}: its agent refused a connection",
                     node=node_id,
@@ -797,9 +798,7 @@ class RendezvousAgent:
             if decision.members:
                 self._members, self._members_of = decision.members, new.round_id
             if self._events is not None:
-                self._events.record(
-                    Kind.ROUND, new.generation, f"{new.status.value}: {new.reason}", new.world_size
-                )
+                self._events.round(new)
             kv = KeyValue(self.keys.round, new.to_json(), 0, result.revision)
             self._set_round(kv)
             return None

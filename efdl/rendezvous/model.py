@@ -462,3 +462,85 @@ class Round:
             since=float(_field(data, "since", (int, float), where)),
             created=float(_field(data, "created", (int, float), where)),
         )
+
+
+# ---------------------------------------------------------------- the job's history
+
+
+class EventKind(StrEnum):
+    ROUND = "round"  # the leader wrote a round (any status)
+    JOIN = "join"
+    LEAVE = "leave"
+    CRASH = "crash"  # a worker failed
+    RESTART = "restart"  # workers restarted, or a lost in-place worker replaced
+    EVICT = "evict"  # a dead node's lease ended on evidence (efdl.rendezvous.probe)
+    FENCED = "fenced"  # this node's lease was lost: workers killed, joining again
+    PERSIST = "persist"  # rank 0 wrote a snapshot to the remote cache
+    RESUME = "resume"  # the job resumed from the remote cache
+    RESCALE = "rescale"  # training went on at a new size; ``seconds``: how long it stood still
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing that happened to the job, under ``events/<time in ns>-<node>``
+    (efdl.history).
+
+    Attributes:
+        time: wall-clock seconds.
+        kind: what.
+        node: the node it happened to (a round: the leader; an eviction: the evicted).
+        generation: the round generation it happened in (or made).
+        text: one line for people; a round's is ``<status>: <reason>``.
+        world_size: the world size it left or made, where that means something (0: none).
+        step: the training step it concerns (-1: none).
+        seconds: a duration it measured (rescale: stood still; persist: writing), or -1.
+    """
+
+    time: float
+    kind: EventKind
+    node: str
+    generation: int
+    text: str
+    world_size: int = 0
+    step: int = -1
+    seconds: float = -1.0
+
+    @staticmethod
+    def of_round(time: float, node: str, r: Round) -> Event:
+        return Event(
+            time, EventKind.ROUND, node, r.generation, f"{r.status.value}: {r.reason}", r.world_size
+        )
+
+    @property
+    def round_status(self) -> RoundStatus | None:
+        """A round event's status (None for other kinds)."""
+        if self.kind is not EventKind.ROUND:
+            return None
+        try:
+            return RoundStatus(self.text.split(":", 1)[0])
+        except ValueError:
+            return None
+
+    def to_json(self) -> bytes:
+        return _dump(asdict(self))
+
+    @staticmethod
+    def from_json(raw: bytes, key: str) -> Event:
+        where = f"The event at {key}"
+        data = _load(raw, where)
+        kind = _text(data, "kind", where)
+        if kind not in EventKind.__members__.values():
+            raise RecordError(f"{where} has kind {kind!r}; expected one of {', '.join(EventKind)}.")
+        return Event(
+            float(_field(data, "time", (int, float), where)),
+            EventKind(kind),
+            _text(data, "node", where, 128),
+            _count(data, "generation", where, 0, 1 << 40),
+            _text(data, "text", where, 1000),
+            _count(data, "world_size", where, 0, 1 << 24),
+            _count(data, "step", where, -1, 1 << 62),
+            float(_field(data, "seconds", (int, float), where)),
+        )
+
+    def key(self, keys: JobKeys) -> str:
+        return f"{keys.events}{int(self.time * 1e9):019d}-{self.node}"

@@ -46,6 +46,7 @@ class ProbeListener:
             self._sock.close()
             raise
         self.port: int = self._sock.getsockname()[1]
+        self.knocks = 0  # connections accepted
         threading.Thread(target=self._accept, name="efdl-probe", daemon=True).start()
 
     def _accept(self) -> None:
@@ -55,6 +56,7 @@ class ProbeListener:
             except OSError:  # closed
                 return
             conn.close()
+            self.knocks += 1
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -134,9 +134,10 @@ class Runtime:
         self.side = None
 
     def committed(self, step: int) -> None:
-        """A step was committed: rank 0 tells the agent how long training stood still when
-        this is the first commit of a new generation; local rank 0 reports its progress at
-        most once a second."""
+        """A step was committed: the breaker sees progress; rank 0 tells the agent how long
+        training stood still when this is the first commit of a new generation; local rank 0
+        reports its progress at most once a second."""
+        self.breaker.stepped()
         p, channel = self.placement, self.channel
         if channel is None or p is None:
             return

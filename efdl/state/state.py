@@ -174,7 +174,6 @@ class ElasticState:
         self._count_step()
         self.phase, self._settled = Phase.COMMITTED, True
         rt = runtime
-        rt.breaker.stepped()
         rt.committed(self.step)
         agreed: list[int] | None = None
         if self._agree_work is not None:

@@ -20,6 +20,7 @@ from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.status import read_status
+from tests.wait import wait_until
 
 Layout = list[tuple[str, int]]
 
@@ -220,7 +221,10 @@ def test_a_hung_node_is_left_to_its_lease(
         c.add(n, probe=True)
     r1 = c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
     c.agents["c"].abandon()  # its listener stays open
+    knocked = c.probes["c"].knocks  # the leader's probe when c joined
     c.agents["b"].report_failure(r1.generation)
+    # The report's probe reached c (and c was found alive): then its lease decides.
+    wait_until("the leader to probe c", lambda: c.probes["c"].knocks > knocked, 20)
     r2 = c.wait(shape(("a", 1), ("b", 1)), "a", "b", timeout_s=30)
     assert "c left" in r2.reason
     assert _gone_lines(caplog) == []  # the lease decided, not a probe

@@ -7,18 +7,18 @@ from pathlib import Path
 import pytest
 
 from efdl.errors import ConfigError
-from efdl.history import Event, Kind
+from efdl.rendezvous.model import Event, EventKind
 from efdl.timeline import draw, world_steps
 
 EVENTS = [
-    Event(100.0, Kind.JOIN, "a", 0, "joined"),
-    Event(101.0, Kind.ROUND, "a", 1, "active: a joined", 1),
-    Event(110.0, Kind.JOIN, "b", 1, "joined"),
-    Event(111.0, Kind.ROUND, "a", 2, "active: b joined", 2),
-    Event(111.3, Kind.RESCALE, "a", 2, "went on", 2, 80, 0.3),
-    Event(120.0, Kind.CRASH, "b", 2, "worker rank 1 failed"),
-    Event(120.1, Kind.ROUND, "a", 3, "waiting: 1 of 2 workers", 1),
-    Event(125.0, Kind.ROUND, "a", 4, "active: c joined", 2),
+    Event(100.0, EventKind.JOIN, "a", 0, "joined"),
+    Event(101.0, EventKind.ROUND, "a", 1, "active: a joined", 1),
+    Event(110.0, EventKind.JOIN, "b", 1, "joined"),
+    Event(111.0, EventKind.ROUND, "a", 2, "active: b joined", 2),
+    Event(111.3, EventKind.RESCALE, "a", 2, "went on", 2, 80, 0.3),
+    Event(120.0, EventKind.CRASH, "b", 2, "worker rank 1 failed"),
+    Event(120.1, EventKind.ROUND, "a", 3, "waiting: 1 of 2 workers", 1),
+    Event(125.0, EventKind.ROUND, "a", 4, "active: c joined", 2),
 ]
 
 
