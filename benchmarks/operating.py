@@ -32,9 +32,8 @@ def main() -> None:
         t_all = time.perf_counter()
         for i in range(n):
             t0 = time.perf_counter()
-            log.record(
-                EventKind.PERSIST, 7, f"persisted 1234.5 MB to s3://bucket/{job}", 512, i, 3.2
-            )
+            text = f"persisted 1234.5 MB to s3://bucket/{job}"
+            log.record(EventKind.PERSIST, 7, text, world_size=512, step=i, seconds=3.2)
             calls.append(time.perf_counter() - t0)
         queued = time.perf_counter() - t_all
         log.close(timeout_s=600)
