@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -94,3 +98,52 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
         except subprocess.TimeoutExpired:
             proc.kill()
     return reap(proc, f"Process {proc.args!r}"[:200])
+
+
+# Private directories (an agent's sockets and error files, an embedded etcd's data) are
+# made in the temp directory with an owner mark; a process that is SIGKILLed cannot remove
+# its own, so the next efdl process on the host removes those whose owner is gone.
+TEMP_PREFIX = "efdl-"
+_OWNER = ".owner"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def private_dir(prefix: str) -> Path:
+    """A new directory ``<tmp>/efdl-<prefix>...`` marked as this process's."""
+    path = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + prefix))
+    (path / _OWNER).write_text(f"{os.getpid()} {_pid_namespace()}\n")
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_private_dirs() -> list[Path]:
+    """Remove the private directories whose owner process has ended (it was killed). Only
+    this user's, marked from this PID namespace (a PID from another is not comparable). A
+    directory whose PID now names another process is kept (it is cheap; removing a live
+    one is not). Returns those removed."""
+    removed = []
+    namespace, uid = _pid_namespace(), os.getuid()
+    for path in Path(tempfile.gettempdir()).glob(TEMP_PREFIX + "*"):
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_uid != uid:
+                continue
+            pid, ns = (path / _OWNER).read_text().split()
+            if ns == namespace and not _alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed

@@ -6,6 +6,7 @@ into a one-line message and a non-zero exit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 import click
 
 from efdl import __version__, logs
+from efdl._process import sweep_private_dirs
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.history import follow_events, format_event, read_events, stood_still
@@ -98,6 +100,21 @@ def _etcd_config(config_file: Path | None, flags: dict[str, Any]) -> EtcdClientC
     return load(EtcdClientConfig, flags, yaml_data=known, yaml_source=source)
 
 
+def _job_config(
+    job_id: str | None, config_file: Path | None, flags: dict[str, Any]
+) -> tuple[str, EtcdClientConfig]:
+    """The job a command is about (--job-id > EFDL_JOB_ID > ``job-id`` in the --config file,
+    as for efdl-run) and how to reach its etcd."""
+    data = read_yaml(config_file) if config_file else {}
+    from_yaml = next((v for k, v in data.items() if str(k).replace("-", "_") == "job_id"), None)
+    chosen = job_id or os.environ.get("EFDL_JOB_ID") or from_yaml
+    if not chosen:
+        raise ConfigError(
+            "No job was named: give --job-id (or set EFDL_JOB_ID, or job-id in the --config file)."
+        )
+    return check_job_id(str(chosen)), _etcd_config(config_file, flags)
+
+
 @contextmanager
 def _store_for(
     cfg: EtcdClientConfig, standalone: bool
@@ -115,7 +132,7 @@ def _store_for(
             server.stop()
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="efdl")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def main(verbose: bool) -> None:
@@ -211,7 +228,9 @@ def _rendezvous_smoke(store: EtcdStore) -> None:
 
 
 def _job_option(fn: F) -> F:
-    return click.option("--job-id", required=True, help="The job (its keys: /efdl/<job-id>/).")(fn)
+    return click.option(
+        "--job-id", help="The job (its keys: /efdl/<job-id>/); or EFDL_JOB_ID, or --config's."
+    )(fn)
 
 
 @main.command()
@@ -219,10 +238,9 @@ def _job_option(fn: F) -> F:
 @_job_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @handle_errors
-def status(job_id: str, as_json: bool, config_file: Path | None, **flags: Any) -> None:
+def status(job_id: str | None, as_json: bool, config_file: Path | None, **flags: Any) -> None:
     """Show a job: generation, leader, members with GPUs and ranks, spares, last rescale."""
-    check_job_id(job_id)
-    cfg = _etcd_config(config_file, flags)
+    job_id, cfg = _job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         st = read_status(store, job_id)
         events, _ = read_events(store, job_id)
@@ -268,7 +286,7 @@ def _since(text: str | None) -> float:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @handle_errors
 def events(
-    job_id: str,
+    job_id: str | None,
     since: str | None,
     follow: bool,
     as_json: bool,
@@ -276,9 +294,8 @@ def events(
     **flags: Any,
 ) -> None:
     """Print a job's history: rounds, joins, leaves, crashes, evictions, persists..."""
-    check_job_id(job_id)
+    job_id, cfg = _job_config(job_id, config_file, flags)
     start = _since(since)
-    cfg = _etcd_config(config_file, flags)
 
     def show(e: Event) -> None:
         click.echo(e.to_json().decode() if as_json else format_event(e))
@@ -303,10 +320,9 @@ def events(
 @_job_option
 @click.option("--reason", default="stopped by efdl stop", help="Shown in the agents' logs.")
 @handle_errors
-def stop(job_id: str, reason: str, config_file: Path | None, **flags: Any) -> None:
+def stop(job_id: str | None, reason: str, config_file: Path | None, **flags: Any) -> None:
     """End a job cleanly: every agent stops its workers and exits 0."""
-    check_job_id(job_id)
-    cfg = _etcd_config(config_file, flags)
+    job_id, cfg = _job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         r = close_job(store, job_id, reason)
     click.echo(f"job {job_id}: generation {r.generation} is {r.status.value} ({r.reason}).")
@@ -321,14 +337,13 @@ def stop(job_id: str, reason: str, config_file: Path | None, **flags: Any) -> No
 @click.option("--since", help="Only events since: a duration (10m, 2h) or a time.")
 @handle_errors
 def timeline(
-    job_id: str, out: Path, since: str | None, config_file: Path | None, **flags: Any
+    job_id: str | None, out: Path, since: str | None, config_file: Path | None, **flags: Any
 ) -> None:
     """Draw a job's world size over time, its events marked, its stood-still time shaded."""
     from efdl.timeline import draw  # matplotlib: an optional extra
 
-    check_job_id(job_id)
+    job_id, cfg = _job_config(job_id, config_file, flags)
     start = _since(since)
-    cfg = _etcd_config(config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         found, _ = read_events(store, job_id, since=start)
     draw(found, out, f"job {job_id}")
@@ -394,7 +409,8 @@ _IGNORED = {
     "--max_restarts",
     "max_restarts",
     type=int,
-    help="Restarts of failed workers on this node before it gives up.",
+    help="Restarts of failed workers on this node before it gives up (a failure that repeats "
+    "the last one's error with no step trained between is not restarted).",
 )
 @click.option(
     "--warm-workers",
@@ -565,6 +581,8 @@ def _worker_command(
 def launch(cfg: LaunchConfig, args: list[str]) -> int:
     """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
     logs.context.set(job=cfg.job_id or "standalone", node=cfg.node_id or "")
+    for path in sweep_private_dirs():
+        log.info("Removed %s, left by an efdl process that was killed.", path)
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
@@ -595,6 +613,25 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         warm.close()  # the agent's run closes it; this is for a start that failed before
         if server:
             server.stop()
+
+
+def _show_defaults(command: click.Command, *configs: type) -> None:
+    """Add each option's default, from the config dataclasses where the layering keeps it
+    (a flag's own default is None: not given), to its --help text."""
+    defaults = {
+        f.name: f.default
+        for cls in configs
+        for f in dataclasses.fields(cls)
+        if f.default not in (None, False, "", dataclasses.MISSING)
+    }
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.name not in defaults:
+            continue
+        if param.help and "default" not in param.help:
+            param.help = f"{param.help} [default: {defaults[param.name]}]"
+
+
+_show_defaults(run_main, LaunchConfig, EtcdClientConfig)
 
 
 def _policy(cfg: LaunchConfig, slots: int) -> Policy:

@@ -152,13 +152,13 @@ def load(
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
     by_option = {option_name(n, cls): n for n in fields}
-    from_yaml: dict[str, Any] = {}
+    from_yaml: dict[str, tuple[str, Any]] = {}  # field -> (the key as written, value)
     for key, value in (yaml_data or {}).items():
         name = by_option.get(str(key).replace("-", "_"))
         if name is None:
             known = ", ".join(sorted(o.replace("_", "-") for o in by_option))
             raise ConfigError(f"Unknown key {key!r} in {yaml_source}; known keys: {known}.")
-        from_yaml[name] = value
+        from_yaml[name] = (str(key), value)
     values: dict[str, Any] = {}
     for name in fields:
         flag = flags.get(name)
@@ -170,9 +170,8 @@ def load(
         elif variable in env:
             values[name] = _convert(env[variable], hints[name], variable)
         elif name in from_yaml:
-            values[name] = _convert(
-                from_yaml[name], hints[name], f"{option_name(name)!r} in {yaml_source}"
-            )
+            key, value = from_yaml[name]
+            values[name] = _convert(value, hints[name], f"{key!r} in {yaml_source}")
     return cls(**values)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 import sys
 import threading
 from typing import Any
@@ -86,8 +87,18 @@ def setup(verbose: bool, fmt: str = "text") -> None:
     )
 
 
+# torch's excepthook (set by dist.init_process_group) prefixes every line of a traceback so.
+_TORCH_PREFIX = re.compile(rb"^(?:\[rank\d+\]: )+")
+
+
+def without_torch_prefix(line: bytes) -> bytes:
+    return _TORCH_PREFIX.sub(b"", line)
+
+
 def worker_line(rank: int, stream: str, line: bytes) -> bytes:
-    """A line a worker printed, as the console shows it."""
+    """A line a worker printed, as the console shows it: prefixed with the worker's current
+    rank (torch's own prefix, of the rank the process had when it joined, is dropped)."""
+    line = without_torch_prefix(line)
     if not _json:
         return f"[rank{rank}]: ".encode() + line
     text = line.decode(errors="replace").rstrip("\n")

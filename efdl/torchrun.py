@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from torch.distributed import (  # type: ignore[attr-defined]
     DistStoreError,
@@ -182,8 +182,11 @@ class EfdlRendezvousHandler(RendezvousHandler):
         return parse_round(self._store.get(keys.round), keys)
 
     def _next(self) -> RendezvousInfo:
-        if self.is_closed():
-            raise RendezvousClosedError(f"The efdl rendezvous of job {self._run_id} is closed.")
+        current = self._read_round()
+        if current is not None and current.status.final:
+            if self._agent is None:  # it ended before this node came
+                raise RendezvousClosedError(f"Job {self._run_id} has ended: {current.reason}.")
+            self._ended(current)
         if self._agent is None:
             self._agent = RendezvousAgent(
                 self._store,
@@ -210,13 +213,24 @@ class EfdlRendezvousHandler(RendezvousHandler):
             if r.status is RoundStatus.FAILED:  # below MIN for longer than the join timeout
                 raise RendezvousTimeoutError(f"Job {self._run_id} failed: {r.reason}.")
             if r.status.final:
-                raise RendezvousClosedError(f"Job {self._run_id} ended: {r.reason}.")
+                self._ended(r)
             member = r.member
             if r.status is RoundStatus.ACTIVE and member is not None:
                 info = self._all_arrived(r, deadline)
                 if info is not None:
                     return info
             after = r.generation  # waiting below MIN, a spare, or superseded: the next one
+
+    def _ended(self, r: Round) -> NoReturn:
+        """The job this node trains in ended (``efdl stop``, or another node's workers
+        finished): torchrun has stopped its workers; it exits 0, as efdl-run does. torchrun
+        takes any exception for a failure (exit 1, a traceback), but SystemExit(0) for done."""
+        if r.status is RoundStatus.FAILED:
+            raise RendezvousTimeoutError(f"Job {self._run_id} failed: {r.reason}.")
+        log.warning(
+            "Job %s ended (%s): node %s leaves.", self._run_id, r.reason, self._node.node_id
+        )
+        raise SystemExit(0)
 
     def _all_arrived(self, r: Round, deadline: float) -> RendezvousInfo | None:
         """Check in on round ``r``'s store and wait until every member has: torchrun's rank

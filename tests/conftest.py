@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,33 @@ from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.memory_store import MemoryStore
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_dir() -> Iterator[Path]:
+    """The temp directory of everything this session starts (efdl-run's private
+    directories, torchrun's logs, etcd's data), removed at its end: a test that kills a
+    process leaves nothing in /tmp. (That efdl removes its own is tested by name.) Short, so
+    that Unix socket paths under it stay within their 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="pytest-efdl-"))
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # read TMPDIR again
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        tempfile.tempdir = None
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture()
+def short_tmp(temp_dir: Path) -> Path:
+    """A fresh directory with a short path (for a TMPDIR that holds Unix sockets)."""
+    return Path(tempfile.mkdtemp(prefix="t", dir=temp_dir))
 
 
 @pytest.fixture(scope="session")

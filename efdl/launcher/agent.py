@@ -13,15 +13,14 @@ import os
 import queue
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from efdl import logs
+from efdl._process import private_dir
 from efdl.config import LaunchConfig
 from efdl.errors import DuplicateNodeError, EfdlError, StoreError
 from efdl.history import EventLog
@@ -30,6 +29,7 @@ from efdl.launcher.gpus import free_slot
 from efdl.launcher.metrics import Metrics
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
+from efdl.launcher.restarts import RestartBudget, Verdict
 from efdl.launcher.store import StoreServer, preload
 from efdl.launcher.warm import WarmPool, warm_command
 from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
@@ -175,9 +175,19 @@ class NodeAgent:
         self._policy = policy
         self._job = job_id
         self._events: queue.Queue[object] = queue.Queue()
+        url = cfg.cache_for(job_id)
+        self._cache = (
+            CacheSettings(url, cfg.cache_every_steps, cfg.cache_every_s, cfg.cache_keep)
+            if url
+            else None
+        )
+        if self._cache is not None:
+            # A bad URL, a missing fsspec backend, no credentials or permission: fail now,
+            # before anything is started.
+            SnapshotStore(self._cache.url).check()
         # Listens while this process lives: a refused connection tells the others it died.
         try:
-            self._probe: ProbeListener | None = ProbeListener(node.host)
+            self._probe: ProbeListener | None = ProbeListener(node.host, self._describe)
             node = replace(node, probe_port=self._probe.port)
         except OSError as exc:
             log.warning("Cannot listen on %s for liveness probes (%s).", node.host, exc)
@@ -202,7 +212,6 @@ class NodeAgent:
         self._ctx = JobContext(
             job_id, node, cfg.max_restarts, cfg.role, interface_of(node.host), tuple(gpu_ids)
         )
-        self._run_dir = Path(tempfile.mkdtemp(prefix=f"efdl-{job_id}-"))
         self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
         self._group: WorkerGroup | None = None
         if warm is None:
@@ -214,7 +223,9 @@ class NodeAgent:
         # round is likely near (a dead node's lease expiring after its peers' failures).
         self._refill_soon = False
         self._acted = 0
-        self._restarts = 0
+        self._restarts = RestartBudget(cfg.max_restarts)
+        self._trained: int | None = None  # the last step local rank 0 reported committed
+        self._trained_at = 0.0  # when (wall clock)
         self._finishing = False
         self._finish_by: float | None = None
         self._in_place: set[int] = set()  # pids of workers that rebuild in place
@@ -225,24 +236,35 @@ class NodeAgent:
         self._replacing: set[int] = set()
         self._unsent: dict[int, Placement] = {}  # placements for workers not connected yet
         self._round: Round | None = None  # the newest active round that placed this node
-        url = cfg.cache_for(job_id)
-        self._cache = (
-            CacheSettings(url, cfg.cache_every_steps, cfg.cache_every_s, cfg.cache_keep)
-            if url
-            else None
-        )
-        if self._cache is not None:
-            SnapshotStore(self._cache.url)  # a bad URL or a missing fsspec backend: fail now
         cache_key = JobKeys(job_id).cache
         self._cache_record = LatestPublisher(
             lambda value: store.put(cache_key, value), "cache record"
         )
-        self._channel = ChannelServer(
-            self._run_dir / "agent.sock",
-            lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
-            self._on_worker_message,
-        )
+        # Removed when run() ends. The job id, cut short: the socket's path must stay short.
+        self._run_dir = private_dir(f"{job_id[:24]}-")
+        try:
+            self._channel = ChannelServer(
+                self._run_dir / "agent.sock",
+                lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
+                self._on_worker_message,
+            )
+        except BaseException:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            raise
         self._rdzv: RendezvousAgent | None = None
+
+    def _describe(self) -> dict[str, object]:
+        """What this agent says of itself to a probe (``efdl status``); from the probe's
+        thread, so only reads of single attributes."""
+        group = self._group
+        return {
+            "pid": os.getpid(),
+            "generation": self._acted,
+            "workers": len(group.running()) if group is not None else 0,
+            "in_place": self._rebuilds_in_place(),
+            "step": self._trained,
+            "step_time": self._trained_at,
+        }
 
     def _on_worker_message(self, pid: int, msg: dict[str, object]) -> None:
         kind, step, world = msg.get("type"), msg.get("step"), msg.get("world_size")
@@ -261,6 +283,7 @@ class NodeAgent:
         elif kind == "peer_failed" and isinstance(generation, int):
             self._events.put(_PeerFailed(generation))
         elif kind == "progress" and isinstance(step, int):
+            self._trained, self._trained_at = step, time.time()
             self._metrics.progress(step)  # thread-safe: no need for the main thread
         elif kind == "resumed" and isinstance(step, int):
             text = f"resumed from the cache's snapshot of step {step}"
@@ -621,7 +644,7 @@ class NodeAgent:
                 self._ctx,
                 r,
                 local,
-                self._restarts,
+                self._restarts.used,
                 self._run_dir
                 / f"gen{r.generation}"
                 / f"error-rank{member.first_rank + local}.json",
@@ -712,14 +735,17 @@ class NodeAgent:
         worker = next(w for w in group.workers if w.pid == ev.pid)
         how = f"signal {signal.Signals(-ev.code).name}" if ev.code < 0 else f"exit code {ev.code}"
         error = worker.error_summary()
+        first_line, *stack = error.splitlines() or [""]
+        failed = f"Worker rank {ev.rank} failed with {how}{': ' + first_line if first_line else ''}"
         log.error(
-            "%s: worker rank %d (local rank %d, pid %d) failed with %s.%s",
+            "%s: worker rank %d (local rank %d, pid %d) failed with %s%s.%s",
             self._tag(),
             ev.rank,
             ev.local_rank,
             ev.pid,
             how,
-            f"\n{error}" if error else "",
+            f": {first_line}" if first_line else "",
+            "\n" + "\n".join(stack) if stack else "",
         )
         self._record(
             EventKind.CRASH, self._acted, f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}"
@@ -734,21 +760,26 @@ class NodeAgent:
             self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
         if self._finishing:
             raise AgentExit(1, f"Worker rank {ev.rank} failed with {how} after the job finished.")
-        if self._restarts >= self._cfg.max_restarts:
-            first_line = error.splitlines()[0] if error else ""
+        verdict = self._restarts.decide(ev.code, error, self._trained)
+        if verdict is Verdict.REPEATED:
             raise AgentExit(
                 1,
-                f"Worker rank {ev.rank} failed with {how}"
-                f"{': ' + first_line if first_line else ''}; this node has used all "
-                f"{self._cfg.max_restarts} restarts (--max-restarts), so it leaves the job.",
+                f"{failed}, the same error as the last failure, with no step trained since: a "
+                "restart would fail the same way, so this node leaves the job (fix the error "
+                "and start it again).",
             )
-        self._restarts += 1
+        if verdict is Verdict.EXHAUSTED:
+            raise AgentExit(
+                1,
+                f"{failed}; this node has used all {self._cfg.max_restarts} restarts "
+                "(--max-restarts), so it leaves the job.",
+            )
         self._refill_soon = True
         self._record(
             EventKind.RESTART,
             self._acted,
             f"{'replacing the worker in place' if in_place else 'restarting the workers'} "
-            f"(restart {self._restarts} of {self._cfg.max_restarts})",
+            f"(restart {self._restarts.used} of {self._cfg.max_restarts})",
         )
         log.warning(
             "%s: %s (restart %d of %d).",
@@ -756,7 +787,7 @@ class NodeAgent:
             "replacing the failed worker; the others go on without it"
             if in_place
             else "restarting the workers",
-            self._restarts,
+            self._restarts.used,
             self._cfg.max_restarts,
         )
         assert self._rdzv is not None
@@ -796,7 +827,7 @@ class NodeAgent:
             self._group.wait(self._cfg.grace_period_s)
         self._stop_workers()
         self._leave_rendezvous()
-        raise AgentExit(0 if signum == signal.SIGTERM else 128 + signum, f"Left the job on {name}.")
+        raise AgentExit(0, f"Left the job on {name}.")  # asked for and done: a success
 
     def _drain_news(self) -> None:
         """The agent exits: publish what its workers said on their way out (the step they

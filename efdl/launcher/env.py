@@ -9,7 +9,6 @@ from pathlib import Path
 from efdl.launcher.gpus import worker_devices
 from efdl.rendezvous.model import NodeRecord, Round
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 SECRET_VARIABLES = frozenset({"EFDL_ETCD_PASSWORD"})
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 DEVICE_ENV = "EFDL_CUDA_DEVICE"  # the index of the worker's own GPU in its CUDA_VISIBLE_DEVICES
@@ -87,9 +86,10 @@ def worker_env(
     # As torchrun: an NCCL error or timeout tears the worker down (the agent restarts it)
     # rather than leaving it hung. In-place workers switch to 2 (see efdl.state.runtime).
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    threads = str(max(1, ctx.node.cpus // member.workers))
-    for name in THREAD_VARIABLES:
-        if name not in base:
-            env[name] = threads
+    if member.workers > 1:
+        # As torchrun: one OpenMP thread per worker unless the user set a number (several
+        # workers each using every core of the host slow each other down). Nothing else,
+        # and never over the user's own setting (docs/deploy.md, Threads).
+        env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")  # lines reach the log prefixer as they are printed
     return env

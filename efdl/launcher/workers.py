@@ -61,11 +61,14 @@ def _pump(
     render: Callable[[bytes], bytes],
     console: IO[bytes] | None,
     file: IO[bytes] | None,
+    seen: Callable[[bytes], None] | None = None,
 ) -> None:
     """Copy lines from a worker pipe to the console (as ``render`` makes them) and/or a file,
-    until EOF."""
+    until EOF; ``seen`` gets each line too."""
     try:
         for line in iter(stream.readline, b""):
+            if seen is not None:
+                seen(line)
             if file is not None:
                 file.write(line)
                 file.flush()
@@ -106,6 +109,7 @@ class Worker:
         self.warm = started is not None
         self.proc = started or spawn_worker(args, env, subprocess.DEVNULL)
         self.pid = self.proc.pid
+        self.last_error_line = ""  # its last non-blank stderr line: a traceback's exception
         self._threads = []
         for bit, pipe, console in (
             (STDOUT, self.proc.stdout, sys.stdout.buffer),
@@ -126,7 +130,7 @@ class Worker:
 
             t = threading.Thread(
                 target=_pump,
-                args=(pipe, render, to_console, file),
+                args=(pipe, render, to_console, file, self._saw_error if bit == STDERR else None),
                 name=f"efdl-log-r{rank}-{bit}",
                 daemon=True,
             )
@@ -134,6 +138,11 @@ class Worker:
             self._threads.append(t)
         waiter = threading.Thread(target=self._wait, args=(events,), daemon=True)
         waiter.start()
+
+    def _saw_error(self, line: bytes) -> None:
+        text = logs_format.without_torch_prefix(line).decode(errors="replace").strip()
+        if text:
+            self.last_error_line = text
 
     def _wait(self, events: queue.Queue[object]) -> None:
         code = self.proc.wait()
@@ -146,11 +155,12 @@ class Worker:
             os.killpg(self.pid, sig)
 
     def error_summary(self) -> str:
-        """The error the worker recorded (torch's ``@record`` error file), or ''."""
+        """The error the worker recorded (torch's ``@record`` error file), else the last line
+        it wrote to stderr (an uncaught exception's ``Type: message``), or ''."""
         try:
             data = json.loads(self.error_file.read_text())
         except (OSError, ValueError):
-            return ""
+            return self.last_error_line
         message = data.get("message", data)
         if isinstance(message, dict):
             text = str(message.get("message", ""))

@@ -10,14 +10,13 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from efdl._process import die_with_parent, free_port, reap, stop_process
+from efdl._process import die_with_parent, free_port, private_dir, reap, stop_process
 from efdl.errors import EtcdServerError, StoreError
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -96,7 +95,7 @@ class EmbeddedEtcd:
     ) -> None:
         self._binary = find_etcd_binary()
         self._own_dir = data_dir is None
-        self._base = Path(tempfile.mkdtemp(prefix="efdl-etcd-")) if data_dir is None else data_dir
+        self._base = private_dir("etcd-") if data_dir is None else data_dir
         self._data_dir = self._base / "data" if self._own_dir else self._base
         self._log_file = log_file or (self._base / "etcd.log" if self._own_dir else None)
         self._tls = tls
@@ -180,6 +179,9 @@ class EmbeddedEtcd:
                 stdin=subprocess.DEVNULL,
                 stdout=log_target,
                 stderr=subprocess.STDOUT,
+                # Not in the terminal's process group: a Ctrl-C is for efdl-run, which stops
+                # its workers, deregisters through this etcd, and only then stops it.
+                process_group=0,
                 preexec_fn=die_with_parent(),
             )
         finally:

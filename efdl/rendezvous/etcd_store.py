@@ -202,6 +202,7 @@ class EtcdStore(KVStore):
     def _connect(self) -> None:
         deadline = time.monotonic() + self._settings.connect_timeout_s
         last: grpc.RpcError | None = None
+        said = False
         while True:
             refusals = 0  # TLS handshakes refused for the client certificate: not transient
             for index, ch in enumerate(self._channels):
@@ -223,6 +224,14 @@ class EtcdStore(KVStore):
                     refusals += _certificate_refused(exc.details() or "")
             if refusals == len(self._channels) or time.monotonic() >= deadline:
                 break
+            if not said and time.monotonic() >= deadline - self._settings.connect_timeout_s + 1:
+                said = True  # a second of silence is long enough to say what we wait for
+                log.warning(
+                    "Waiting for etcd at %s (%s); giving up %.0f s from now.",
+                    self._settings.endpoint_list,
+                    (last.details() or "no answer").splitlines()[0][:160] if last else "",
+                    deadline - time.monotonic(),
+                )
             time.sleep(0.2)
         detail = last.details() if last is not None else "no answer"
         if _certificate_refused(detail):

@@ -5,14 +5,41 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from efdl.rendezvous.agent import parse_nodes, parse_round, read_members
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
 from efdl.rendezvous.model import CacheRecord, JobKeys, Member, RecordError, Round
+from efdl.rendezvous.probe import Reply, ask_all
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """What a node's agent answered to a probe (efdl.rendezvous.probe) just now."""
+
+    reply: Reply
+    said: dict[str, Any] | None = None  # what the agent says of itself (step, workers, ...)
+
+    def describe(self, now: float) -> str:
+        if self.reply is Reply.REFUSED:
+            return "agent gone (its probe port refuses; the lease ends soon)"
+        if self.reply is Reply.SILENT:
+            return "no answer to a probe (hung, partitioned, or not reachable from here)"
+        said = self.said or {}
+        parts = []
+        step, at = said.get("step"), said.get("step_time")
+        if isinstance(step, int) and isinstance(at, int | float) and at > 0:
+            parts.append(f"step {step} ({max(0.0, now - at):.0f} s ago)")
+        workers = said.get("workers")
+        if isinstance(workers, int):
+            mode = " (in place)" if said.get("in_place") else ""
+            parts.append(f"workers running: {workers}{mode}")
+        return ", ".join(parts) or "alive"
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +47,10 @@ class JobStatus:
     job_id: str
     round: Round | None
     nodes: dict[str, NodeView]
-    steps: dict[str, int]
     leader: str | None
     cache: CacheRecord | None = None
     members: tuple[Member, ...] = ()  # of the round, in rank order
+    live: dict[str, Liveness] = field(default_factory=dict)  # by node, where asked
 
     @property
     def spares(self) -> list[str]:
@@ -34,16 +61,12 @@ class JobStatus:
         )
 
 
-def read_status(store: KVStore, job_id: str) -> JobStatus:
-    """The job's keys in one range request, and the round's members as they were when the
-    round was written."""
+def read_status(store: KVStore, job_id: str, probe: bool = True) -> JobStatus:
+    """The job's keys in one range request, the round's members as they were when the
+    round was written, and (``probe``) what each node's agent answers now."""
     keys = JobKeys(job_id)
     snap = store.get_prefix(keys.prefix)
     nodes = parse_nodes(tuple(kv for kv in snap.kvs if kv.key.startswith(keys.nodes)), keys)
-    steps = {}
-    for kv in snap.kvs:
-        if kv.key.startswith(keys.steps) and kv.value.decode(errors="replace").isdigit():
-            steps[keys.node_id_of(kv.key)] = int(kv.value)
     round_kv = next((kv for kv in snap.kvs if kv.key == keys.round), None)
     leader = min(nodes, key=lambda n: nodes[n].joined_revision) if nodes else None
     cache = None
@@ -54,7 +77,11 @@ def read_status(store: KVStore, job_id: str) -> JobStatus:
         except RecordError as exc:
             log.error("Ignoring a bad cache record: %s", exc)
     r = parse_round(round_kv, keys)
-    return JobStatus(job_id, r, nodes, steps, leader, cache, read_members(store, keys, r))
+    live = {}
+    if probe:
+        targets = ((n, v.record.host, v.record.probe_port) for n, v in nodes.items())
+        live = {n: Liveness(reply, said) for n, (reply, said) in ask_all(targets).items()}
+    return JobStatus(job_id, r, nodes, leader, cache, read_members(store, keys, r), live)
 
 
 def _when(ts: float) -> str:
@@ -84,14 +111,15 @@ def format_status(st: JobStatus) -> str:
             lines.append(f"  c10d store {r.store_host}:{r.store_port}")
     if st.members:
         lines.append("  members:")
+    now = time.time()
     for m in st.members:
         view = st.nodes.get(m.node_id)
         gpus = ", ".join(f"{g.index}:{g.model}" for g in view.record.gpus) if view else ""
-        state = "" if view else "  (gone)"
-        step = st.steps.get(m.node_id)
+        live = st.live.get(m.node_id)
+        state = "gone (its lease expired)" if view is None else live.describe(now) if live else ""
         lines.append(
             f"    {m.node_id:<24} {m.host:<16} ranks {m.first_rank}-{m.first_rank + m.workers - 1}"
-            f"  gpus [{gpus or 'cpu'}]" + (f"  step {step}" if step is not None else "") + state
+            f"  gpus [{gpus or 'cpu'}]" + (f"  {state}" if state else "")
         )
     if st.cache is not None:
         c = st.cache
@@ -115,7 +143,7 @@ def status_json(st: JobStatus) -> str:
             "members": [asdict(m) for m in st.members],
             "leader": st.leader,
             "nodes": {n: asdict(v.record) for n, v in st.nodes.items()},
-            "steps": st.steps,
+            "live": {n: {"probe": v.reply.value, **(v.said or {})} for n, v in st.live.items()},
             "spares": st.spares,
             "cache": asdict(st.cache) if st.cache else None,
         },

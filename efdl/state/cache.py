@@ -31,7 +31,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -47,6 +49,8 @@ MANIFEST = "manifest.json"
 STATE = "state.pt"
 FORMAT = 2
 DIGEST = "xxh3_128"
+# A storage that does not answer a tiny write, read and delete in this long is not usable.
+PROBE_TIMEOUT_S = 30.0
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 _FILE_NAME = re.compile(r"^(state|rank-\d{5}|part-\d{5})\.pt$")
@@ -206,7 +210,51 @@ class SnapshotStore:
             ) from None
         self.local = "file" in self.fs.protocol
         if self.local:
-            self.fs.makedirs(self.root, exist_ok=True)
+            try:
+                self.fs.makedirs(self.root, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(
+                    f"--cache-url {url!r} cannot be used: its directory cannot be made "
+                    f"({exc.strerror or exc})."
+                ) from None
+
+    def check(self, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        """Write, read back and delete a small file, within ``timeout_s``: a cache that cannot
+        work (no credentials, no permission, a path that cannot be made, no answer) fails
+        here, in one sentence, rather than in the workers at their first snapshot.
+
+        Raises:
+            ConfigError: what failed, with the URL and what to check.
+        """
+        target = f"{self.root.rstrip('/')}/.efdl-probe-{uuid.uuid4().hex[:12]}"
+        failure: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                data = b"efdl cache probe"
+                self._put(target, data)
+                if self.fs.cat_file(target) != data:
+                    raise OSError("the probe file read back differs from what was written")
+                self.fs.rm_file(target)
+            except BaseException as exc:  # reported to the caller below
+                failure.append(exc)
+
+        thread = threading.Thread(target=probe, name="efdl-cache-probe", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise ConfigError(
+                f"--cache-url {self.url!r} cannot be used: writing, reading and deleting a "
+                f"probe file did not finish within {timeout_s:g} s (is the storage reachable?)."
+            )
+        if failure:
+            exc = failure[0]
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ConfigError(
+                f"--cache-url {self.url!r} cannot be used: writing, reading and deleting a "
+                f"probe file failed ({type(exc).__name__}{': ' + first if first else ''}); "
+                "check its credentials and permissions, or run without --cache-url."
+            )
 
     def path(self, step: int, name: str = "") -> str:
         d = f"{self.root.rstrip('/')}/step-{step:012d}"

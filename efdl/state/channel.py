@@ -18,7 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from efdl.errors import ConfigError
+
 log = logging.getLogger(__name__)
+
+SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 
 SOCKET_ENV = "EFDL_AGENT_SOCKET"
 GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may take
@@ -98,6 +102,11 @@ class ChannelServer:
         self._on_message = on_message
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[socket.socket, threading.Lock]] = {}  # pid -> connection
+        if len(os.fsencode(path)) > SOCKET_PATH_MAX:
+            raise ConfigError(
+                f"The agent's socket path {str(path)!r} is longer than the {SOCKET_PATH_MAX} "
+                "bytes a Unix socket allows: set TMPDIR to a shorter directory."
+            )
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(path))
         os.chmod(path, 0o600)

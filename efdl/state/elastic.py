@@ -86,7 +86,7 @@ def _record(exc: BaseException) -> None:
         ErrorHandler().record_exception(exc)
 
 
-def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R | None]]:
+def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R]]:
     """Run the training function so it survives rescales (Horovod's ``hvd.elastic.run``).
 
     On a pause, or when the job's communication fails inside a step (a peer died or was cut
@@ -94,12 +94,14 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
     called again: it must resume from ``state`` (epoch, sampler). Any other error (CUDA out
     of memory, a bug, a collective that timed out while no member left) ends the worker with
     that error, written to torch's error file; the agent's restart policy applies.
-    Returns the function's result, or None if the agent asked this worker to leave.
+    Returns the function's result. A worker the agent asks to leave (its node leaves, or
+    becomes a spare) exits 0 at the pause (``SystemExit``): the code after the training
+    function, which expects a finished training and a process group, does not run.
     """
 
-    def wrap(fn: Callable[..., R]) -> Callable[..., R | None]:
+    def wrap(fn: Callable[..., R]) -> Callable[..., R]:
         @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> R | None:
+        def run(*args: Any, **kwargs: Any) -> R:
             while True:
                 failure: BaseException | None = None
                 try:
@@ -124,11 +126,13 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                 finally:
                     runtime.in_elastic_fn = False
                 try:
-                    if not _rebuild(state, failure):
-                        return None
+                    rebuilt = _rebuild(state, failure)
                 except Exception as exc:
                     _record(exc)
                     raise
+                if not rebuilt:
+                    log.info("Left the job at step %d, as the agent asked.", state.step)
+                    raise SystemExit(0)
 
         return run
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -73,6 +74,7 @@ class Runtime:
         if self.elastic:
             self.gate.declare_and_wait(p, store)
         nccl = self.backend == "nccl"
+        hook = sys.excepthook
         with self.breaker.recording(p.generation):
             dist.init_process_group(
                 self.backend,
@@ -84,6 +86,10 @@ class Runtime:
             )
             # Bounded like the rest: an agreement that waits on a dead peer must fail, not hang.
             self.side = dist.new_group(backend="gloo", timeout=self.timeout)
+        if self.elastic:
+            # torch wraps the excepthook at every init to prefix "[rank<r>]: " with the rank of
+            # that group: nested and stale after rebuilds. The agent prefixes the current rank.
+            sys.excepthook = hook
         if nccl:  # a hung NCCL peer is cut loose by aborting the communicators
             default = dist.distributed_c10d._get_default_group()
             self.breaker.on_cut(p.generation, nccl_aborter(default))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", default="/tmp/digits-checkpoint.pt")
+    parser.add_argument("--checkpoint", help="default: digits-<job id>.pt in the temp directory")
     args = parser.parse_args()
+    # One checkpoint per job (torchrun and efdl-run set TORCHELASTIC_RUN_ID), removed when the
+    # job finishes: it serves the restarts of this job, not a later run of the example.
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    args.checkpoint = args.checkpoint or os.path.join(tempfile.gettempdir(), f"digits-{job}.pt")
 
     efdl.init_process_group("gloo")
     torch.manual_seed(0)
@@ -54,6 +60,8 @@ def main() -> None:
         model.load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
         start_epoch = snapshot["epoch"] + 1
+        if dist.get_rank() == 0:
+            print(f"resumed from {args.checkpoint} at epoch {start_epoch}", flush=True)
     train_set, test_set = data()
     sampler = efdl.ElasticSampler(train_set, batch_size=args.batch, seed=0)
     loader = DataLoader(train_set, batch_size=args.batch, sampler=sampler)
@@ -93,6 +101,8 @@ def main() -> None:
                 )
 
     train(state)
+    if dist.get_rank() == 0:  # finished: a later run of the example trains anew
+        Path(args.checkpoint).unlink(missing_ok=True)
     dist.destroy_process_group()
 
 

@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 examples/digits/train_torchrun.py
     efdl-run --standalone --nproc-per-node 2 examples/digits/train_torchrun.py
 
-It checkpoints every epoch and resumes from the checkpoint when restarted, which is what
-makes a torchrun script elastic by restart. One JSON line per epoch on rank 0.
+It checkpoints every epoch (one file per job, removed when the job finishes) and resumes
+from the checkpoint when restarted, which is what makes a torchrun script elastic by
+restart. One JSON line per epoch on rank 0.
 train_efdl.py is the same script with the efdl change (in-place elasticity).
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +38,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--batch", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", default="/tmp/digits-checkpoint.pt")
+    parser.add_argument("--checkpoint", help="default: digits-<job id>.pt in the temp directory")
     args = parser.parse_args()
+    # One checkpoint per job (torchrun and efdl-run set TORCHELASTIC_RUN_ID), removed when the
+    # job finishes: it serves the restarts of this job, not a later run of the example.
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    args.checkpoint = args.checkpoint or os.path.join(tempfile.gettempdir(), f"digits-{job}.pt")
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -54,6 +61,8 @@ def main() -> None:
         model.load_state_dict(snapshot["model"])
         optimizer.load_state_dict(snapshot["optimizer"])
         start_epoch = snapshot["epoch"] + 1
+        if dist.get_rank() == 0:
+            print(f"resumed from {args.checkpoint} at epoch {start_epoch}", flush=True)
     train_set, test_set = data()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     sampler = torch.utils.data.DistributedSampler(train_set, shuffle=True, seed=0)
@@ -91,6 +100,8 @@ def main() -> None:
                 )
 
     train(start_epoch)
+    if dist.get_rank() == 0:  # finished: a later run of the example trains anew
+        Path(args.checkpoint).unlink(missing_ok=True)
     dist.destroy_process_group()
 
 

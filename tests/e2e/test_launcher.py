@@ -121,27 +121,56 @@ def test_a_spare_replaces_a_dead_member(job: Job) -> None:
     assert min(int(r["step"]) for r in rows if r["node"] == "s") > 0  # resumed, not restarted
 
 
-def test_the_digits_example_trains_under_standalone(tmp_path: Path) -> None:
+def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
+    tmp_path: Path, short_tmp: Path
+) -> None:
+    """The README's quick start, twice: each run trains from epoch 0 (the checkpoint is
+    the job's, and goes when the job finishes). A job left on SIGTERM keeps it: the next run
+    says it resumed, and from where."""
     example = Path(__file__).parents[2] / "examples" / "digits" / "train_torchrun.py"
-    result = subprocess.run(
-        [
-            *EFDL_RUN,
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(example),
-            "--epochs",
-            "3",
-            "--checkpoint",
-            str(tmp_path / "ckpt.pt"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
+    command = [*EFDL_RUN, "--standalone", "--nproc-per-node", "2", str(example)]
+    env = {**os.environ, "TMPDIR": str(short_tmp)}  # where the default checkpoint goes
+    checkpoint = short_tmp / "digits-standalone.pt"
+
+    def epochs(text: str) -> list[dict[str, object]]:
+        import json
+
+        return [json.loads(line[9:]) for line in text.splitlines() if line.startswith("[rank0]: {")]
+
+    for _ in range(2):
+        done = subprocess.run(
+            [*command, "--epochs", "3"], capture_output=True, text=True, timeout=180, env=env
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert [e["epoch"] for e in epochs(done.stdout)] == [0, 1, 2], done.stdout
+        assert epochs(done.stdout)[-1]["world"] == 2 and "resumed" not in done.stdout
+        assert not checkpoint.exists()
+
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(
+            [*command, "--epochs", "1000"], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+        try:
+            wait_until("two epochs", lambda: len(epochs(log.read_text())) >= 2, 120)
+            first.send_signal(signal.SIGTERM)
+            assert first.wait(60) == 0, log.read_text()[-2000:]
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+    last = max(int(e["epoch"]) for e in epochs(log.read_text()))  # type: ignore[call-overload]
+    assert checkpoint.exists()
+    resumed = subprocess.run(
+        [*command, "--epochs", str(last + 5)], capture_output=True, text=True, timeout=180, env=env
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    epochs = [line for line in result.stdout.splitlines() if line.startswith("[rank0]: {")]
-    assert len(epochs) == 3 and '"world": 2' in epochs[-1]
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    import re
+
+    found = re.search(rf"resumed from {re.escape(str(checkpoint))} at epoch (\d+)", resumed.stdout)
+    assert found and int(found.group(1)) in (last + 1, last + 2), resumed.stdout
+    assert epochs(resumed.stdout)[0]["epoch"] == int(found.group(1))
+    assert not checkpoint.exists()
 
 
 @pytest.mark.parametrize(
@@ -156,6 +185,10 @@ def test_the_digits_example_trains_under_standalone(tmp_path: Path) -> None:
         (["--etcd", "127.0.0.1:9", "--job-id", "a/b", "x.py"], "The job id 'a/b' is not allowed"),
         (["--job-id", "j", "x.py"], "No etcd endpoints were given"),
         (["--standalone", "--nproc-per-node", "many", "x.py"], "expected a positive number"),
+        (
+            ["--standalone", "--cache-url", "x.py/cache", "x.py"],
+            "--cache-url 'x.py/cache' cannot be used: its directory cannot be made",
+        ),
         (
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "x.py"],
             "is not efdl's: efdl's rendezvous is etcd v3",
@@ -276,7 +309,8 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         "'GROUP_WORLD_SIZE','ROLE_RANK','ROLE_WORLD_SIZE','ROLE_NAME','MASTER_ADDR',"
         "'MASTER_PORT','TORCHELASTIC_RUN_ID','TORCHELASTIC_RESTART_COUNT',"
         "'TORCHELASTIC_MAX_RESTARTS','TORCHELASTIC_USE_AGENT_STORE','TORCHELASTIC_ERROR_FILE',"
-        "'OMP_NUM_THREADS','EFDL_GENERATION','EFDL_ETCD_PASSWORD','GLOO_SOCKET_IFNAME']\n"
+        "'OMP_NUM_THREADS','MKL_NUM_THREADS','OPENBLAS_NUM_THREADS','EFDL_GENERATION',"
+        "'EFDL_ETCD_PASSWORD','GLOO_SOCKET_IFNAME']\n"
         "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
     )
     result = subprocess.run(
@@ -294,7 +328,11 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "EFDL_ETCD_PASSWORD": "secret"},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")},
+            "EFDL_ETCD_PASSWORD": "secret",
+            "MKL_NUM_THREADS": "3",
+        },
     )
     assert result.returncode == 0, result.stderr[-2000:]
     import json
@@ -319,9 +357,9 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
             e["TORCHELASTIC_RESTART_COUNT"] == "0" and e["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         )
         assert e["TORCHELASTIC_ERROR_FILE"].endswith(f"error-rank{e['RANK']}.json")
-        cores = len(os.sched_getaffinity(0))
-        expected = os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
-        assert e["OMP_NUM_THREADS"] == expected and e["EFDL_GENERATION"] == "1"
+        # As torchrun: OMP_NUM_THREADS=1 for two workers; what the user set is left alone.
+        assert e["OMP_NUM_THREADS"] == "1" and e["MKL_NUM_THREADS"] == "3"
+        assert e["OPENBLAS_NUM_THREADS"] is None and e["EFDL_GENERATION"] == "1"
         assert e["EFDL_ETCD_PASSWORD"] is None
         # gloo's sockets on the interface of the node's address (--standalone: 127.0.0.1)
         assert e["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1") == "lo"
@@ -379,3 +417,47 @@ def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(job: Job) -> None:
     later = [r for r in job.events() if r["gen"] not in gens]
     assert later and max(int(r["step"]) for r in later) == 7  # type: ignore[call-overload]
     assert min(int(r["gen"]) for r in later) > max(int(g) for g in gens)  # type: ignore[call-overload]
+
+
+def test_efdl_run_leaves_nothing_in_the_temp_directory(tmp_path: Path, short_tmp: Path) -> None:
+    """Not after a run, not after a start that failed; and what a SIGKILLed agent could not
+    remove (its private directory, its embedded etcd's data) goes at the next start."""
+    temp = short_tmp
+    env = {**os.environ, "TMPDIR": str(temp)}
+    script = tmp_path / "hello.py"
+    script.write_text("print('hello')\n")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*EFDL_RUN, "--standalone", *args, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+
+    assert run().returncode == 0
+    assert list(temp.iterdir()) == []
+    failed = run("--cache-url", str(script / "cache"))  # a file's child: cannot be made
+    assert failed.returncode == 2 and "cannot be used" in failed.stderr, failed.stderr
+    assert list(temp.iterdir()) == []
+
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(600)\n")
+    killed = subprocess.Popen(
+        [*EFDL_RUN, "--standalone", str(tmp_path / "sleep.py")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        wait_until("the agent's and etcd's directories", lambda: len(list(temp.iterdir())) >= 2, 60)
+    finally:
+        killed.kill()
+        killed.wait()
+    left = sorted(p.name for p in temp.iterdir())
+    assert any(n.startswith("efdl-standalone-") for n in left), left
+    assert any(n.startswith("efdl-etcd-") for n in left), left
+    again = run()
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "left by an efdl process that was killed" in again.stderr
+    assert list(temp.iterdir()) == []

@@ -104,12 +104,17 @@ def test_metrics_and_history_through_a_join_and_a_crash(job: Job) -> None:
     assert [json.loads(line)["kind"] for line in as_json.stdout.splitlines()] == [
         k for k, _ in kinds
     ]
-    status = subprocess.run(
-        [sys.executable, "-m", "efdl", "status", "--etcd", job.etcd, "--job-id", job.job_id],
+    status = subprocess.run(  # the job named by EFDL_JOB_ID, as efdl-run reads it
+        [sys.executable, "-m", "efdl", "status", "--etcd", job.etcd],
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "EFDL_JOB_ID": job.job_id},
     )
+    assert status.returncode == 0, status.stderr
+    for node in ("a", "b"):  # what each agent answers now: its step and its workers
+        live = rf"\n    {node} .* step \d+ \(\d+ s ago\), workers running: 1 \(in place\)\n"
+        assert re.search(live, status.stdout), status.stdout
     assert re.search(r"trained \d+ s, stood still [\d.]+ s", status.stdout), status.stdout
     assert "last events" in status.stdout
     png = job.out / "timeline.png"

@@ -127,3 +127,23 @@ def test_torchrun_finishes_cleanly_and_leaves_no_record(
     assert max(int(r["step"]) for r in j.events()) == 19  # type: ignore[call-overload]
     with EtcdStore(etcd_server.settings()) as store:
         assert store.get_prefix(JobKeys(j.job_id).nodes).kvs == ()  # both left (shutdown)
+
+
+def test_efdl_stop_ends_torchrun_agents_calmly(job: tuple[Job, dict[str, Torchrun]]) -> None:
+    j, runs = job
+    env = {"STEP_SECONDS": "0.05"}
+    runs["a"] = Torchrun("a", j, env)
+    runs["b"] = Torchrun("b", j, env)
+    j.wait_for("torchrun with two nodes", steps_at_world(2, -1), timeout_s=120)
+    stop = subprocess.run(
+        [sys.executable, "-m", "efdl", "stop", "--etcd", j.etcd, "--job-id", j.job_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stop.returncode == 0, stop.stderr
+    for name in ("a", "b"):
+        assert runs[name].proc.wait(timeout=60) == 0, runs[name].output()[-3000:]
+        out = runs[name].output()
+        assert f"ended (stopped by efdl stop): node {name} leaves" in out, out[-3000:]
+        assert "Traceback" not in out and "RendezvousClosedError" not in out, out[-3000:]

@@ -57,3 +57,29 @@ def test_a_user_barrier_timeout_ends_the_worker_with_the_timeout(tmp_path: Path)
     assert re.search(
         r"Worker rank [01] failed with exit code 1: RuntimeError: .*Timed out", result.stderr
     ), result.stderr[-3000:]
+
+
+def test_a_script_that_fails_the_same_way_before_any_step_is_run_twice_not_four_times(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text(
+        "import os\n"
+        "with open(os.path.join(os.environ['OUT_DIR'], 'starts'), 'a') as f:\n"
+        "    f.write('x')\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')  # torch's excepthook now prefixes [rank0]:\n"
+        "import no_such_module_here\n"
+    )
+    result = standalone(
+        script, "--nproc-per-node", "1", "--max-restarts", "3", env={"OUT_DIR": str(tmp_path)}
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (tmp_path / "starts").read_text() == "xx"  # one retry, then it is final
+    assert (
+        "Worker rank 0 failed with exit code 1: ModuleNotFoundError: No module named "
+        "'no_such_module_here', the same error as the last failure, with no step trained "
+        "since: a restart would fail the same way" in result.stderr
+    ), result.stderr[-3000:]
+    assert "\n[rank0]: ModuleNotFoundError" in result.stderr  # the agent's prefix, once
+    assert "[rank0]: [rank0]:" not in result.stderr

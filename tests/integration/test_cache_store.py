@@ -242,6 +242,41 @@ def test_a_bad_cache_url_is_a_clear_error() -> None:
         SnapshotStore("nosuchproto://x")
 
 
+def test_a_usable_cache_passes_its_check_and_keeps_no_probe(url: str) -> None:
+    store = SnapshotStore(url)
+    store.check()
+    store.fs.invalidate_cache()
+    assert store.fs.find(store.root) == []
+
+
+def test_a_cache_path_that_cannot_be_made_is_one_sentence(tmp_path: Path) -> None:
+    from efdl.errors import ConfigError
+
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"'.*/file/cache' cannot be used: its directory cannot"):
+        SnapshotStore(str(tmp_path / "file" / "cache"))
+
+
+def test_a_bucket_without_credentials_or_that_does_not_exist_fails_its_check(
+    s3_bucket: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import s3fs  # type: ignore[import-untyped]
+
+    from efdl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'s3://efdl-none-\w+/job' cannot be used: .*probe"):
+        SnapshotStore(f"s3://efdl-none-{uuid.uuid4().hex[:8]}/job").check()
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(ConfigError, match=r"cannot be used: .*NoCredentialsError.*credentials"):
+        SnapshotStore(s3_bucket + "/job").check()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def test_the_background_writer_persists_the_state_of_its_commit(url: str) -> None:
     """The copy is made in the background, but the optimizer's next step waits for it: what
     is written is the state at the commit, not what the training did after."""

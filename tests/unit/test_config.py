@@ -63,6 +63,13 @@ def test_bad_values_name_the_value_and_the_type(
         )
 
 
+def test_a_bad_yaml_value_names_the_key_as_the_user_wrote_it() -> None:
+    with pytest.raises(ConfigError, match=r"^'min' in job.yaml is 'two'; expected a whole"):
+        load(LaunchConfig, {}, env={}, yaml_data={"min": "two"}, yaml_source="job.yaml")
+    with pytest.raises(ConfigError, match=r"^'lease-ttl' in job.yaml is 'x'; expected a whole"):
+        load(LaunchConfig, {}, env={}, yaml_data={"lease-ttl": "x"}, yaml_source="job.yaml")
+
+
 def test_read_yaml_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("lease_ttl: [1,\n")

@@ -71,3 +71,35 @@ def test_knock_all_knocks_at_every_published_port(listener: ProbeListener) -> No
         "ip-10-0-0-2.ec2.internal": Reply.REFUSED,
     }
     assert knock_all([]) == {}
+
+
+def test_a_live_agent_says_what_it_does_and_status_shows_it() -> None:
+    from efdl.rendezvous.status import Liveness
+
+    said = {"pid": 1, "generation": 4, "workers": 2, "in_place": True, "step": 120}
+    p = ProbeListener("127.0.0.1", lambda: {**said, "step_time": 1000.0})
+    try:
+        reply, answer = probe.ask("127.0.0.1", p.port)
+        assert reply is Reply.ANSWERED and answer == {**said, "step_time": 1000.0}
+        assert knock("127.0.0.1", p.port) is Reply.ANSWERED  # a knock that closes at once
+        shown = Liveness(reply, answer).describe(now=1003.0)
+        assert shown == "step 120 (3 s ago), workers running: 2 (in place)"
+        assert probe.ask_all([("a", "127.0.0.1", p.port), ("old", "127.0.0.1", 0)]) == {
+            "a": (Reply.ANSWERED, {**said, "step_time": 1000.0})
+        }
+    finally:
+        p.close()
+    reply, answer = probe.ask("127.0.0.1", p.port)
+    assert (reply, answer) == (Reply.REFUSED, None)
+    assert Liveness(reply).describe(now=0).startswith("agent gone")
+
+
+def test_an_agent_that_cannot_describe_itself_yet_still_answers() -> None:
+    def starting() -> dict[str, object]:
+        raise AttributeError("not started")
+
+    p = ProbeListener("127.0.0.1", starting)
+    try:
+        assert probe.ask("127.0.0.1", p.port) == (Reply.ANSWERED, None)
+    finally:
+        p.close()
