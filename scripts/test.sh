@@ -16,4 +16,4 @@ echo "== mypy"; "$PY" -m mypy
 echo "== pytest"
 # Two tests at a time (EFDL_TEST_WORKERS): most of a test's time is waiting on processes,
 # leases and windows, and every test must hold under load anyway.
-exec "$PY" -m pytest -n "${EFDL_TEST_WORKERS:-2}" "$@"
+exec "$PY" -m pytest -n "${EFDL_TEST_WORKERS:-2}" --durations=25 "$@"

@@ -192,7 +192,6 @@ class NodeRecord:
         start_time: wall-clock seconds when the agent started.
         incarnation: bumped by the agent to ask for a new round without a membership change
             (its workers failed and were restarted).
-        in_place: whether its workers can rebuild in place (efdl-aware script).
         down: slots whose in-place worker died and whose replacement is not ready yet; the
             node offers ``slots - down`` workers until it is (see :attr:`offered`).
         probe_port: where the agent accepts connections while it lives (0: nowhere); a
@@ -208,7 +207,6 @@ class NodeRecord:
     version: str = ""
     start_time: float = 0.0
     incarnation: int = 0
-    in_place: bool = False
     down: int = 0
     probe_port: int = 0
 
@@ -246,7 +244,6 @@ class NodeRecord:
             version=_text(data, "version", where, 64),
             start_time=float(_field(data, "start_time", (int, float), where)),
             incarnation=_count(data, "incarnation", where, 0, 1 << 40),
-            in_place=bool(_field(data, "in_place", bool, where)),
         )
         if "down" in data:  # absent from the records of older agents
             record = replace(record, down=_count(data, "down", where, 0, record.slots))

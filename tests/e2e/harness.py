@@ -81,7 +81,15 @@ class Agent:
         os.kill(self.pid, sig)
 
     def wait(self, timeout_s: float = 60) -> int:
-        return self.proc.wait(timeout=timeout_s)
+        """Its exit code; a failure that shows the end of its output if it runs past
+        ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"agent {self.name} still runs after {timeout_s:g} s; its output ends:\n"
+                + self.output()[-4000:]
+            ) from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -118,8 +118,11 @@ def test_closing_is_seen_by_every_node_and_ends_the_rendezvous(make: Make) -> No
     together(a, b)
     a.set_closed()
     assert a.is_closed() and b.is_closed()
-    with pytest.raises(RendezvousClosedError):
+    with pytest.raises(SystemExit) as ended:  # a member of the ended job: done, exit 0
         b.next_rendezvous()
+    assert ended.value.code == 0
+    with pytest.raises(RendezvousClosedError, match="has ended"):  # a node that comes late
+        make("c").next_rendezvous()
 
 
 def test_below_min_for_longer_than_the_timeout_is_a_timeout(make: Make) -> None:

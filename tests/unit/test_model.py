@@ -49,7 +49,6 @@ def test_node_record_roundtrip() -> None:
         (lambda d: d.update(slots=0), r"field 'slots' is 0; expected 1..4096"),
         (lambda d: d.update(slots="2"), r"field 'slots' is '2'; expected int"),
         (lambda d: d.update(store_port=70000), r"'store_port' is 70000"),
-        (lambda d: d.update(in_place="yes"), "field 'in_place'"),
         (lambda d: d.update(gpus=[{"index": -1, "model": "x", "memory_mb": 1}]), r"gpus\[0\]"),
         (lambda d: d.update(node_id="n2"), "names node 'n2', not the node of its key"),
         (lambda d: d.update(host="x" * 300), "longer than 256"),
