@@ -356,6 +356,7 @@ _IGNORED = {
     "master_addr": "the store lives with rank 0, found through etcd",
     "monitor_interval": "workers are watched without polling",
     "start_method": "workers are started with exec",
+    "tee": "worker output always goes to the console (and with --log-dir to its files)",
 }
 
 
@@ -443,7 +444,13 @@ _IGNORED = {
     type=click.Path(path_type=Path),
     help="Keep per-rank log files here.",
 )
-@click.option("--tee", "-t", "tee", type=int, help="torchrun's --tee (0-3); output is always teed.")
+@click.option(
+    "--tee",
+    "-t",
+    "tee",
+    type=click.IntRange(0, 3),
+    help="torchrun's --tee: accepted; worker output always goes to the console.",
+)
 @click.option(
     "--redirects",
     "-r",

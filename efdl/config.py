@@ -236,7 +236,7 @@ class EtcdClientConfig:
             user=self.etcd_user,
             password=password,
             request_timeout_s=self.etcd_timeout_s,
-            connect_timeout_s=max(self.etcd_timeout_s, 2 * self.etcd_timeout_s),
+            connect_timeout_s=2 * self.etcd_timeout_s,
         )
 
 
@@ -278,7 +278,6 @@ class LaunchConfig(EtcdClientConfig):
         metrics_port: serve Prometheus metrics on ``--host`` at this port (None: off; 0: a
             free port, logged).
         log_dir: keep per-rank log files (and error files) under this directory.
-        tee: torchrun's ``--tee``: accepted; logs always go to the console unless redirected.
         redirects: torchrun's ``--redirects``: 1 stdout, 2 stderr, 3 both go to files only.
         role: torchrun's ``--role`` (ROLE_NAME).
         cache_url: where committed state is persisted (any fsspec URL or a directory);
@@ -309,7 +308,6 @@ class LaunchConfig(EtcdClientConfig):
     metrics_port: int | None = None
     log_format: str = "text"
     log_dir: Path | None = None
-    tee: int = 0
     redirects: int = 0
     role: str = "default"
     cache_url: str | None = None
@@ -363,12 +361,11 @@ class LaunchConfig(EtcdClientConfig):
             )
         if self.warm_workers is not None and self.warm_workers < 0:
             raise ConfigError(f"--warm-workers ({self.warm_workers}) must not be negative.")
-        for name in ("tee", "redirects"):
-            if not 0 <= getattr(self, name) <= 3:
-                raise ConfigError(
-                    f"--{name} is {getattr(self, name)}; expected 0 (none), 1 (stdout), "
-                    "2 (stderr) or 3 (both)."
-                )
+        if not 0 <= self.redirects <= 3:
+            raise ConfigError(
+                f"--redirects is {self.redirects}; expected 0 (none), 1 (stdout), "
+                "2 (stderr) or 3 (both)."
+            )
         if self.cache_every_steps < 0 or self.cache_every_s < 0:
             raise ConfigError(
                 f"--cache-every-steps ({self.cache_every_steps}) and --cache-every "

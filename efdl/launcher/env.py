@@ -72,7 +72,6 @@ def worker_env(
         EFDL_JOB_ID=ctx.job_id,
         EFDL_NODE_ID=ctx.node.node_id,
         EFDL_GENERATION=str(rnd.generation),
-        EFDL_STORE_PREFIX=rnd.store_prefix,
     )
     if ctx.ifname:
         for name in SOCKET_IFNAME_VARIABLES:

@@ -7,12 +7,12 @@ only the node key just before its own (etcd's election pattern, found with one s
 limited range request); only the leader reads and watches all node records.
 
 Keys (``/efdl/<job>/``): ``nodes/<id>`` (the node record, bound to the agent's lease; the
-oldest is the leader), ``steps/<id>`` (the committed step, bound to the lease),
-``members/<id>`` (the node's place in the newest active round, written by the leader before
-the round), ``failures/<id>`` (the generation in which a collective of the node's workers
-failed, bound to the lease; the leader then probes the nodes: efdl.rendezvous.probe),
-``round`` (written by the leader with compare-and-swap on its previous revision
-and on the leader's own node record, so a leader whose lease is gone cannot write).
+oldest is the leader), ``members/<id>`` (the node's place in the newest active round,
+written by the leader before the round), ``failures/<id>`` (the generation in which a
+collective of the node's workers failed, bound to the lease; the leader then probes the
+nodes: efdl.rendezvous.probe), ``round`` (written by the leader with compare-and-swap on its
+previous revision and on the leader's own node record, so a leader whose lease is gone
+cannot write).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from efdl.errors import (
     LeaseLostError,
     RendezvousClosedError,
     RendezvousError,
+    StoreAuthError,
     StoreError,
 )
 from efdl.history import EventLog
@@ -81,7 +82,7 @@ def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: 
     while True:
         try:
             return fn()
-        except (LeaseLostError, CompactedError):  # not a blip
+        except (LeaseLostError, CompactedError, StoreAuthError):  # not a blip
             raise
         except StoreError as exc:
             if time.monotonic() >= deadline:
@@ -240,10 +241,6 @@ class RendezvousAgent:
         with self._cond:
             return self._ready
 
-    @property
-    def lease_lost(self) -> bool:
-        return self._session is not None and self._session.lost
-
     def _tag(self) -> str:
         gen = self._ready.generation if self._ready else 0
         return f"job {self.keys.job_id} node {self.node_id} gen {gen}"
@@ -303,7 +300,7 @@ class RendezvousAgent:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
-                if self._session is not None and self._session.lost:
+                if self._session is not None and self._session.expired:
                     self._session.check()
                 if self._failure:
                     raise RendezvousError(self._failure)
@@ -315,13 +312,6 @@ class RendezvousAgent:
                 if remaining is not None and remaining <= 0:
                     return None
                 self._cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
-
-    def publish_step(self, step: int) -> None:
-        """Publish this node's newest committed step (the leader puts its holder at rank 0)."""
-        assert self._session is not None, "join() first"
-        self._store.put(
-            self.keys.step(self.node_id), str(step).encode(), lease=self._session.lease_id
-        )
 
     def report_failure(self, generation: int) -> None:
         """A collective of this node's workers failed in ``generation`` (a peer's connection
@@ -392,8 +382,8 @@ class RendezvousAgent:
         def attempt() -> T:
             # A declared loss only: a late refresh makes the lease count as lost for an
             # instant, and the keep-alive may still renew it (see _loop).
-            if self._session is not None and self._session.lost_reason:
-                raise LeaseLostError(self._session.lost_reason)
+            if self._session is not None and self._session.why_expired:
+                raise LeaseLostError(self._session.why_expired)
             return fn()
 
         return retried(what, attempt)
@@ -579,7 +569,7 @@ class RendezvousAgent:
             # an instant when a refresh is late, and the keep-alive then either declares it
             # (and the agent is fenced) or renews it (and this node is still a member: a loop
             # that had quit would leave a member nobody acts for).
-            if tag == "lease" or (self._session is not None and self._session.lost_reason):
+            if tag == "lease" or (self._session is not None and self._session.why_expired):
                 break
             if isinstance(item, StoreError):
                 raise item
@@ -775,11 +765,6 @@ class RendezvousAgent:
         decision = decide(view, self._policy, now)
         if decision.round is None:
             return decision.wake_at
-        # Only now read the steps: one request per written round, not per event.
-        steps = self._read_steps()
-        decision = decide(replace(view, steps=steps), self._policy, now)
-        if decision.round is None:
-            return decision.wake_at
         new = decision.round
         if decision.members:
             gone = {m.node_id for m in view.members} - {m.node_id for m in decision.members}
@@ -834,21 +819,6 @@ class RendezvousAgent:
         with self._cond:
             self._is_leader = False
         raise LeaseLostError("The node record is gone.")
-
-    def _read_steps(self) -> dict[str, int]:
-        snap = self._store.get_prefix(self.keys.steps)
-        steps = {}
-        for kv in snap.kvs:
-            try:
-                steps[self.keys.node_id_of(kv.key)] = int(kv.value)
-            except ValueError:
-                log.error(
-                    "Job %s: ignoring the bad step %r at %s.",
-                    self.keys.job_id,
-                    kv.value[:32],
-                    kv.key,
-                )
-        return steps
 
 
 def end_job(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -53,46 +53,35 @@ class PrefixSnapshot:
 
 
 class CompareTarget(StrEnum):
+    """Which revision of a key a comparison reads (the values are KeyValue's field names)."""
+
     CREATE = "create_revision"
     MOD = "mod_revision"
-    VERSION = "version"
-    VALUE = "value"
-
-
-class CompareOp(StrEnum):
-    EQUAL = "=="
-    NOT_EQUAL = "!="
-    LESS = "<"
-    GREATER = ">"
 
 
 @dataclass(frozen=True, slots=True)
 class Compare:
-    """One condition of a transaction, as etcd evaluates it (an absent key has revisions 0)."""
+    """One condition of a transaction, as etcd evaluates it: a revision of ``key`` equals
+    ``revision`` (an absent key has revisions 0). efdl needs no other comparison."""
 
     key: str
     target: CompareTarget
-    op: CompareOp
-    value: int | bytes
+    revision: int
 
     @staticmethod
     def absent(key: str) -> Compare:
         """True when ``key`` does not exist."""
-        return Compare(key, CompareTarget.CREATE, CompareOp.EQUAL, 0)
+        return Compare(key, CompareTarget.CREATE, 0)
 
     @staticmethod
     def mod_revision_is(key: str, revision: int) -> Compare:
         """True when ``key`` was last changed at ``revision`` (0: the key is absent)."""
-        return Compare(key, CompareTarget.MOD, CompareOp.EQUAL, revision)
+        return Compare(key, CompareTarget.MOD, revision)
 
     @staticmethod
     def create_revision_is(key: str, revision: int) -> Compare:
         """True when ``key`` was created at ``revision`` (it was not deleted and re-made since)."""
-        return Compare(key, CompareTarget.CREATE, CompareOp.EQUAL, revision)
-
-    @staticmethod
-    def value_is(key: str, value: bytes) -> Compare:
-        return Compare(key, CompareTarget.VALUE, CompareOp.EQUAL, value)
+        return Compare(key, CompareTarget.CREATE, revision)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,12 +203,6 @@ class Watch:
         if isinstance(item, StoreError):
             raise item
         return item
-
-    def __iter__(self) -> Iterator[WatchBatch]:
-        while not self._cancelled.is_set():
-            batch = self.get(timeout_s=0.5)
-            if batch is not None:
-                yield batch
 
     def cancel(self) -> None:
         """Stop the watch; pending batches are dropped. Idempotent."""

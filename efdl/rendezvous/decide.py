@@ -9,8 +9,8 @@ Rules:
   workers than its slots so the job stays within ``max``; nodes left over are spares.
 - Survivors of the last active round come first, in their old rank order, with their old
   worker counts; then they grow into free slots; then newcomers join in join order.
-- Rank 0 is the admitted node with the newest committed step (ties: the earlier in that
-  order), so the state to broadcast is on rank 0.
+- Rank 0 is the first of that order: it need not hold the newest state, as the workers'
+  sync takes it from whichever rank holds the newest committed step.
 - A node offers its slots less those whose in-place worker died and is being replaced
   (``NodeRecord.down``): the survivors go on at once without it, and the replacement joins
   later as a newcomer would (shrink, then grow), unless that would take the job below
@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from efdl.errors import ConfigError
 from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
-
-NO_STEP = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +85,6 @@ class JobView:
     Attributes:
         nodes: live nodes by id.
         round: the newest round, or None before the first.
-        steps: the committed step each node published (missing: none yet).
         last_change: when the leader last saw a node join (for the settle window).
         leader: the deciding node's id (written into the round).
         members: the members of ``round`` when it is active, in rank order.
@@ -95,7 +92,6 @@ class JobView:
 
     nodes: Mapping[str, NodeView]
     round: Round | None
-    steps: Mapping[str, int] = field(default_factory=dict)
     last_change: float = 0.0
     leader: str = ""
     members: tuple[Member, ...] = ()
@@ -138,12 +134,11 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
 
     prev = view.round
     prev_members = view.members if prev and prev.status is RoundStatus.ACTIVE else ()
-    step = {n: view.steps.get(n, NO_STEP) for n in view.nodes}
     survivors = [m for m in prev_members if m.node_id in view.nodes]
     surviving = {m.node_id for m in survivors}
     newcomers = sorted(
         (n for n in view.nodes if n not in surviving),
-        key=lambda n: (-step[n], view.nodes[n].joined_revision, n),
+        key=lambda n: (view.nodes[n].joined_revision, n),
     )
     budget = policy.max_workers
     counts: dict[str, int] = {}
@@ -162,9 +157,6 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
             counts[node_id] = take
             budget -= take
     order = list(counts)  # survivors in rank order, then newcomers
-    if order:
-        best = max(range(len(order)), key=lambda i: (step[order[i]], -i))
-        order.insert(0, order.pop(best))
     members: list[Member] = []
     rank = 0
     for node_id in order:

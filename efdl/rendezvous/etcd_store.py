@@ -37,7 +37,6 @@ from efdl.errors import CompactedError, StoreAuthError, StoreConnectionError, St
 from efdl.rendezvous.api import (
     NO_LEASE,
     Compare,
-    CompareOp,
     CompareTarget,
     Delete,
     Endpoint,
@@ -86,12 +85,6 @@ _REQUIRE_LEADER = ("hasleader", "true")
 # Once a second is plenty for Ctrl-C. (A private constant: left alone if it ever goes away.)
 if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
     grpc._common.MAXIMUM_WAIT_TIMEOUT = max(grpc._common.MAXIMUM_WAIT_TIMEOUT, 1.0)
-_COMPARE_OPS = {
-    CompareOp.EQUAL: etcdrpc.Compare.EQUAL,
-    CompareOp.NOT_EQUAL: etcdrpc.Compare.NOT_EQUAL,
-    CompareOp.LESS: etcdrpc.Compare.LESS,
-    CompareOp.GREATER: etcdrpc.Compare.GREATER,
-}
 
 
 def _b(text: str) -> bytes:
@@ -440,16 +433,11 @@ class EtcdStore(KVStore):
 
     @staticmethod
     def _compare(c: Compare) -> Any:
-        msg = etcdrpc.Compare(key=_b(c.key), result=_COMPARE_OPS[c.op])
+        msg = etcdrpc.Compare(key=_b(c.key), result=etcdrpc.Compare.EQUAL)
         if c.target is CompareTarget.CREATE:
-            msg.target, msg.create_revision = etcdrpc.Compare.CREATE, int(c.value)
-        elif c.target is CompareTarget.MOD:
-            msg.target, msg.mod_revision = etcdrpc.Compare.MOD, int(c.value)
-        elif c.target is CompareTarget.VERSION:
-            msg.target, msg.version = etcdrpc.Compare.VERSION, int(c.value)
+            msg.target, msg.create_revision = etcdrpc.Compare.CREATE, c.revision
         else:
-            value = c.value if isinstance(c.value, bytes) else str(c.value).encode()
-            msg.target, msg.value = etcdrpc.Compare.VALUE, value
+            msg.target, msg.mod_revision = etcdrpc.Compare.MOD, c.revision
         return msg
 
     def txn(

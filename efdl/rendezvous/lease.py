@@ -48,8 +48,7 @@ class LeaseSession:
         self._on_lost = on_lost
         self._clock = clock
         self._stop = threading.Event()
-        self._lost = threading.Event()
-        self._lost_reason = ""
+        self._why_expired = ""
         self._last_ok = clock()
         self.lease_id = store.grant_lease(ttl_s)
         granted_in = clock() - self._last_ok
@@ -73,39 +72,35 @@ class LeaseSession:
         return self._ttl_s
 
     @property
-    def lost(self) -> bool:
-        """Whether the lease is (or must be assumed) gone."""
-        return bool(self._lost_reason) or self._clock() - self._last_ok >= self._ttl_s
+    def expired(self) -> bool:
+        """Whether the lease is gone, or must be assumed gone: declared so by the keep-alive
+        (:attr:`why_expired`), or a whole TTL passed since the last renewal."""
+        return bool(self._why_expired) or self._clock() - self._last_ok >= self._ttl_s
 
     @property
-    def lost_reason(self) -> str:
-        return self._lost_reason
-
-    def wait_lost(self, timeout_s: float | None = None) -> bool:
-        """Block until the lease is lost or ``timeout_s`` passes; True if it was lost."""
-        return self._lost.wait(timeout_s)
+    def why_expired(self) -> str:
+        """Why the keep-alive declared the lease expired; empty until it does."""
+        return self._why_expired
 
     def check(self) -> None:
         """Raise :class:`LeaseLostError` if the lease is (or must be assumed) gone."""
-        if self.lost:
+        if self.expired:
             raise LeaseLostError(
-                self._lost_reason
+                self._why_expired
                 or f"Lease {self.lease_id:x} was not renewed for a whole TTL ({self._ttl_s} s)."
             )
 
-    def _declare_lost(self, reason: str) -> None:
-        """Record the loss, run the callback, then wake waiters: once :meth:`wait_lost`
-        returns, the callback has run."""
-        if self._lost_reason:
+    def _declare_expired(self, reason: str) -> None:
+        """Record the loss, then run the callback (once)."""
+        if self._why_expired:
             return
-        self._lost_reason = reason
+        self._why_expired = reason
         log.error("%s", reason)
         if self._on_lost is not None:
             try:
                 self._on_lost(reason)
             except Exception:
                 log.exception("The lease-lost callback failed.")
-        self._lost.set()
 
     def _keep_alive(self) -> None:
         # Timed from the grant's request, which may have taken a while (the server's TTL runs
@@ -121,7 +116,7 @@ class LeaseSession:
             except StoreError as exc:
                 silent_s = self._clock() - self._last_ok
                 if silent_s >= self._ttl_s:
-                    self._declare_lost(
+                    self._declare_expired(
                         f"Lease {self.lease_id:x} on {self._store.description} was not renewed "
                         f"for {silent_s:.1f} s (TTL {self._ttl_s} s): {exc}. It must be taken "
                         "as expired."
@@ -138,7 +133,7 @@ class LeaseSession:
                 next_at = self._clock() + min(0.25, self._ttl_s / 6)
                 continue
             if ttl <= 0:
-                self._declare_lost(
+                self._declare_expired(
                     f"Lease {self.lease_id:x} on {self._store.description} has expired "
                     "(etcd answered TTL 0); every key bound to it is gone."
                 )
@@ -151,7 +146,7 @@ class LeaseSession:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self._ttl_s)
-        if revoke and not self._lost_reason:
+        if revoke and not self._why_expired:
             try:
                 self._store.revoke_lease(self.lease_id)
             except StoreError as exc:

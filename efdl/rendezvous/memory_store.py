@@ -17,8 +17,6 @@ from efdl.errors import CompactedError, StoreError
 from efdl.rendezvous.api import (
     NO_LEASE,
     Compare,
-    CompareOp,
-    CompareTarget,
     Delete,
     EventType,
     Get,
@@ -137,22 +135,8 @@ class MemoryStore(KVStore):
 
     def _holds(self, c: Compare) -> bool:
         kv = self._kvs.get(c.key)
-        actual: int | bytes
-        if c.target is CompareTarget.VALUE:
-            if kv is None:
-                return False
-            actual = kv.value
-            expected: int | bytes = c.value if isinstance(c.value, bytes) else str(c.value).encode()
-        else:
-            actual = getattr(kv, c.target.value) if kv else 0  # the values are the field names
-            expected = int(c.value)
-        if c.op is CompareOp.EQUAL:
-            return actual == expected
-        if c.op is CompareOp.NOT_EQUAL:
-            return actual != expected
-        if c.op is CompareOp.LESS:
-            return actual < expected  # type: ignore[operator]
-        return actual > expected  # type: ignore[operator]
+        actual: int = getattr(kv, c.target.value) if kv else 0  # the values are the field names
+        return actual == c.revision
 
     def _expire(self) -> None:
         now = self._clock()

@@ -66,10 +66,6 @@ class JobKeys:
         return self.prefix + "nodes/"
 
     @property
-    def steps(self) -> str:
-        return self.prefix + "steps/"
-
-    @property
     def round(self) -> str:
         return self.prefix + "round"
 
@@ -90,9 +86,6 @@ class JobKeys:
     def failure(self, node_id: str) -> str:
         return self.failures + node_id
 
-    def step(self, node_id: str) -> str:
-        return self.steps + node_id
-
     @property
     def members(self) -> str:
         return self.prefix + "members/"
@@ -106,7 +99,7 @@ class JobKeys:
         return self.prefix + "cache"
 
     def node_id_of(self, key: str) -> str:
-        """The node id at the end of a ``nodes/``, ``steps/``, ``members/`` or ``failures/`` key."""
+        """The node id at the end of a ``nodes/``, ``members/`` or ``failures/`` key."""
         return key.rsplit("/", 1)[-1]
 
 
@@ -335,9 +328,6 @@ class Member:
     generation: int = 0
     round_id: str = ""
 
-    def ranks(self) -> range:
-        return range(self.first_rank, self.first_rank + self.workers)
-
     def to_json(self) -> bytes:
         return _dump(asdict(self))
 
@@ -379,7 +369,6 @@ class Round:
         spares: live nodes beyond the members (waiting beyond --max, or below --min).
         store_host, store_port: the c10d store of this generation, served fresh by the rank-0
             node's agent; port 0 until that agent has published it.
-        store_prefix: key prefix in that store; fresh per generation so nothing stale is read.
         reason: why this round was made, for logs and ``efdl status``.
         leader: the node that wrote it.
         since: wall-clock seconds when the current state (e.g. WAITING) began.
@@ -411,16 +400,10 @@ class Round:
         could reach a store that holds only this generation's keys)."""
         return self.status is not RoundStatus.ACTIVE or self.store_port != 0
 
-    @property
-    def store_prefix(self) -> str:
-        return f"efdl/gen{self.generation}/"
-
     def to_json(self) -> bytes:
         data = asdict(self)
         del data["member"]
         data["status"] = self.status.value
-        # Derived, but written out for people reading the key with etcdctl.
-        data["store_prefix"] = self.store_prefix
         return _dump(data)
 
     @staticmethod

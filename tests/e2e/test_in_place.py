@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     regrown,
     steps_at_world,
 )
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).parents[2]
@@ -217,7 +218,8 @@ def test_the_job_finishes_while_a_newcomer_is_still_starting(job: Job) -> None:
     # round had fewer nodes).
     job.env["JOIN_DELAY"] = "60"
     job.start("c", script="elastic_steps.py")
-    time.sleep(2)  # c's round is out; its worker sleeps
+    # c's round is out and its worker sleeps: then the job finishes under it
+    wait_until("c's worker to start", lambda: "started workers" in job.agents["c"].output(), 60)
     for name in "abc":
         assert job.agents[name].wait(120) == 0, job.agents[name].output()[-3000:]
     logs = "".join(job.agents[n].output() for n in "abc")

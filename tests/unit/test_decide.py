@@ -30,13 +30,12 @@ def node(
 def view(
     *nodes: tuple[str, NodeView],
     round: Decision | None = None,
-    steps: dict[str, int] | None = None,
     last_change: float = T0,
 ) -> JobView:
     """What the leader sees after writing ``round`` (a decision: the round and its members)."""
     current = round.round if round else None
     members = round.members if round else ()
-    return JobView(dict(nodes), current, steps or {}, last_change, leader="a", members=members)
+    return JobView(dict(nodes), current, last_change, leader="a", members=members)
 
 
 def layout(d: Decision) -> list[tuple[str, int, int]]:
@@ -128,21 +127,18 @@ def test_survivors_keep_order_and_ranks_newcomers_appended() -> None:
     assert layout(d) == [("a", 1, 0), ("c", 1, 1), ("d", 1, 2), ("e", 1, 3)]
 
 
-def test_rank0_goes_to_the_survivor_with_the_newest_step() -> None:
+def test_rank0_goes_to_the_first_survivor_and_the_store_moves_with_it() -> None:
     r1 = settled(view(node("a"), node("b"), node("c")), Policy(2, 8, 1))
-    # a (rank 0) died; c committed a newer step than b
-    d = decide(view(node("b"), node("c"), round=r1, steps={"b": 10, "c": 12}), Policy(2, 8, 1), T0)
-    assert d.round is not None and layout(d) == [("c", 1, 0), ("b", 1, 1)]
-    assert d.round.store_host == "10.0.0.99"  # the store moves with rank 0
-    # equal steps: the old order stands
-    d = decide(view(node("b"), node("c"), round=r1, steps={"b": 12, "c": 12}), Policy(2, 8, 1), T0)
+    # a (rank 0) died: the survivors keep their order
+    d = decide(view(node("b"), node("c"), round=r1), Policy(2, 8, 1), T0)
     assert d.round is not None and layout(d) == [("b", 1, 0), ("c", 1, 1)]
+    assert d.round.store_host == "10.0.0.98"  # the store moves with rank 0
 
 
 def test_rank0_is_never_a_newcomer_without_state() -> None:
     r1 = settled(view(node("a"), node("b")), Policy(2, 8, 1))
     d = decide(
-        view(node("a"), node("b"), node("c"), round=r1, steps={"a": 5, "b": 5}),
+        view(node("a"), node("b"), node("c"), round=r1),
         Policy(2, 8, 1),
         T0 + 2,
     )
@@ -263,7 +259,7 @@ def test_closed_and_failed_jobs_get_no_more_rounds() -> None:
 
 
 def test_round_roundtrips_through_json() -> None:
-    d = settled(view(node("a", 2), node("b", 2), steps={"a": 3}), P)
+    d = settled(view(node("a", 2), node("b", 2)), P)
     assert d.round is not None and Round.from_json(d.round.to_json(), "/efdl/j/round") == d.round
     for m in d.members:
         assert Member.from_json(m.to_json(), f"/efdl/j/members/{m.node_id}") == m

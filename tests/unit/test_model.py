@@ -117,7 +117,8 @@ def test_job_keys_stay_under_the_job_prefix() -> None:
     k = JobKeys("resnet-50.v2")
     assert k.prefix == "/efdl/resnet-50.v2/"
     assert all(
-        x.startswith(k.prefix) for x in (k.nodes, k.steps, k.round, k.node("n1"), k.step("n1"))
+        x.startswith(k.prefix)
+        for x in (k.nodes, k.members, k.round, k.node("n1"), k.member("n1"), k.failures, k.cache)
     )
 
 
