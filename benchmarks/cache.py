@@ -10,6 +10,7 @@ storage (rank 0: from the commit to the manifest). The raw speed is plain ``writ
 of the same bytes, split over as many writers in parallel, into the same directory.
 
 Usage: python -m benchmarks.cache [--sizes 4,25,100,300] [--snapshots 3] [--world 2] [--dir D]
+       [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,19 +32,25 @@ from typing import Any
 from benchmarks.report import verdict
 
 
-def flat_model(millions: int) -> Any:
-    """``millions`` million parameters in tensors of 10M (40 MB)."""
+def flat_model(millions: int, device: str = "cpu") -> Any:
+    """``millions`` million parameters in tensors of 10M (40 MB), on ``device``."""
     import torch
 
     chunks = [10_000_000] * (millions // 10) + (
         [millions % 10 * 1_000_000] if millions % 10 else []
     )
-    params = [torch.nn.Parameter(torch.randn(n)) for n in chunks]
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in chunks]
     return torch.nn.ParameterList(params)
 
 
 def rank_main(
-    rank: int, world: int, store_path: str, millions: int, snapshots: int, idle_s: float
+    rank: int,
+    world: int,
+    store_path: str,
+    millions: int,
+    snapshots: int,
+    idle_s: float,
+    device: str = "cpu",
 ) -> None:
     """One rank: persist ``snapshots`` snapshots; print this rank's figures as JSON."""
     import torch
@@ -56,7 +63,7 @@ def rank_main(
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     runtime.side = dist.new_group(backend="gloo", timeout=timeout)
-    model = flat_model(millions)
+    model = flat_model(millions, device)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-6)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -131,7 +138,12 @@ def raw_write(directory: Path, nbytes: int, writers: int) -> float:
 
 
 def measure(
-    millions: int, snapshots: int, world: int, directory: Path, idle_s: float = 0.0
+    millions: int,
+    snapshots: int,
+    world: int,
+    directory: Path,
+    idle_s: float = 0.0,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """One job of ``world`` ranks persisting a model of ``millions`` M parameters."""
     url = directory / f"cache-{millions}m"
@@ -147,7 +159,7 @@ def measure(
     argv = [sys.executable, "-m", "benchmarks.cache", "--rank-of"]
     procs = [
         subprocess.Popen(
-            [*argv, f"{r},{world},{store},{millions},{snapshots},{idle_s}"],
+            [*argv, f"{r},{world},{store},{millions},{snapshots},{idle_s},{device}"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -196,10 +208,17 @@ DESCRIPTION = (
 IDLE_S = 0.5
 
 
-def table(sizes: list[int], snapshots: int, world: int, root: Path | None) -> None:
+def table(
+    sizes: list[int], snapshots: int, world: int, root: Path | None, device: str = "cpu"
+) -> None:
     directory = Path(tempfile.mkdtemp(prefix="efdl-cache-bench-", dir=root))
     text = DESCRIPTION.format(where=directory.parent, snapshots=snapshots, world=world, idle=IDLE_S)
     print(text)
+    if device != "cpu":
+        print(
+            f"Model and optimizer state on {device} (the ranks share it); the copy to the host "
+            "is the persister's: pinned buffers, a CUDA stream of its own.\n"
+        )
     print(
         "| params | snapshot MB | raw write MB/s | CPU free: persist MB/s | persist / raw | "
         "commit() blocks (ms) | next step waits (ms) | loop blocked / write time | CPU busy: "
@@ -209,8 +228,8 @@ def table(sizes: list[int], snapshots: int, world: int, root: Path | None) -> No
     blocked_share, speed_share, busy_share = [], [], []
     try:
         for size in sizes:
-            free = measure(size, snapshots, world, directory, IDLE_S)
-            busy = measure(size, snapshots, world, directory, 0.0)
+            free = measure(size, snapshots, world, directory, IDLE_S, device)
+            busy = measure(size, snapshots, world, directory, 0.0, device)
             raw = statistics.median([free["raw"], busy["raw"]])
             blocked = free["commit"] + free["fence"]
             blocked_share.append(blocked / free["write"])
@@ -244,14 +263,15 @@ def main() -> None:
     parser.add_argument("--snapshots", type=int, default=3)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    parser.add_argument("--device", default="cpu", help="where the model lives: cpu or cuda")
     parser.add_argument("--rank-of", default="", help=argparse.SUPPRESS)  # a rank's process
     args = parser.parse_args()
     if args.rank_of:
-        rank, world, store, millions, snapshots, idle = args.rank_of.split(",")
-        rank_main(int(rank), int(world), store, int(millions), int(snapshots), float(idle))
+        rank, world, store, millions, snapshots, idle, device = args.rank_of.split(",")
+        rank_main(int(rank), int(world), store, int(millions), int(snapshots), float(idle), device)
         return
     sizes = [int(s) for s in args.sizes.split(",")]
-    table(sizes, args.snapshots, args.world, args.dir)
+    table(sizes, args.snapshots, args.world, args.dir, args.device)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@ status=0
 # NCCL abort -> first step of the next generation (world size 1), as JSON.
 "$PY" tests/gpu/scripts/nccl_reinit.py 2>&1 | tee "$RESULTS/nccl-reinit.json" || status=1
 # GPU state sync: ranks sharing the GPU over gloo with CUDA tensors.
-"$PY" -m benchmarks.state_sync --device cuda --sizes 25,100 --repeat 3 2>&1 \
+"$PY" -m benchmarks.state_sync --device cuda --sizes 25,100,1000 --repeat 3 2>&1 \
   | tee "$RESULTS/state-sync-cuda.md" || status=1
+# Snapshots of CUDA state to the cache: what commit() blocks, at 100M and 1B parameters.
+"$PY" -m benchmarks.cache --device cuda --sizes 100,1000 --snapshots 3 2>&1 \
+  | tee "$RESULTS/cache-cuda.md" || status=1
 echo "gpu-check: results in $RESULTS (exit $status)" >&2
 exit $status
