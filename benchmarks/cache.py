@@ -103,7 +103,7 @@ def rank_main(
         "snapshot_bytes": 0,
     }
     if rank == 0:
-        m = persister.store.manifest(persister.store.steps()[0])
+        m = persister.storage.manifest(persister.storage.steps()[0])
         result["snapshot_bytes"] = sum(f.size for f in m.files.values())
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()

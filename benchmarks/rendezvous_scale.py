@@ -30,12 +30,12 @@ from typing import Any
 import psutil
 
 from benchmarks.report import verdict
-from efdl.rendezvous.agent import RendezvousAgent
 from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
+from efdl.rendezvous.participant import Participant
 
 # Agents per shared connection: each holds 3 streams (its keep-alive and two watches), and
 # etcd 3.5 serves at most 100 or so concurrent streams per connection (the rest wait).
@@ -109,7 +109,7 @@ class _Group:
 
     def __init__(self, spec: GroupSpec, seen: Any) -> None:
         self.spec, self.seen = spec, seen
-        self.agents: dict[str, RendezvousAgent] = {}
+        self.agents: dict[str, Participant] = {}
         self.stores: list[EtcdStore] = []
         self.lock = threading.Lock()
         self.pool: list[EtcdStore] = []
@@ -135,7 +135,7 @@ class _Group:
             if r.status is RoundStatus.ACTIVE:
                 self.seen.put((r.world_size, r.generation, node_id, time.monotonic()))
 
-        agent = RendezvousAgent(
+        agent = Participant(
             store,
             self.spec.job,
             NodeRecord(node_id, "127.0.0.1", 30000 + i, 1),
@@ -399,7 +399,7 @@ def main() -> None:
     print(
         f"Rendezvous scale: settle window {args.settle:g} s, lease TTL {args.ttl} s, "
         f"median of {args.repeat} runs (min-max); one local etcd; simulated agents (the real "
-        f"RendezvousAgent, no torch) as threads in {args.procs} processes, each agent with its "
+        f"Participant, no torch) as threads in {args.procs} processes, each agent with its "
         + (
             f"own lease, watches and requests, sharing an etcd connection by {SHARE}"
             if args.shared_connections

@@ -30,13 +30,13 @@ from efdl.kubeflow import pet_params
 from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
-from efdl.rendezvous.agent import RendezvousAgent, close_job, start_job
 from efdl.rendezvous.api import Compare, EventType, Put
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus, check_job_id
+from efdl.rendezvous.participant import Participant, close_job, start_job
 from efdl.rendezvous.status import format_status, read_status, status_json
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -202,7 +202,7 @@ def _rendezvous_smoke(store: EtcdStore) -> None:
     try:
         for i, s in enumerate(stores):
             record = NodeRecord(f"check{i}", "127.0.0.1", 29500 + i, slots=1, version=__version__)
-            agent = RendezvousAgent(s, job, record, policy, lease_ttl_s=5)
+            agent = Participant(s, job, record, policy, lease_ttl_s=5)
             agent.join()
             agents.append(agent)
         deadline = time.monotonic() + 10

@@ -6,7 +6,7 @@ torchrun finds this handler through the ``torchrun.handlers`` entry point::
     torchrun --nnodes 1:4 --nproc-per-node 2 --rdzv-backend efdl \\
         --rdzv-endpoint etcd-1:2379 --rdzv-id job train.py
 
-It is a second face of the same rendezvous core (:class:`efdl.rendezvous.agent.RendezvousAgent`):
+It is a second face of the same rendezvous core (:class:`efdl.rendezvous.participant.Participant`):
 one etcd record per torchrun agent (a "node" with one slot), rounds decided by the oldest
 node, a fresh c10d store per round served by the round's rank-0 node. torchrun restarts its
 workers on every new round, as it does with its own backends.
@@ -49,12 +49,12 @@ from efdl import __version__
 from efdl.config import EtcdClientConfig, load
 from efdl.errors import ConfigError, EfdlError, LeaseLostError, StoreError
 from efdl.launcher.node import default_host
-from efdl.launcher.store import StoreServer
-from efdl.rendezvous.agent import RendezvousAgent, close_job, parse_round
+from efdl.launcher.tcpstore import TCPStoreServer
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus, check_job_id
+from efdl.rendezvous.participant import Participant, close_job, parse_round
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ class EfdlRendezvousHandler(RendezvousHandler):
         self._node = node
         self._policy = policy
         self._ttl = lease_ttl_s
-        self._server = StoreServer(node.host)
-        self._agent: RendezvousAgent | None = None
+        self._server = TCPStoreServer(node.host)
+        self._agent: Participant | None = None
         self._returned: Round | None = None  # the round torchrun's workers run in
 
     # ---------------------------------------------------------------- torchrun's interface
@@ -188,13 +188,13 @@ class EfdlRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"Job {self._run_id} has ended: {current.reason}.")
             self._ended(current)
         if self._agent is None:
-            self._agent = RendezvousAgent(
+            self._agent = Participant(
                 self._store,
                 self._run_id,
                 self._node,
                 self._policy,
                 lease_ttl_s=self._ttl,
-                serve_store=self._server.serve,
+                serve_tcpstore=self._server.serve,
             )
             self._agent.join()
         elif self._returned is not None:

@@ -1,7 +1,7 @@
 """The node agent: follows the job's rounds and runs this node's workers (restart mode).
 
 Everything that happens reaches the agent as an event on one queue, handled on the main
-thread: a new ready round, a worker exit, a signal, a lost lease, a failed rendezvous.
+thread: a new served round, a worker exit, a signal, a lost lease, a failed rendezvous.
 On every new round the agent stops its workers and starts them again with the new ranks,
 as torchrun does.
 """
@@ -30,10 +30,9 @@ from efdl.launcher.metrics import Metrics
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.restarts import RestartBudget, Verdict
-from efdl.launcher.store import StoreServer, preload
+from efdl.launcher.tcpstore import TCPStoreServer, preload
 from efdl.launcher.warm import WarmPool, warm_command
 from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
-from efdl.rendezvous.agent import RendezvousAgent, end_job, parse_round
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -47,8 +46,9 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
+from efdl.rendezvous.participant import Participant, end_job, parse_round
 from efdl.rendezvous.probe import ProbeListener
-from efdl.state.cache import CacheSettings, SnapshotStore
+from efdl.state.cache import CacheSettings, SnapshotStorage
 from efdl.state.channel import (
     GRACE_ENV,
     JOIN_TIMEOUT_ENV,
@@ -184,7 +184,7 @@ class NodeAgent:
         if self._cache is not None:
             # A bad URL, a missing fsspec backend, no credentials or permission: fail now,
             # before anything is started.
-            SnapshotStore(self._cache.url).check()
+            SnapshotStorage(self._cache.url).check()
         # Listens while this process lives: a refused connection tells the others it died.
         try:
             self._probe: ProbeListener | None = ProbeListener(node.host, self._describe)
@@ -207,7 +207,7 @@ class NodeAgent:
             log.info("Serving Prometheus metrics at http://%s:%d/metrics.", node.host, port)
             if isinstance(store, EtcdStore):
                 store.on_request = self._metrics.etcd_request.observe
-        self._server = StoreServer(node.host, cfg.store_port)
+        self._server = TCPStoreServer(node.host, cfg.store_port)
         preload()
         self._ctx = JobContext(
             job_id, node, cfg.max_restarts, cfg.role, interface_of(node.host), tuple(gpu_ids)
@@ -222,7 +222,7 @@ class NodeAgent:
         # A worker failed: refill the pool as soon as the next workers start, for a second
         # round is likely near (a dead node's lease expiring after its peers' failures).
         self._refill_soon = False
-        self._acted = 0
+        self._generation = 0  # the newest generation this node acted on
         self._restarts = RestartBudget(cfg.max_restarts)
         self._trained: int | None = None  # the last step local rank 0 reported committed
         self._trained_at = 0.0  # when (wall clock)
@@ -251,7 +251,7 @@ class NodeAgent:
         except BaseException:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
-        self._rdzv: RendezvousAgent | None = None
+        self._rdzv: Participant | None = None
 
     def _describe(self) -> dict[str, object]:
         """What this agent says of itself to a probe (``efdl status``); from the probe's
@@ -259,7 +259,7 @@ class NodeAgent:
         group = self._group
         return {
             "pid": os.getpid(),
-            "generation": self._acted,
+            "generation": self._generation,
             "workers": len(group.running()) if group is not None else 0,
             "in_place": self._rebuilds_in_place(),
             "step": self._trained,
@@ -287,7 +287,9 @@ class NodeAgent:
             self._metrics.progress(step)  # thread-safe: no need for the main thread
         elif kind == "resumed" and isinstance(step, int):
             text = f"resumed from the cache's snapshot of step {step}"
-            self._events.put(self._history.event(EventKind.RESUME, self._acted, text, step=step))
+            self._events.put(
+                self._history.event(EventKind.RESUME, self._generation, text, step=step)
+            )
         elif kind == "rescaled" and isinstance(generation, int) and isinstance(world, int):
             still = msg.get("stood_still")
             if isinstance(still, int | float) and isinstance(step, int):
@@ -298,7 +300,7 @@ class NodeAgent:
                 self._events.put(event)
 
     def _tag(self) -> str:
-        return f"job {self._job} node {self._node.node_id} gen {self._acted}"
+        return f"job {self._job} node {self._node.node_id} gen {self._generation}"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -380,7 +382,7 @@ class NodeAgent:
             self._node.slots,
             WARM_WAIT_S,
         )
-        if not self._warm.wait_ready(self._node.slots, WARM_WAIT_S):
+        if not self._warm.wait_loaded(self._node.slots, WARM_WAIT_S):
             log.warning(
                 "%s: the warm worker processes are not ready after %.0f s; joining anyway.",
                 self._tag(),
@@ -402,7 +404,7 @@ class NodeAgent:
 
     def _join(self) -> None:
         post: Callable[[object], None] = self._events.put
-        self._rdzv = RendezvousAgent(
+        self._rdzv = Participant(
             self._store,
             self._job,
             self._node,
@@ -410,7 +412,7 @@ class NodeAgent:
             lease_ttl_s=self._cfg.lease_ttl_s,
             on_round=lambda r: post(_RoundSeen(r)),
             on_lease_lost=lambda reason: post(_LeaseLost(reason)),
-            serve_store=self._server.serve,
+            serve_tcpstore=self._server.serve,
             on_failure=lambda reason: post(_Failed(reason)),
             events=self._history,
         )
@@ -418,7 +420,7 @@ class NodeAgent:
         self._metrics.lease_healthy.set(1)
         self._record(
             EventKind.JOIN,
-            self._acted,
+            self._generation,
             f"joined with {self._node.slots} worker slot(s) on {self._node.host}",
         )
         self._log_cache()
@@ -508,7 +510,7 @@ class NodeAgent:
         self._cache_record.offer(record.to_json())
         self._record(
             EventKind.PERSIST,
-            self._acted,
+            self._generation,
             f"persisted {ev.size / 1e6:.1f} MB to {self._cache.url}",
             world_size=ev.world_size,
             step=ev.step,
@@ -517,9 +519,9 @@ class NodeAgent:
         self._metrics.persisted(ev.step, ev.size, ev.seconds)
 
     def _on_round(self, r: Round) -> None:
-        if r.generation <= self._acted:
+        if r.generation <= self._generation:
             return
-        self._acted = r.generation
+        self._generation = r.generation
         logs.context.set(generation=r.generation)
         self._restart_at = None  # this round restarts the workers (or stops them)
         self._observe(r)
@@ -748,7 +750,9 @@ class NodeAgent:
             "\n" + "\n".join(stack) if stack else "",
         )
         self._record(
-            EventKind.CRASH, self._acted, f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}"
+            EventKind.CRASH,
+            self._generation,
+            f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}",
         )
         in_place = ev.pid in self._in_place and self._round is not None
         if in_place:  # the others roll back and go on; only this one is replaced
@@ -777,7 +781,7 @@ class NodeAgent:
         self._refill_soon = True
         self._record(
             EventKind.RESTART,
-            self._acted,
+            self._generation,
             f"{'replacing the worker in place' if in_place else 'restarting the workers'} "
             f"(restart {self._restarts.used} of {self._cfg.max_restarts})",
         )
@@ -794,7 +798,7 @@ class NodeAgent:
         if not in_place:
             # A peer's death may be what killed it (restart mode): have the nodes probed, and
             # ask for a round of the same members only if none comes meanwhile.
-            self._rdzv.report_failure(self._acted)
+            self._rdzv.report_failure(self._generation)
             self._restart_at = time.monotonic() + RESTART_HOLD_S
             return
         # Shrink, then grow: the node offers one worker fewer until the replacement, started
@@ -808,7 +812,7 @@ class NodeAgent:
 
     def _leave(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        self._record(EventKind.LEAVE, self._acted, f"leaving on {name}")
+        self._record(EventKind.LEAVE, self._generation, f"leaving on {name}")
         log.info(
             "%s: %s: leaving gracefully (grace period %.0f s).",
             self._tag(),
@@ -850,7 +854,7 @@ class NodeAgent:
         once (no grace: two generations must never train together), then join again as a new
         member."""
         log.error("%s: fenced: %s Killing the workers and joining again.", self._tag(), reason)
-        self._record(EventKind.FENCED, self._acted, f"fenced: {reason}")
+        self._record(EventKind.FENCED, self._generation, f"fenced: {reason}")
         self._metrics.lease_healthy.set(0)
         if self._group is not None:
             self._group.kill()

@@ -83,15 +83,15 @@ class WarmPool:
             started.append(proc.pid)
         return started
 
-    def ready(self) -> int:
+    def loaded(self) -> int:
         """How many have imported torch and wait (their name says so)."""
         return sum(1 for p in self._procs if p.poll() is None and _name(p.pid) == WAITING_NAME)
 
-    def wait_ready(self, count: int, timeout_s: float) -> bool:
-        """Wait until ``count`` of them are ready, or ``timeout_s`` passed; whether they are.
+    def wait_loaded(self, count: int, timeout_s: float) -> bool:
+        """Wait until ``count`` of them are loaded, or ``timeout_s`` passed; whether they are.
         (Polled every 50 ms: a handful of /proc reads.)"""
         deadline = time.monotonic() + timeout_s
-        while self.ready() < count:
+        while self.loaded() < count:
             if time.monotonic() > deadline or not any(p.poll() is None for p in self._procs):
                 return False
             time.sleep(0.05)

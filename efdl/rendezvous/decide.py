@@ -20,7 +20,7 @@ Rules:
   for a settle window after the last change, so joins close together make one round, unless
   the job is already at ``max``.
 - The store of the generation lives with rank 0; the leader leaves its port 0 and the
-  rank-0 node's agent publishes it (see :attr:`Round.ready`).
+  rank-0 node's agent publishes it (see :attr:`Round.served`).
 - Below ``min`` the job waits (a WAITING round stops training) until ``join_timeout_s``
   after the wait began; then a FAILED round ends it.
 """

@@ -531,7 +531,9 @@ class EtcdStore(KVStore):
         with self._lock:
             self._watches.discard(w)
 
-    def _watch_channel(self) -> tuple[_Channel, Any]:
+    def _stream_channel(self) -> tuple[_Channel, Any]:
+        """The channel (and auth metadata) a long-lived stream opens on now: watches and
+        lease keep-alives, which fail over by opening again."""
         with self._lock:
             return self._channels[self._current], self._metadata()
 
@@ -598,7 +600,7 @@ class _KeepAliveStream:
 
     def _open(self) -> queue.Queue[Any]:
         """Open the stream (caller holds the lock)."""
-        ch, md = self._store._watch_channel()
+        ch, md = self._store._stream_channel()
         requests: queue.Queue[Any] = queue.Queue()
         call = ch.lease.LeaseKeepAlive(_drain(requests), metadata=md)
         self._requests, self._call, self._channel = requests, call, ch
@@ -713,7 +715,7 @@ class _EtcdWatch(Watch):
         backoff = 0.1
         failures = 0
         while not self.cancelled:
-            ch, md = self._store._watch_channel()
+            ch, md = self._store._stream_channel()
             stream_done = threading.Event()
 
             request_stream = _hold_open(self._create_request(), stream_done)

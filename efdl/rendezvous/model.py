@@ -394,8 +394,8 @@ class Round:
     member: Member | None = None
 
     @property
-    def ready(self) -> bool:
-        """Whether agents may act on it: an ACTIVE round is ready once the rank-0 node's agent
+    def served(self) -> bool:
+        """Whether agents may act on it: an ACTIVE round is served once the rank-0 node's agent
         has published the port of the generation's fresh c10d store (until then no worker
         could reach a store that holds only this generation's keys)."""
         return self.status is not RoundStatus.ACTIVE or self.store_port != 0

@@ -9,10 +9,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from efdl.rendezvous.agent import parse_nodes, parse_round, read_members
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
 from efdl.rendezvous.model import CacheRecord, JobKeys, Member, RecordError, Round
+from efdl.rendezvous.participant import parse_nodes, parse_round, read_members
 from efdl.rendezvous.probe import Reply, ask_all
 
 log = logging.getLogger(__name__)

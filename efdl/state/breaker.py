@@ -142,8 +142,8 @@ class Breaker:
                 log.warning("Aborting an older generation's communicators failed: %s", exc)
         return n
 
-    def watch(self, generation: int, behind: Callable[[], bool]) -> None:
-        """In the background, now that ``generation`` is ready: while ``behind()`` (this
+    def watch(self, generation: int, trains_older: Callable[[], bool]) -> None:
+        """In the background, now that ``generation`` is ready: while ``trains_older()`` (this
         worker still trains an older one), cut the older ones if no commit comes in a grace
         period."""
 
@@ -153,7 +153,7 @@ class Breaker:
                     seen = self._commits
                 grace = self.grace()
                 time.sleep(grace)
-                if not behind():
+                if not trains_older():
                     return
                 with self._lock:
                     stalled = self._commits == seen

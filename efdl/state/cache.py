@@ -192,7 +192,7 @@ def digest(data: bytes) -> str:
     return str(xxhash.xxh3_128(data).hexdigest())
 
 
-class SnapshotStore:
+class SnapshotStorage:
     """Snapshots under one cache URL (fsspec), newest first.
 
     Args:

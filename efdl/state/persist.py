@@ -51,7 +51,7 @@ from efdl.state.cache import (
     CacheSettings,
     FileInfo,
     Manifest,
-    SnapshotStore,
+    SnapshotStorage,
     assign_parts,
     part_file,
     rank_file,
@@ -135,7 +135,7 @@ class _Job:
     structure: dict[str, Any] | None  # rank 0: what state.pt holds
     expected: set[str]  # rank 0: every part file of the snapshot
     on_done: Callable[[Manifest], None]
-    ready: Any = None  # a CUDA event: the committed step's kernels are done
+    step_done: Any = None  # a CUDA event: the committed step's kernels are done
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -150,7 +150,7 @@ class Persister:
     def __init__(self, settings: CacheSettings, part_bytes: int = PART_BYTES) -> None:
         self.settings = settings
         self.part_bytes = part_bytes
-        self.store = SnapshotStore(settings.url)
+        self.storage = SnapshotStorage(settings.url)
         self._buffers: dict[str, torch.Tensor] = {}
         self._copied = threading.Event()
         self._copied.set()
@@ -271,8 +271,8 @@ class Persister:
             on_done,
         )
         if any(src.is_cuda for pairs in copies.values() for _, src in pairs):
-            job.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            job.ready.record()
+            job.step_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            job.step_done.record()
         self._copied.clear()
         self._thread = threading.Thread(
             target=self._write, args=(job,), name=f"efdl-persist-{step}", daemon=True
@@ -286,14 +286,14 @@ class Persister:
             with torch.no_grad():
                 for name in sorted(job.parts):
                     pairs = job.copies.get(name, [])
-                    if job.ready is None:
+                    if job.step_done is None:
                         for buf, src in pairs:
                             buf.copy_(src)
                     else:
                         if self._stream is None:
                             self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
                         with torch.cuda.stream(self._stream):
-                            self._stream.wait_event(job.ready)
+                            self._stream.wait_event(job.step_done)
                             for buf, src in pairs:
                                 buf.copy_(src, non_blocking=True)
                         self._stream.synchronize()
@@ -304,7 +304,7 @@ class Persister:
                 done.set()
 
     def _write(self, job: _Job) -> None:
-        store = self.store
+        storage = self.storage
         copied = {name: threading.Event() for name in job.parts}
         copier = threading.Thread(
             target=self._copy, args=(job, copied), name=f"efdl-copy-{job.step}", daemon=True
@@ -314,21 +314,21 @@ class Persister:
 
             def write_part(name: str) -> FileInfo:
                 copied[name].wait()  # copying the next part while this one is written
-                return store.write(job.step, name, job.parts[name], sync=False)
+                return storage.write(job.step, name, job.parts[name], sync=False)
 
             names = sorted(job.parts)
             with concurrent.futures.ThreadPoolExecutor(WRITERS, "efdl-write") as pool:
                 files = dict(zip(names, pool.map(write_part, names), strict=True))
-            files[rank_file(job.rank)] = store.write(job.step, rank_file(job.rank), job.own)
-            store.sync(job.step, job.parts)  # on disk before it is reported
+            files[rank_file(job.rank)] = storage.write(job.step, rank_file(job.rank), job.own)
+            storage.sync(job.step, job.parts)  # on disk before it is reported
             took = time.perf_counter() - job.started
             self.written.append(sum(f.size for f in files.values()))
             if job.rank != 0:
-                store.report(job.step, job.rank, files)
+                storage.report(job.step, job.rank, files)
                 self.durations.append(time.perf_counter() - job.started)
                 return
             assert job.structure is not None
-            files[STATE] = store.write(job.step, STATE, job.structure)
+            files[STATE] = storage.write(job.step, STATE, job.structure)
             others = self._gather(job, REPORT_WAIT_S + 3 * took)
             if others is None:
                 return
@@ -340,10 +340,10 @@ class Persister:
                 )
                 return
             manifest = Manifest(job.step, job.epoch, job.world, files)
-            store.commit(manifest)
+            storage.commit(manifest)
             self.durations.append(time.perf_counter() - job.started)
             self.last_persisted = job.step
-            store.prune(self.settings.keep)
+            storage.prune(self.settings.keep)
             job.on_done(manifest)
         except Exception as exc:  # storage trouble must not stop training
             log.warning(
@@ -365,7 +365,7 @@ class Persister:
         pause = 0.005  # the others finish about when this rank does: look again soon, then less
         while True:
             for r in sorted(waiting):
-                found = self.store.reported(job.step, r)
+                found = self.storage.reported(job.step, r)
                 if found is not None:
                     files.update(found)
                     waiting.discard(r)

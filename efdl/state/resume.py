@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from efdl.state import sharded, transfer
-from efdl.state.cache import Manifest, SnapshotError, SnapshotStore, rank_file
+from efdl.state.cache import Manifest, SnapshotError, SnapshotStorage, rank_file
 from efdl.state.layout import Layout, overlap, rows
 from efdl.state.rng import set_rng_state
 
@@ -52,7 +52,7 @@ class Resumed:
 
 
 def resume(
-    store: SnapshotStore,
+    storage: SnapshotStorage,
     own: Mapping[str, torch.Tensor],
     links: dict[bool, transfer.Link],
     timeout: datetime.timedelta,
@@ -78,7 +78,7 @@ def resume(
     broken: list[int] = []
     while True:
         found = None
-        if rank == 0 and (structure := store.newest_structure(below)) is not None:
+        if rank == 0 and (structure := storage.newest_structure(below)) is not None:
             found = {
                 "step": structure.manifest.step,
                 "tree": structure.tree,
@@ -90,7 +90,7 @@ def resume(
         if found is None:
             if broken:
                 raise SnapshotError(
-                    f"No snapshot in {store.url} could be read whole (steps "
+                    f"No snapshot in {storage.url} could be read whole (steps "
                     f"{', '.join(map(str, broken))} failed, see the warnings): the job stops "
                     "rather than train from scratch. Repair or move the cache, then start it "
                     "again (an empty cache starts from scratch)."
@@ -100,7 +100,7 @@ def resume(
         split: dict[str, list[str]] = found["rows"]
         if bool(split) != (rows_into is not None):
             raise SnapshotError(
-                f"The snapshot of step {step} in {store.url} is of a "
+                f"The snapshot of step {step} in {storage.url} is of a "
                 f"{'sharded' if split else 'replicated'} model, this job's is "
                 f"{'sharded' if rows_into is not None else 'replicated'}: resume it with the "
                 "script that wrote it, or point --cache-url elsewhere."
@@ -122,21 +122,21 @@ def resume(
         names = sorted(set(parts.values()))
         manifest: Manifest | None = None
         try:
-            manifest = store.manifest(step)
+            manifest = storage.manifest(step)
             for name in names[rank::world]:
-                for key, tensor in store.read(manifest, name).items():
+                for key, tensor in storage.read(manifest, name).items():
                     target = index.get(key)
                     if target is None or not isinstance(tensor, torch.Tensor):
-                        raise SnapshotError(f"{store.path(step, name)}: unexpected {key!r}.")
+                        raise SnapshotError(f"{storage.path(step, name)}: unexpected {key!r}.")
                     _check(
-                        store.path(step, name),
+                        storage.path(step, name),
                         key,
                         tensor,
                         tuple(target.tensor.shape),
                         target.tensor.dtype,
                     )
                     target.tensor.copy_(tensor)
-            _read_rows(store, manifest, split, dests, Layout(world, rank))
+            _read_rows(storage, manifest, split, dests, Layout(world, rank))
             ok = 1
         except SnapshotError as exc:
             log.warning("Skipping cached snapshot of step %d: %s", step, exc)
@@ -159,7 +159,7 @@ def resume(
         moved = transfer.move(  # received here, so they are never zero-filled
             leaves, regions, regions, links, timeout, bucket, fresh
         )
-        _restore_rng(store, manifest, rank)
+        _restore_rng(storage, manifest, rank)
         in_place = all(t.own for t in lands if t.key.startswith("['model']"))
         placed = {**{t.key: t.tensor for t in lands}, **dests}
         ordered = [placed[key] for key, _ in transfer.tensor_leaves(found["tree"])]
@@ -178,7 +178,7 @@ def _check(
 
 
 def _read_rows(
-    store: SnapshotStore,
+    storage: SnapshotStorage,
     m: Manifest,
     split: Mapping[str, list[str]],
     dests: Mapping[str, torch.Tensor],
@@ -196,14 +196,14 @@ def _read_rows(
             if start < end:
                 wanted.setdefault(name, []).append((key, rows(length, theirs), (start, end)))
     for name in sorted(wanted):
-        part = store.read(m, name)
+        part = storage.read(m, name)
         for key, held, (start, end) in wanted[name]:
             dest = dests[key]
             got = part.get(key) if isinstance(part, dict) else None
             if not isinstance(got, torch.Tensor):
-                raise SnapshotError(f"{store.path(m.step, name)} holds no rows of {key}.")
+                raise SnapshotError(f"{storage.path(m.step, name)} holds no rows of {key}.")
             shape = (held[1] - held[0], *dest.shape[1:])
-            _check(store.path(m.step, name), key, got, shape, dest.dtype)
+            _check(storage.path(m.step, name), key, got, shape, dest.dtype)
             first = rows(dest.shape[0], mine)[0]
             sharded.local(dest)[start - first : end - first].copy_(
                 got[start - held[0] : end - held[0]]
@@ -211,14 +211,14 @@ def _read_rows(
         del part, got  # before the next part is read
 
 
-def _restore_rng(store: SnapshotStore, m: Manifest, rank: int) -> None:
+def _restore_rng(storage: SnapshotStorage, m: Manifest, rank: int) -> None:
     """This rank's own part of the snapshot (its RNG states), if it has one."""
     name = rank_file(rank)
     if name not in m.files:
         return
     try:
-        set_rng_state(store.read(m, name)["rng"])
+        set_rng_state(storage.read(m, name)["rng"])
     except Exception as exc:  # only the random streams: the job's state is whole
         log.warning(
-            "Not restoring this rank's RNG state from %s: %s", store.path(m.step, name), exc
+            "Not restoring this rank's RNG state from %s: %s", storage.path(m.step, name), exc
         )

@@ -401,7 +401,7 @@ class ElasticState:
             return None
         own = self._own_tensors()
         load = functools.partial(
-            resume, p.store, links=self._links(), timeout=runtime.timeout, bucket=_bucket()
+            resume, p.storage, links=self._links(), timeout=runtime.timeout, bucket=_bucket()
         )
         if self._sharding is None:
             resumed = load(own=own, own_device=device())

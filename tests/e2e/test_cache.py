@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.state.cache import STATE, SnapshotStore
+from efdl.state.cache import STATE, SnapshotStorage
 from tests.e2e.harness import Job
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,16 +62,16 @@ def entries(job: Job) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_persisted(job: Job, store: SnapshotStore, at_least: int = 2) -> None:
+def wait_persisted(job: Job, storage: SnapshotStorage, at_least: int = 2) -> None:
     deadline = time.monotonic() + 90
-    while len([s for s in store.steps() if _complete(store, s)]) < at_least:
+    while len([s for s in storage.steps() if _complete(storage, s)]) < at_least:
         assert time.monotonic() < deadline, job.agents["a"].output()[-3000:]
         time.sleep(0.2)
 
 
-def _complete(store: SnapshotStore, step: int) -> bool:
+def _complete(storage: SnapshotStorage, step: int) -> bool:
     try:
-        store.manifest(step)
+        storage.manifest(step)
         return True
     except Exception:
         return False
@@ -109,19 +109,21 @@ def kill_all(job: Job) -> set[object]:
     return {r["pid"] for r in job.events()}
 
 
-def start_persisting(job: Job, url: str) -> SnapshotStore:
+def start_persisting(job: Job, url: str) -> SnapshotStorage:
     """Start agents a and b; return once two snapshots are complete in ``url``."""
-    store = SnapshotStore(url)
+    storage = SnapshotStorage(url)
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
-    wait_persisted(job, store)
-    return store
+    wait_persisted(job, storage)
+    return storage
 
 
-def run_and_kill(job: Job, url: str) -> tuple[SnapshotStore, list[dict[str, object]], set[object]]:
-    store = start_persisting(job, url)
+def run_and_kill(
+    job: Job, url: str
+) -> tuple[SnapshotStorage, list[dict[str, object]], set[object]]:
+    storage = start_persisting(job, url)
     pids = kill_all(job)
-    return store, job.events(), pids
+    return storage, job.events(), pids
 
 
 def check_resumed(new: list[dict[str, object]], rows: list[dict[str, object]], step: int) -> None:
@@ -133,11 +135,11 @@ def check_resumed(new: list[dict[str, object]], rows: list[dict[str, object]], s
 
 @pytest.mark.parametrize("broken", [STATE, "a part"])
 def test_a_corrupt_newest_snapshot_is_skipped_for_the_one_before(job: Job, broken: str) -> None:
-    store, rows, pids = run_and_kill(job, str(job.out / "cache"))
-    complete = [s for s in store.steps() if _complete(store, s)]
+    storage, rows, pids = run_and_kill(job, str(job.out / "cache"))
+    complete = [s for s in storage.steps() if _complete(storage, s)]
     newest, previous = complete[0], complete[1]
-    parts = sorted(n for n in store.manifest(newest).files if n.startswith("part-"))
-    path = Path(store.path(newest, STATE if broken == STATE else parts[-1]))
+    parts = sorted(n for n in storage.manifest(newest).files if n.startswith("part-"))
+    path = Path(storage.path(newest, STATE if broken == STATE else parts[-1]))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -148,10 +150,10 @@ def test_a_corrupt_newest_snapshot_is_skipped_for_the_one_before(job: Job, broke
 
 
 def test_preemption_sigterm_everywhere_loses_nothing_committed(job: Job) -> None:
-    store = SnapshotStore(str(job.out / "cache"))
+    storage = SnapshotStorage(str(job.out / "cache"))
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
-    wait_persisted(job, store, at_least=1)
+    wait_persisted(job, storage, at_least=1)
     for name in ("a", "b"):
         job.agents[name].signal(signal.SIGTERM)
     for name in ("a", "b"):
@@ -159,7 +161,7 @@ def test_preemption_sigterm_everywhere_loses_nothing_committed(job: Job) -> None
     rows = job.events()
     last = max(int(r["step"]) for r in rows)  # type: ignore[call-overload]
     assert (
-        _complete(store, last) and store.steps()[0] == last
+        _complete(storage, last) and storage.steps()[0] == last
     )  # the step they paused at went to storage on the way out
     new = restart_and_resume(job, {r["pid"] for r in rows})
     check_resumed(new, rows, last)
@@ -197,8 +199,8 @@ def test_the_cache_on_s3(etcd_server: EmbeddedEtcd, tmp_path: Path, s3_bucket: s
     url = f"{s3_bucket}/jobs/x"
     job = make_job(etcd_server, tmp_path, url, env)
     try:
-        store, rows, pids = run_and_kill(job, url)
-        newest = next(s for s in store.steps() if _complete(store, s))
+        storage, rows, pids = run_and_kill(job, url)
+        newest = next(s for s in storage.steps() if _complete(storage, s))
         new = restart_and_resume(job, pids)
         check_resumed(new, rows, newest)
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.state.cache import SnapshotStore
+from efdl.state.cache import SnapshotStorage
 from tests.e2e.harness import (
     Job,
     check_consistent,
@@ -129,7 +129,7 @@ def test_a_preempted_job_resumes_from_the_cache_at_another_world_size(
         for name in "ab":
             assert job.agents[name].wait(60) == 0
         last = max(int(r["step"]) for r in job.events())  # type: ignore[call-overload]
-        found = SnapshotStore(str(cache)).newest()
+        found = SnapshotStorage(str(cache)).newest()
         assert found is not None and found[0].step == last and found[0].world_size == 2
 
         for name in "cde":

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.state.cache import SnapshotStore
+from efdl.state.cache import SnapshotStorage
 from tests.e2e.harness import (
     ELASTIC_ARGS,
     SCRIPTS,
@@ -117,11 +117,11 @@ def test_cuda_state_in_cache_snapshots_is_restored_on_resume(
         job.common += ["--gpus", "0"]
         job.start("a", script="elastic_steps.py")
         job.start("b", script="elastic_steps.py")
-        wait_persisted(job, SnapshotStore(url))
+        wait_persisted(job, SnapshotStorage(url))
         pids = kill_all(job)
         rows = job.events()
-        store = SnapshotStore(url)
-        newest = next(s for s in store.steps() if _complete(store, s))
+        storage = SnapshotStorage(url)
+        newest = next(s for s in storage.steps() if _complete(storage, s))
         new = restart_and_resume(job, pids)
         check_resumed(new, rows, newest)
         assert all(e["device"] == "cuda:0" for e in new)

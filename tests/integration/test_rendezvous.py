@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 
 from efdl.errors import LeaseLostError, RendezvousError
-from efdl.rendezvous.agent import RendezvousAgent, close_job, read_members
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
+from efdl.rendezvous.participant import Participant, close_job, read_members
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.status import read_status
 from tests.wait import wait_until
@@ -33,7 +33,7 @@ class Cluster:
         self.job = f"job-{uuid.uuid4().hex[:8]}"
         self.policy = policy
         self.ttl_s = ttl_s
-        self.agents: dict[str, RendezvousAgent] = {}
+        self.agents: dict[str, Participant] = {}
         self.stores: list[KVStore] = []
         self.lost: dict[str, str] = {}
         self.probes: dict[str, ProbeListener] = {}
@@ -45,13 +45,13 @@ class Cluster:
 
     def add(
         self, node_id: str, slots: int = 1, probe: bool = False, probe_port: int = 0
-    ) -> RendezvousAgent:
+    ) -> Participant:
         record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots)
         if probe:  # listens for liveness probes, as efdl-run's agent does
             self.probes[node_id] = ProbeListener("127.0.0.1")
             probe_port = self.probes[node_id].port
         record = replace(record, probe_port=probe_port)
-        agent = RendezvousAgent(
+        agent = Participant(
             self.store(),
             self.job,
             record,
@@ -235,7 +235,7 @@ def test_a_port_that_never_answered_is_no_evidence(
 ) -> None:
     """A firewall that rejects connections refuses a live node's port as a dead one's: a
     node whose port refused from the start is left to its lease."""
-    caplog.set_level(logging.INFO, logger="efdl.rendezvous.agent")
+    caplog.set_level(logging.INFO, logger="efdl.rendezvous.participant")
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         rejecting = s.getsockname()[1]
@@ -443,17 +443,17 @@ def test_rank0_serves_a_fresh_store_before_anyone_acts(cluster: Callable[..., Cl
     ports = iter(range(41000, 41100))
 
     def serve(r: Round) -> int:
-        assert not r.ready  # nobody can act on the round before its store serves
+        assert not r.served  # nobody can act on the round before its store serves
         served.append(r.generation)
         return next(ports)
 
-    b = RendezvousAgent(
+    b = Participant(
         c.store(),
         c.job,
         NodeRecord("b", "127.0.0.1", 0, 1),
         c.policy,
         lease_ttl_s=2,
-        serve_store=serve,
+        serve_tcpstore=serve,
     )
     b.join()
     c.agents["b"] = b
@@ -475,13 +475,13 @@ def test_a_store_that_cannot_start_makes_the_node_leave(cluster: Callable[..., C
     def broken(r: Round) -> int:
         raise OSError("Address already in use")
 
-    a = RendezvousAgent(
+    a = Participant(
         c.store(),
         c.job,
         NodeRecord("a", "127.0.0.1", 0, 1),
         c.policy,
         lease_ttl_s=2,
-        serve_store=broken,
+        serve_tcpstore=broken,
     )
     a.join()
     c.agents["a"] = a

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from efdl.state.cache import SnapshotStore
+from efdl.state.cache import SnapshotStorage
 from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_state.py"
@@ -93,7 +93,7 @@ def test_a_crash_that_takes_rows_nobody_else_holds_is_a_clear_error(tmp_path: Pa
 def check_resumed(results: list[dict[str, object]], cache: Path, old: int, new: int) -> None:
     """Each rank of the new world resumed the cache's newest snapshot, bit for bit, holding
     only its rows (and a part being read) on the way."""
-    found = SnapshotStore(str(cache)).newest()
+    found = SnapshotStorage(str(cache)).newest()
     assert found is not None
     manifest, _ = found
     assert manifest.world_size == old and manifest.step >= 2

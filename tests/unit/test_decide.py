@@ -86,7 +86,7 @@ def test_joins_settle_into_one_round() -> None:
     assert r is not None and r.status is RoundStatus.ACTIVE
     assert layout(d) == [("a", 1, 0), ("b", 1, 1)] and (r.nodes, r.head) == (2, "a")
     assert r.world_size == 2 and (r.store_host, r.store_port) == ("10.0.0.97", 0)
-    assert not r.ready  # until the rank-0 node's agent publishes its fresh store
+    assert not r.served  # until the rank-0 node's agent publishes its fresh store
     assert [(m.group_rank, m.generation, m.round_id) for m in d.members] == [
         (0, 1, r.round_id),
         (1, 1, r.round_id),

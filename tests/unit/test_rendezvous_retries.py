@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import pytest
 
 from efdl.errors import StoreConnectionError
-from efdl.rendezvous.agent import RendezvousAgent, retried
 from efdl.rendezvous.api import Compare, Op, TxnResult
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.memory_store import MemoryStore
 from efdl.rendezvous.model import NodeRecord
+from efdl.rendezvous.participant import Participant, retried
 
 
 class LostAnswers(MemoryStore):
@@ -35,7 +35,7 @@ class LostAnswers(MemoryStore):
 def test_a_join_applied_then_retried_is_not_a_duplicate() -> None:
     store = LostAnswers()
     record = NodeRecord("ip-10-0-0-1.ec2.internal-ab12cd", "10.0.0.1", 29500, 8)
-    agent = RendezvousAgent(store, "job", record, Policy(1, 8), lease_ttl_s=5)
+    agent = Participant(store, "job", record, Policy(1, 8), lease_ttl_s=5)
     try:
         agent.join()  # raised DuplicateNodeError when a retried first attempt had been applied
         r = agent.next_round(after=0, timeout_s=10)

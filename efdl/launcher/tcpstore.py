@@ -34,7 +34,7 @@ def preload() -> None:
     threading.Thread(target=load, name="efdl-preload-torch", daemon=True).start()
 
 
-class StoreServer:
+class TCPStoreServer:
     """Serves one generation's TCPStore on ``host`` (a fixed ``port``, or a free one each time).
 
     Args:

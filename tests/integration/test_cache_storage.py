@@ -24,7 +24,7 @@ from efdl.state.cache import (
     FileInfo,
     Manifest,
     SnapshotError,
-    SnapshotStore,
+    SnapshotStorage,
     digest,
 )
 from efdl.state.persist import Persister
@@ -67,26 +67,26 @@ def persist(url: str, step: int, world: int = 2, part_bytes: int = 8192) -> Mani
     return done[0]
 
 
-def corrupt(store: SnapshotStore, step: int, name: str, how: str) -> str:
-    path = store.path(step, name)
-    data = bytearray(store.fs.cat_file(path))
+def corrupt(storage: SnapshotStorage, step: int, name: str, how: str) -> str:
+    path = storage.path(step, name)
+    data = bytearray(storage.fs.cat_file(path))
     if how == "flip":
         data[len(data) // 2] ^= 0x01
     elif how == "truncate":
         data = data[: len(data) // 2]
     if how == "delete":
-        store.fs.rm(path)
+        storage.fs.rm(path)
     else:
-        store.fs.pipe_file(path, bytes(data))
+        storage.fs.pipe_file(path, bytes(data))
     return path
 
 
 def test_the_ranks_write_their_parts_and_the_newest_snapshot_reads_back_whole(url: str) -> None:
-    store = SnapshotStore(url)
-    assert store.newest() is None  # a cold start
+    storage = SnapshotStorage(url)
+    assert storage.newest() is None  # a cold start
     persist(url, 10)
     written = persist(url, 20)
-    found = store.newest()
+    found = storage.newest()
     assert found is not None
     m, state = found
     assert m == written and m.step == 20 and m.epoch == 2 and m.world_size == 2
@@ -94,7 +94,7 @@ def test_the_ranks_write_their_parts_and_the_newest_snapshot_reads_back_whole(ur
     for key, value in tree_at(20)["model"].items():
         assert torch.equal(state["model"][key], value)
     assert state["values"] == {"epoch": 2} and state["step"] == 20
-    raw = json.loads(store.fs.cat_file(store.path(20, MANIFEST)))
+    raw = json.loads(storage.fs.cat_file(storage.path(20, MANIFEST)))
     parts = sorted(n for n in raw["files"] if n.startswith("part-"))
     assert parts == ["part-00000.pt", "part-00001.pt", "part-00002.pt"]  # 4 KiB, 12 KiB, 4 B
     assert {STATE, "rank-00000.pt", "rank-00001.pt"} <= set(raw["files"])
@@ -102,10 +102,10 @@ def test_the_ranks_write_their_parts_and_the_newest_snapshot_reads_back_whole(ur
 
 
 def test_a_snapshot_without_its_manifest_does_not_exist(url: str) -> None:
-    store = SnapshotStore(url)
+    storage = SnapshotStorage(url)
     persist(url, 10)
-    store.write(20, STATE, {"tree": {}, "parts": {}})  # the writers died before the rest
-    found = store.newest()
+    storage.write(20, STATE, {"tree": {}, "parts": {}})  # the writers died before the rest
+    found = storage.newest()
     assert found is not None and found[0].step == 10
 
 
@@ -120,7 +120,7 @@ def test_rank_0_writes_no_manifest_while_a_rank_has_not_reported(
     with caplog.at_level(logging.WARNING):
         writer.start(30, 3, 0, 2, tree_at(30), set(), own, published.append)  # rank 1 is gone
         assert writer.flush(30)
-    assert not published and SnapshotStore(url).newest() is None
+    assert not published and SnapshotStorage(url).newest() is None
     assert "rank(s) 1 did not report" in caplog.text
 
 
@@ -137,12 +137,12 @@ def test_rank_0_writes_no_manifest_while_a_rank_has_not_reported(
 def test_a_corrupt_snapshot_is_skipped_naming_the_file(
     url: str, name: str, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = SnapshotStore(url)
+    storage = SnapshotStorage(url)
     persist(url, 10)
     persist(url, 20)
-    path = corrupt(store, 20, name, how)
+    path = corrupt(storage, 20, name, how)
     with caplog.at_level(logging.WARNING):
-        found = store.newest()
+        found = storage.newest()
     assert found is not None and found[0].step == 10
     assert path in caplog.text and "step 20" in caplog.text
 
@@ -162,28 +162,28 @@ def test_a_corrupt_snapshot_is_skipped_naming_the_file(
 def test_a_hostile_manifest_is_rejected_by_name(
     tmp_path: Path, patch: dict[str, object], message: str
 ) -> None:
-    store = SnapshotStore(str(tmp_path))
+    storage = SnapshotStorage(str(tmp_path))
     m = persist(str(tmp_path), 20)
     data = json.loads(m.to_json())
     data.update(patch)
-    store.fs.pipe_file(store.path(20, MANIFEST), json.dumps(data).encode())
+    storage.fs.pipe_file(storage.path(20, MANIFEST), json.dumps(data).encode())
     with pytest.raises(SnapshotError, match=message):
-        store.manifest(20)
-    store.fs.pipe_file(store.path(20, MANIFEST), b"{not json")
+        storage.manifest(20)
+    storage.fs.pipe_file(storage.path(20, MANIFEST), b"{not json")
     with pytest.raises(SnapshotError, match="not valid JSON"):
-        store.manifest(20)
+        storage.manifest(20)
 
 
 def test_a_structure_that_misplaces_a_tensor_is_rejected(tmp_path: Path) -> None:
-    store = SnapshotStore(str(tmp_path))
+    storage = SnapshotStorage(str(tmp_path))
     m = persist(str(tmp_path), 20)
-    state = store.read(m, STATE)
+    state = storage.read(m, STATE)
     del state["parts"]["['model']['w']"]
     files = dict(m.files)
-    files[STATE] = store.write(20, STATE, state)
-    store.commit(Manifest(20, 2, 2, files))
+    files[STATE] = storage.write(20, STATE, state)
+    storage.commit(Manifest(20, 2, 2, files))
     with pytest.raises(SnapshotError, match=r"tensor \['model'\]\['w'\] is in no part"):
-        store.structure(store.manifest(20))
+        storage.structure(storage.manifest(20))
 
 
 @pytest.mark.parametrize(
@@ -197,15 +197,15 @@ def test_a_structure_that_misplaces_a_tensor_is_rejected(tmp_path: Path) -> None
 def test_a_structure_with_a_bad_map_of_rows_is_rejected(
     tmp_path: Path, rows: object, expected: str
 ) -> None:
-    store = SnapshotStore(str(tmp_path))
+    storage = SnapshotStorage(str(tmp_path))
     m = persist(str(tmp_path), 20)
-    state = store.read(m, STATE)
+    state = storage.read(m, STATE)
     state["rows"] = rows
     files = dict(m.files)
-    files[STATE] = store.write(20, STATE, state)
-    store.commit(Manifest(20, 2, 2, files))
+    files[STATE] = storage.write(20, STATE, state)
+    storage.commit(Manifest(20, 2, 2, files))
     with pytest.raises(SnapshotError, match=re.escape(expected)):
-        store.structure(store.manifest(20))
+        storage.structure(storage.manifest(20))
 
 
 class Boom:
@@ -214,39 +214,39 @@ class Boom:
 
 
 def test_a_snapshot_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
-    store = SnapshotStore(str(tmp_path))
+    storage = SnapshotStorage(str(tmp_path))
     m = persist(str(tmp_path), 20)
     evil = pickle.dumps({"tree": Boom()})
-    path = Path(store.path(20, STATE))
+    path = Path(storage.path(20, STATE))
     path.write_bytes(evil)  # and a manifest that matches it: the digest is not the defence
     files = dict(m.files)
     files[STATE] = FileInfo(len(evil), digest(evil))
-    store.commit(Manifest(20, 2, 2, files))
+    storage.commit(Manifest(20, 2, 2, files))
     with pytest.raises(SnapshotError, match="cannot be loaded"):
-        store.read(store.manifest(20), STATE)
+        storage.read(storage.manifest(20), STATE)
 
 
 def test_only_the_last_k_snapshots_are_kept(url: str) -> None:
-    store = SnapshotStore(url)
+    storage = SnapshotStorage(url)
     for step in (10, 20, 30, 40):
         persist(url, step)
-    store.write(50, STATE, {"tree": {}})  # being written: not counted, not deleted
-    store.prune(keep=2)
-    assert store.steps() == [50, 40, 30]
+    storage.write(50, STATE, {"tree": {}})  # being written: not counted, not deleted
+    storage.prune(keep=2)
+    assert storage.steps() == [50, 40, 30]
 
 
 def test_a_bad_cache_url_is_a_clear_error() -> None:
     from efdl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="nosuchproto://x"):
-        SnapshotStore("nosuchproto://x")
+        SnapshotStorage("nosuchproto://x")
 
 
 def test_a_usable_cache_passes_its_check_and_keeps_no_probe(url: str) -> None:
-    store = SnapshotStore(url)
-    store.check()
-    store.fs.invalidate_cache()
-    assert store.fs.find(store.root) == []
+    storage = SnapshotStorage(url)
+    storage.check()
+    storage.fs.invalidate_cache()
+    assert storage.fs.find(storage.root) == []
 
 
 def test_a_cache_path_that_cannot_be_made_is_one_sentence(tmp_path: Path) -> None:
@@ -254,7 +254,7 @@ def test_a_cache_path_that_cannot_be_made_is_one_sentence(tmp_path: Path) -> Non
 
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(ConfigError, match=r"'.*/file/cache' cannot be used: its directory cannot"):
-        SnapshotStore(str(tmp_path / "file" / "cache"))
+        SnapshotStorage(str(tmp_path / "file" / "cache"))
 
 
 def test_a_bucket_without_credentials_or_that_does_not_exist_fails_its_check(
@@ -265,7 +265,7 @@ def test_a_bucket_without_credentials_or_that_does_not_exist_fails_its_check(
     from efdl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"'s3://efdl-none-\w+/job' cannot be used: .*probe"):
-        SnapshotStore(f"s3://efdl-none-{uuid.uuid4().hex[:8]}/job").check()
+        SnapshotStorage(f"s3://efdl-none-{uuid.uuid4().hex[:8]}/job").check()
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(key)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
@@ -273,7 +273,7 @@ def test_a_bucket_without_credentials_or_that_does_not_exist_fails_its_check(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     s3fs.S3FileSystem.clear_instance_cache()
     with pytest.raises(ConfigError, match=r"cannot be used: .*NoCredentialsError.*credentials"):
-        SnapshotStore(s3_bucket + "/job").check()
+        SnapshotStorage(s3_bucket + "/job").check()
     s3fs.S3FileSystem.clear_instance_cache()
 
 
@@ -295,7 +295,7 @@ def test_the_background_writer_persists_the_state_of_its_commit(url: str) -> Non
     opt.step()  # waits for the copy, then changes the parameters
     assert p.flush(30)
     assert [m.step for m in published] == [7] and p.last_persisted == 7
-    found = p.store.newest()
+    found = p.storage.newest()
     assert found is not None
     for key, value in expected.items():
         assert torch.equal(found[1]["model"][key], value), key
@@ -312,11 +312,11 @@ def test_ranks_resume_a_snapshot_of_another_world_size_reading_it_between_them(
     url = str(tmp_path / "cache")
     persist(url, 40, world=2, part_bytes=4096)
     persist(url, 50, world=2, part_bytes=4096)
-    corrupt(SnapshotStore(url), 50, "part-00001.pt", "flip")  # the newest is broken
-    m = SnapshotStore(url).manifest(40)
+    corrupt(SnapshotStorage(url), 50, "part-00001.pt", "flip")  # the newest is broken
+    m = SnapshotStorage(url).manifest(40)
     assert len([n for n in m.files if n.startswith("part-")]) == 3
     env = {"EFDL_CACHE_URL": url, "EFDL_SYNC_BUCKET_MB": "0.002"}
-    args = [[str(r), str(world), str(tmp_path / "store")] for r in range(world)]
+    args = [[str(r), str(world), str(tmp_path / "storage")] for r in range(world)]
     outputs = run_ranks(SCRIPT, args, env)
     results = [json.loads(text.strip().splitlines()[-1]) for text in outputs]
     want = tree_at(40)["model"]

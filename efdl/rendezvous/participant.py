@@ -63,7 +63,7 @@ from efdl.rendezvous.probe import Reply, knock_all
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_Item = tuple[str, object]
+_InboxItem = tuple[str, object]  # what happened, and its payload
 _Target = tuple[str, str, int, int]  # a node to probe: id, host, probe port, lease
 # How long a one-off etcd call (a restart request, the job's end, a store publication) keeps
 # trying through an etcd blip before the agent gives up on it. Each attempt already fails over
@@ -152,7 +152,7 @@ def parse_round(kv: KeyValue | None, keys: JobKeys) -> Round | None:
         return None
 
 
-class RendezvousAgent:
+class Participant:
     """Takes part in the rounds of job ``job_id`` as node ``node.node_id``.
 
     Args:
@@ -163,9 +163,9 @@ class RendezvousAgent:
         lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
         clock: wall-clock seconds (rounds carry wall times for the join timeout).
         on_lease_lost: called once if the lease is lost (fencing): stop the workers.
-        on_round: called (from the rendezvous thread) with each newer ready round; keep it
+        on_round: called (from the rendezvous thread) with each newer served round; keep it
             short.
-        serve_store: called (from the rendezvous thread) when this node holds rank 0 of a new
+        serve_tcpstore: called (from the rendezvous thread) when this node holds rank 0 of a new
             active round: start the generation's fresh c10d store and return its port, which
             the agent then publishes in the round. Default: the record's fixed ``store_port``.
         on_failure: called once if the rendezvous fails on this node (it has left the job).
@@ -183,7 +183,7 @@ class RendezvousAgent:
         clock: Callable[[], float] = time.time,
         on_lease_lost: Callable[[str], None] | None = None,
         on_round: Callable[[Round], None] | None = None,
-        serve_store: Callable[[Round], int] | None = None,
+        serve_tcpstore: Callable[[Round], int] | None = None,
         on_failure: Callable[[str], None] | None = None,
         events: EventLog | None = None,
     ) -> None:
@@ -191,21 +191,21 @@ class RendezvousAgent:
         self._events = events
         self._on_round = on_round
         self._on_failure = on_failure
-        if serve_store is None and node.store_port == 0:
+        if serve_tcpstore is None and node.store_port == 0:
             raise RendezvousError(
                 f"Node {node.node_id} has neither a store server nor a fixed store port."
             )
-        self._serve_store = serve_store or (lambda _round: node.store_port)
+        self._serve_store = serve_tcpstore or (lambda _round: node.store_port)
         self._store = store
         self._node = node
         self._policy = policy
         self._ttl_s = lease_ttl_s
         self._clock = clock
         self._on_lease_lost = on_lease_lost
-        self._inbox: queue.Queue[_Item] = queue.Queue()
+        self._inbox: queue.Queue[_InboxItem] = queue.Queue()
         self._cond = threading.Condition()
-        self._round: Round | None = None  # the newest round seen, ready or not
-        self._ready: Round | None = None  # the newest ready round: what the node acts on
+        self._round: Round | None = None  # the newest round seen, served or not
+        self._served: Round | None = None  # the newest served round: what the node acts on
         self._round_mod_revision = 0
         # The members of the newest active round, while this node leads (it wrote them, or
         # read them when it took over), and that round's id.
@@ -237,12 +237,12 @@ class RendezvousAgent:
 
     @property
     def current_round(self) -> Round | None:
-        """The newest ready round (see :attr:`Round.ready`)."""
+        """The newest served round (see :attr:`Round.served`)."""
         with self._cond:
-            return self._ready
+            return self._served
 
     def _tag(self) -> str:
-        gen = self._ready.generation if self._ready else 0
+        gen = self._served.generation if self._served else 0
         return f"job {self.keys.job_id} node {self.node_id} gen {gen}"
 
     def join(self) -> None:
@@ -304,8 +304,8 @@ class RendezvousAgent:
                     self._session.check()
                 if self._failure:
                     raise RendezvousError(self._failure)
-                if self._ready is not None and self._ready.generation > after:
-                    return self._ready
+                if self._served is not None and self._served.generation > after:
+                    return self._served
                 if self._stopped:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -415,11 +415,11 @@ class RendezvousAgent:
             if (
                 latest is None
                 or parsed.generation > latest.generation
-                or (parsed.generation == latest.generation and parsed.ready and not latest.ready)
+                or (parsed.generation == latest.generation and parsed.served and not latest.served)
             ):
                 self._round = latest = parsed
-            acted = self._ready.generation if self._ready is not None else 0
-        if not latest.ready:
+            acted = self._served.generation if self._served is not None else 0
+        if not latest.served:
             if latest.head == self.node_id:
                 self._inbox.put(("serve", None))
             return
@@ -428,7 +428,7 @@ class RendezvousAgent:
         if latest.status is RoundStatus.ACTIVE:
             latest = replace(latest, member=self._own_member(latest))
         with self._cond:
-            self._ready = latest
+            self._served = latest
             self._cond.notify_all()
         log.info(
             "Job %s: node %s sees round %d, %s (world size %d): %s.",
@@ -475,11 +475,11 @@ class RendezvousAgent:
             raise RendezvousError(f"The store of round {r.generation} got port {port}.")
         return port
 
-    def _publish_store(self) -> None:
+    def _publish_tcpstore(self) -> None:
         """As rank 0 of a new round: serve its fresh store, put the port into the round."""
         with self._cond:
             current, mod_revision = self._round, self._round_mod_revision
-        if current is None or current.ready or current.head != self.node_id:
+        if current is None or current.served or current.head != self.node_id:
             return
         done = replace(current, store_port=self._serve(current))
         result = self._store.txn(
@@ -574,7 +574,7 @@ class RendezvousAgent:
             if isinstance(item, StoreError):
                 raise item
             if tag == "serve":
-                self._retried("publish the store's port", self._publish_store)
+                self._retried("publish the store's port", self._publish_tcpstore)
             elif tag == "round" and isinstance(item, WatchBatch):
                 for ev in item.events:
                     if ev.type is EventType.PUT:
