@@ -35,7 +35,7 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
-from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus, check_job_id
+from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus, check_id
 from efdl.rendezvous.participant import Participant, close_job, start_job
 from efdl.rendezvous.status import format_status, read_status, status_json
 
@@ -112,7 +112,7 @@ def _job_config(
         raise ConfigError(
             "No job was named: give --job-id (or set EFDL_JOB_ID, or job-id in the --config file)."
         )
-    return check_job_id(str(chosen)), _etcd_config(config_file, flags)
+    return check_id(str(chosen)), _etcd_config(config_file, flags)
 
 
 @contextmanager
@@ -593,16 +593,15 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
-    server = None
     try:
-        server = EmbeddedEtcd().start() if cfg.standalone else None
-        settings = cfg.etcd_settings(str(server.endpoint) if server else None)
-        host = cfg.host or ("127.0.0.1" if cfg.standalone else default_host(settings.endpoints))
+        job_id = check_id(cfg.job_id or "standalone")
+        host = cfg.host or (
+            "127.0.0.1" if cfg.standalone else default_host(cfg.etcd_settings().endpoints)
+        )
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)
-        job_id = check_job_id(cfg.job_id or "standalone")
         logs.context.set(node=node.node_id)
-        with EtcdStore(settings) as store:
+        with _store_for(cfg, cfg.standalone) as (store, _):
             start_job(store, job_id, cfg.new_run)
             log.info(
                 "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",
@@ -618,8 +617,6 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
             return NodeAgent(cfg, args, store, node, policy, job_id, ids, warm).run()
     finally:
         warm.close()  # the agent's run closes it; this is for a start that failed before
-        if server:
-            server.stop()
 
 
 def _show_defaults(command: click.Command, *configs: type) -> None:

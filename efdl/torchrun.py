@@ -53,7 +53,7 @@ from efdl.launcher.tcpstore import TCPStoreServer
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus, check_job_id
+from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus, check_id
 from efdl.rendezvous.participant import Participant, close_job, parse_round
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ def create_handler(params: RendezvousParameters) -> EfdlRendezvousHandler:
             flags[field] = params.config[key]
     cfg = load(EtcdClientConfig, flags, env=dict(os.environ))
     settings = cfg.etcd_settings()
-    run_id = check_job_id(params.run_id)
+    run_id = check_id(params.run_id, "run id (--rdzv-id)")
     host = params.local_addr or default_host(settings.endpoints)
     node_id = str(params.config.get("node_id") or f"{host}-{os.getpid()}")
     node = NodeRecord(node_id, host, 0, slots=1, version=__version__, start_time=time.time())

@@ -16,7 +16,7 @@ from efdl import __version__
 from efdl.errors import ConfigError
 from efdl.launcher.gpus import Selected
 from efdl.rendezvous.api import Endpoint
-from efdl.rendezvous.model import GpuInfo, NodeRecord, check_node_id
+from efdl.rendezvous.model import GpuInfo, NodeRecord, check_id
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def local_node(
     efdl.launcher.gpus.select); the first ``slots`` of them back its workers."""
     slots, used = resolve_slots(nproc_per_node, gpu_infos(gpus))
     return NodeRecord(
-        node_id=check_node_id(node_id or default_node_id()),
+        node_id=check_id(node_id or default_node_id(), "node id"),
         host=host,
         store_port=store_port,
         slots=slots,

@@ -162,7 +162,7 @@ class EmbeddedEtcd:
             if fresh_ports or (attempt > 0 and self._cluster is None):
                 self.client_port, self.peer_port = free_port(), free_port()
             self.launch()
-            if self.wait_ready():
+            if self.wait_started():
                 return self
             if not fresh_ports:
                 break  # a restart (or a cluster member) must keep its ports; do not hop
@@ -188,9 +188,9 @@ class EmbeddedEtcd:
             if log_target is not subprocess.DEVNULL:
                 log_target.close()  # type: ignore[union-attr]
 
-    def wait_ready(self) -> bool:
+    def wait_started(self) -> bool:
         """Wait until the launched server answers; False if it died or did not in time."""
-        if not self._wait_ready():
+        if not self._wait_started():
             return False
         assert self._proc is not None
         log.info("Embedded etcd %s (pid %d) serves %s.", self.name, self._proc.pid, self.endpoint)
@@ -202,7 +202,7 @@ class EmbeddedEtcd:
             f"{self._log_tail()}"
         )
 
-    def _wait_ready(self) -> bool:
+    def _wait_started(self) -> bool:
         assert self._proc is not None
         deadline = time.monotonic() + self._start_timeout_s
         settings = self.settings(
@@ -211,7 +211,7 @@ class EmbeddedEtcd:
             request_timeout_s=1.0,
         )
         if self._tls and self._tls.client_ca:
-            # With client-cert auth on, readiness is checked by the port alone.
+            # With client-cert auth on, a start is checked by the port alone.
             return self._wait_port(deadline)
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -298,7 +298,7 @@ class EtcdCluster:
         for m in self.members:
             m.launch()
         for m in self.members:
-            if not m.wait_ready():
+            if not m.wait_started():
                 error = m._failed()
                 self.stop()
                 raise error

@@ -13,9 +13,9 @@ from enum import StrEnum
 from typing import Any
 
 from efdl.errors import ConfigError, EfdlError
+from efdl.fields import Fields
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-NODE_ID_RE = JOB_ID_RE
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a job id or a node id
 # A host name or an IP address (v6 with an optional zone): what workers connect to.
 HOST_RE = re.compile(r"^[A-Za-z0-9._:%\[\]-]{1,253}$")
 ROOT = "/efdl"
@@ -25,27 +25,19 @@ class RecordError(EfdlError):
     """A value in etcd is not a valid efdl record."""
 
 
-def check_job_id(job_id: str) -> str:
-    """Return ``job_id`` if it is safe as one path segment of an etcd key.
+def check_id(value: str, what: str = "job id") -> str:
+    """Return ``value`` (a job id or a node id) if it is safe as one path segment of an etcd
+    key.
 
     Raises:
         ConfigError: it could escape its prefix (``/``, ``..``) or is otherwise odd.
     """
-    if not JOB_ID_RE.match(job_id) or ".." in job_id:
+    if not ID_RE.match(value) or ".." in value:
         raise ConfigError(
-            f"The job id {job_id!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
+            f"The {what} {value!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit (no '/' and no '..')."
         )
-    return job_id
-
-
-def check_node_id(node_id: str) -> str:
-    if not NODE_ID_RE.match(node_id) or ".." in node_id:
-        raise ConfigError(
-            f"The node id {node_id!r} is not allowed: use 1-128 letters, digits, '.', '_' or "
-            "'-', starting with a letter or digit."
-        )
-    return node_id
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +47,7 @@ class JobKeys:
     job_id: str
 
     def __post_init__(self) -> None:
-        check_job_id(self.job_id)
+        check_id(self.job_id)
 
     @property
     def prefix(self) -> str:
@@ -111,45 +103,10 @@ class JobKeys:
 RECORD_LIMIT = 3 << 19
 
 
-def _obj(data: Any, where: str) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise RecordError(f"{where} must be a JSON object, not {type(data).__name__}.")
-    return data
-
-
-def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if name not in data:
-        raise RecordError(f"{where} has no field {name!r}.")
-    value = data[name]
-    if isinstance(value, bool) and kind in (int, float):
-        raise RecordError(f"{where} field {name!r} is {value!r}; expected a number.")
-    if not isinstance(value, kind):
-        expected = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-        raise RecordError(f"{where} field {name!r} is {value!r}; expected {expected}.")
-    return value
-
-
-def _count(data: dict[str, Any], name: str, where: str, low: int = 0, high: int = 1 << 20) -> int:
-    value = int(_field(data, name, int, where))
-    if not low <= value <= high:
-        raise RecordError(f"{where} field {name!r} is {value}; expected {low}..{high}.")
-    return value
-
-
-def _text(data: dict[str, Any], name: str, where: str, limit: int = 256) -> str:
-    value = str(_field(data, name, str, where))
-    if len(value) > limit:
-        raise RecordError(f"{where} field {name!r} is longer than {limit} characters.")
-    return value
-
-
-def _load(raw: bytes, where: str) -> dict[str, Any]:
+def _load(raw: bytes, where: str) -> Fields:
     if len(raw) > RECORD_LIMIT:
         raise RecordError(f"{where} is larger than etcd's request limit (1.5 MiB).")
-    try:
-        return _obj(json.loads(raw), where)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecordError(f"{where} is not valid JSON: {exc}.") from None
+    return Fields.parse(raw, where, RecordError)
 
 
 def _dump(obj: Any) -> bytes:
@@ -214,35 +171,34 @@ class NodeRecord:
     @staticmethod
     def from_json(raw: bytes, key: str) -> NodeRecord:
         where = f"The node record at {key}"
-        data = _load(raw, where)
+        f = _load(raw, where)
         gpus = []
-        for i, g in enumerate(_field(data, "gpus", list, where)):
-            gw = f"{where} (gpus[{i}])"
-            g = _obj(g, gw)
+        for i, item in enumerate(f.value("gpus", list)):
+            g = Fields(item, f"{where} (gpus[{i}])", RecordError)
             gpus.append(
                 GpuInfo(
-                    _count(g, "index", gw, 0, 1024),
-                    _text(g, "model", gw),
-                    _count(g, "memory_mb", gw),
-                    _text(g, "uuid", gw, 96) if "uuid" in g else "",
+                    g.count("index", 0, 1024),
+                    g.text("model"),
+                    g.count("memory_mb"),
+                    g.text("uuid", 96) if "uuid" in g else "",
                 )
             )
         record = NodeRecord(
-            node_id=_text(data, "node_id", where, 128),
-            host=_text(data, "host", where),
-            store_port=_count(data, "store_port", where, 0, 65535),
-            slots=_count(data, "slots", where, 1, 4096),
+            node_id=f.text("node_id", 128),
+            host=f.text("host"),
+            store_port=f.count("store_port", 0, 65535),
+            slots=f.count("slots", 1, 4096),
             gpus=tuple(gpus),
-            cpus=_count(data, "cpus", where, 1, 1 << 16),
-            version=_text(data, "version", where, 64),
-            start_time=float(_field(data, "start_time", (int, float), where)),
-            incarnation=_count(data, "incarnation", where, 0, 1 << 40),
+            cpus=f.count("cpus", 1, 1 << 16),
+            version=f.text("version", 64),
+            start_time=f.number("start_time"),
+            incarnation=f.count("incarnation", 0, 1 << 40),
         )
-        if "down" in data:  # absent from the records of older agents
-            record = replace(record, down=_count(data, "down", where, 0, record.slots))
-        if "probe_port" in data:
-            record = replace(record, probe_port=_count(data, "probe_port", where, 0, 65535))
-        if not NODE_ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
+        if "down" in f:  # absent from the records of older agents
+            record = replace(record, down=f.count("down", 0, record.slots))
+        if "probe_port" in f:
+            record = replace(record, probe_port=f.count("probe_port", 0, 65535))
+        if not ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
         if not HOST_RE.match(record.host):
             raise RecordError(
@@ -273,16 +229,13 @@ class CacheRecord:
     @staticmethod
     def from_json(raw: bytes, key: str) -> CacheRecord:
         where = f"The cache record at {key}"
-        data = _load(raw, where)
-        epoch = data.get("epoch")
-        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
-            raise RecordError(f"{where} field 'epoch' is {epoch!r}; expected an integer or null.")
+        f = _load(raw, where)
         return CacheRecord(
-            step=_count(data, "step", where, 0, 1 << 62),
-            epoch=epoch,
-            world_size=_count(data, "world_size", where, 1, 1 << 20),
-            url=_text(data, "url", where, 4096),
-            time=float(_field(data, "time", (int, float), where)),
+            step=f.count("step", 0, 1 << 62),
+            epoch=f.optional_count("epoch", 0, 1 << 40),
+            world_size=f.count("world_size", 1, 1 << 20),
+            url=f.text("url", 4096),
+            time=f.number("time"),
         )
 
 
@@ -334,17 +287,17 @@ class Member:
     @staticmethod
     def from_json(raw: bytes, key: str) -> Member:
         where = f"The member record at {key}"
-        data = _load(raw, where)
+        f = _load(raw, where)
         member = Member(
-            _text(data, "node_id", where, 128),
-            _count(data, "workers", where, 1, 4096),
-            _count(data, "first_rank", where, 0, 1 << 20),
-            _text(data, "host", where),
-            _count(data, "incarnation", where, 0, 1 << 40),
-            _count(data, "revision", where, 0, 1 << 62),
-            _count(data, "group_rank", where, 0, 1 << 20),
-            _count(data, "generation", where, 1, 1 << 40),
-            _text(data, "round_id", where, 64),
+            f.text("node_id", 128),
+            f.count("workers", 1, 4096),
+            f.count("first_rank", 0, 1 << 20),
+            f.text("host"),
+            f.count("incarnation", 0, 1 << 40),
+            f.count("revision", 0, 1 << 62),
+            f.count("group_rank", 0, 1 << 20),
+            f.count("generation", 1, 1 << 40),
+            f.text("round_id", 64),
         )
         if key.rsplit("/", 1)[-1] != member.node_id:
             raise RecordError(f"{where} names node {member.node_id!r}, not the node of its key.")
@@ -409,8 +362,8 @@ class Round:
     @staticmethod
     def from_json(raw: bytes, key: str) -> Round:
         where = f"The round at {key}"
-        data = _load(raw, where)
-        status_text = _text(data, "status", where, 16)
+        f = _load(raw, where)
+        status_text = f.text("status", 16)
         try:
             status = RoundStatus(status_text)
         except ValueError:
@@ -418,29 +371,29 @@ class Round:
                 f"{where} has status {status_text!r}; expected one of "
                 f"{', '.join(s.value for s in RoundStatus)}."
             ) from None
-        world_size = _count(data, "world_size", where, 0, 1 << 20)
-        nodes = _count(data, "nodes", where, 0, 1 << 20)
-        head = _text(data, "head", where, 128)
+        world_size = f.count("world_size", 0, 1 << 20)
+        nodes = f.count("nodes", 0, 1 << 20)
+        head = f.text("head", 128)
         if status is RoundStatus.ACTIVE and not (0 < nodes <= world_size and head):
             raise RecordError(
                 f"{where} is active with {nodes} nodes, {world_size} workers and head {head!r}; "
                 "expected at least one node, no more nodes than workers, and a head node."
             )
         return Round(
-            generation=_count(data, "generation", where, 1, 1 << 40),
+            generation=f.count("generation", 1, 1 << 40),
             status=status,
             world_size=world_size,
             nodes=nodes,
             head=head,
-            round_id=_text(data, "round_id", where, 64),
-            members_revision=_count(data, "members_revision", where, 0, 1 << 62),
-            spares=_count(data, "spares", where, 0, 1 << 20),
-            store_host=_text(data, "store_host", where),
-            store_port=_count(data, "store_port", where, 0, 65535),
-            reason=_text(data, "reason", where, 4096),
-            leader=_text(data, "leader", where, 128),
-            since=float(_field(data, "since", (int, float), where)),
-            created=float(_field(data, "created", (int, float), where)),
+            round_id=f.text("round_id", 64),
+            members_revision=f.count("members_revision", 0, 1 << 62),
+            spares=f.count("spares", 0, 1 << 20),
+            store_host=f.text("store_host"),
+            store_port=f.count("store_port", 0, 65535),
+            reason=f.text("reason", 4096),
+            leader=f.text("leader", 128),
+            since=f.number("since"),
+            created=f.number("created"),
         )
 
 
@@ -507,19 +460,19 @@ class Event:
     @staticmethod
     def from_json(raw: bytes, key: str) -> Event:
         where = f"The event at {key}"
-        data = _load(raw, where)
-        kind = _text(data, "kind", where)
+        f = _load(raw, where)
+        kind = f.text("kind")
         if kind not in EventKind.__members__.values():
             raise RecordError(f"{where} has kind {kind!r}; expected one of {', '.join(EventKind)}.")
         return Event(
-            float(_field(data, "time", (int, float), where)),
+            f.number("time"),
             EventKind(kind),
-            _text(data, "node", where, 128),
-            _count(data, "generation", where, 0, 1 << 40),
-            _text(data, "text", where, 1000),
-            _count(data, "world_size", where, 0, 1 << 24),
-            _count(data, "step", where, -1, 1 << 62),
-            float(_field(data, "seconds", (int, float), where)),
+            f.text("node", 128),
+            f.count("generation", 0, 1 << 40),
+            f.text("text", 1000),
+            f.count("world_size", 0, 1 << 24),
+            f.count("step", -1, 1 << 62),
+            f.number("seconds"),
         )
 
     def key(self, keys: JobKeys) -> str:

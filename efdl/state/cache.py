@@ -42,6 +42,7 @@ import xxhash
 
 from efdl import __version__
 from efdl.errors import ConfigError, EfdlError
+from efdl.fields import Fields
 
 log = logging.getLogger(__name__)
 
@@ -106,47 +107,23 @@ class Manifest:
     @staticmethod
     def parse(raw: bytes, where: str) -> Manifest:
         """Validate a manifest strictly; SnapshotError names what is wrong."""
-        data = _json_object(raw, where)
-
-        def field(name: str, kind: type | tuple[type, ...]) -> Any:
-            value = data.get(name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise SnapshotError(f"{where}: {name!r} is {value!r}; expected {kind}.")
-            return value
-
-        if field("format", int) != FORMAT:
-            raise SnapshotError(
-                f"{where}: format {data['format']} is not {FORMAT} (written by another "
-                "version of efdl)."
+        f = Fields.parse(raw, where, SnapshotError)
+        if f.value("format", int) != FORMAT:
+            raise f.fail(
+                f"has format {f.data['format']}, not {FORMAT} (written by another version of efdl)."
             )
-        epoch = data.get("epoch")
-        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
-            raise SnapshotError(f"{where}: 'epoch' is {epoch!r}; expected an integer or null.")
-        files = _files_from_json(field("files", dict), where)
+        files = _files_from_json(f.value("files", dict), where)
         if STATE not in files:
-            raise SnapshotError(f"{where} lists no {STATE}.")
-        step, world = field("step", int), field("world_size", int)
-        if step < 0 or world < 1:
-            raise SnapshotError(f"{where}: step {step} / world size {world} out of range.")
+            raise f.fail(f"lists no {STATE}.")
         return Manifest(
-            step,
-            epoch,
-            world,
+            f.count("step", 0, 1 << 62),
+            f.optional_count("epoch", 0, 1 << 40),
+            f.count("world_size", 1, 1 << 20),
             files,
-            str(field("efdl_version", str)),
-            str(field("torch_version", str)),
-            float(field("created", (int, float))),
+            f.text("efdl_version", 64),
+            f.text("torch_version", 64),
+            f.number("created"),
         )
-
-
-def _json_object(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise SnapshotError(f"{where} is not valid JSON ({exc}).") from None
-    if not isinstance(data, dict):
-        raise SnapshotError(f"{where} is not a JSON object.")
-    return data
 
 
 def _files_to_json(files: Mapping[str, FileInfo]) -> dict[str, dict[str, object]]:
@@ -314,10 +291,10 @@ class SnapshotStorage:
             raw = self.fs.cat_file(where)
         except FileNotFoundError:
             return None
-        data = _json_object(raw, where)
-        if data.get("rank") != rank or not isinstance(data.get("files"), dict):
-            raise SnapshotError(f"{where} is not rank {rank}'s report.")
-        return _files_from_json(data["files"], where)
+        f = Fields.parse(raw, where, SnapshotError)
+        if f.count("rank") != rank:
+            raise f.fail(f"is not rank {rank}'s report.")
+        return _files_from_json(f.value("files", dict), where)
 
     def commit(self, manifest: Manifest) -> None:
         """Write the manifest: from now on the snapshot exists."""

@@ -94,7 +94,7 @@ class NetnsEtcd(EmbeddedEtcd):
         cmd = [c.replace("127.0.0.1", self._address) for c in super()._command()]
         return [*Net.exec(self._ns), *cmd]
 
-    def _wait_ready(self) -> bool:
+    def _wait_started(self) -> bool:
         """Ask from inside the namespace (the test process cannot reach its address)."""
         assert self._proc is not None
         probe = (

@@ -16,7 +16,7 @@ from efdl.rendezvous.model import (
     RecordError,
     Round,
     RoundStatus,
-    check_job_id,
+    check_id,
 )
 
 GOOD = NodeRecord(
@@ -108,9 +108,11 @@ def test_bad_members() -> None:
 
 
 @pytest.mark.parametrize("job_id", ["a/b", "..", "a..b", "", "/abs", "-x", "x" * 200, "a b"])
-def test_job_ids_that_would_escape_their_prefix_are_refused(job_id: str) -> None:
-    with pytest.raises(ConfigError, match="is not allowed"):
-        check_job_id(job_id)
+def test_ids_that_would_escape_their_prefix_are_refused(job_id: str) -> None:
+    with pytest.raises(ConfigError, match=r"The job id .* is not allowed"):
+        check_id(job_id)
+    with pytest.raises(ConfigError, match=r"The node id .* is not allowed"):
+        check_id(job_id, "node id")
 
 
 def test_job_keys_stay_under_the_job_prefix() -> None:
@@ -129,7 +131,7 @@ def test_cache_record_roundtrip_and_hostile_values() -> None:
     assert CacheRecord.from_json(good.to_json(), "/efdl/j/cache") == good
     for patch, message in (
         ({"step": -1}, "'step'"),
-        ({"step": True}, "expected a number"),
+        ({"step": True}, r"field .step. is True; expected int"),
         ({"epoch": "3"}, "'epoch'"),
         ({"world_size": 0}, "'world_size'"),
         ({"url": 7}, "'url'"),
