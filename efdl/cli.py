@@ -197,17 +197,17 @@ def _rendezvous_smoke(store: EtcdStore) -> None:
     """Two agents, each on its own connection, join a throwaway job and agree on a round."""
     job = f"check-{uuid.uuid4().hex[:12]}"
     policy = Policy(min_workers=2, max_workers=2, settle_s=0)
-    agents = []
+    participants = []
     stores = [EtcdStore(store.settings) for _ in range(2)]
     try:
         for i, s in enumerate(stores):
             record = NodeRecord(f"check{i}", "127.0.0.1", 29500 + i, slots=1, version=__version__)
-            agent = Participant(s, job, record, policy, lease_ttl_s=5)
-            agent.join()
-            agents.append(agent)
+            participant = Participant(s, job, record, policy, lease_ttl_s=5)
+            participant.join()
+            participants.append(participant)
         deadline = time.monotonic() + 10
         generations = set()
-        for a in agents:
+        for a in participants:
             r = a.next_round(after=0, timeout_s=10)
             while r is not None and r.status is not RoundStatus.ACTIVE:
                 # The first agent alone is below --min: a waiting round comes first.
@@ -220,7 +220,7 @@ def _rendezvous_smoke(store: EtcdStore) -> None:
         if len(generations) != 1:
             raise EfdlError(f"Two agents on {store.description} saw different rounds.")
     finally:
-        for a in agents:
+        for a in participants:
             a.leave()
         for s in stores:
             s.close()

@@ -114,7 +114,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
         self._policy = policy
         self._ttl = lease_ttl_s
         self._server = TCPStoreServer(node.host)
-        self._agent: Participant | None = None
+        self._participant: Participant | None = None
         self._returned: Round | None = None  # the round torchrun's workers run in
 
     # ---------------------------------------------------------------- torchrun's interface
@@ -152,9 +152,9 @@ class EfdlRendezvousHandler(RendezvousHandler):
         """Nodes that a newer round admitted (or that a membership change replaced): torchrun
         restarts its workers to take them in. Spares beyond ``--nnodes`` MAX do not count: no
         round can take them."""
-        if self._agent is None or self._returned is None:
+        if self._participant is None or self._returned is None:
             return 0
-        latest = self._agent.current_round
+        latest = self._participant.current_round
         if latest is None or latest.generation <= self._returned.generation:
             return 0
         if latest.status is not RoundStatus.ACTIVE:
@@ -164,9 +164,9 @@ class EfdlRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Leave the job (revoke the lease: the others' next round comes at once)."""
         try:
-            if self._agent is not None:
-                self._agent.leave()
-                self._agent = None
+            if self._participant is not None:
+                self._participant.leave()
+                self._participant = None
             return True
         except EfdlError as exc:
             log.warning("Leaving the efdl rendezvous failed: %s", exc)
@@ -184,11 +184,11 @@ class EfdlRendezvousHandler(RendezvousHandler):
     def _next(self) -> RendezvousInfo:
         current = self._read_round()
         if current is not None and current.status.final:
-            if self._agent is None:  # it ended before this node came
+            if self._participant is None:  # it ended before this node came
                 raise RendezvousClosedError(f"Job {self._run_id} has ended: {current.reason}.")
             self._ended(current)
-        if self._agent is None:
-            self._agent = Participant(
+        if self._participant is None:
+            self._participant = Participant(
                 self._store,
                 self._run_id,
                 self._node,
@@ -196,15 +196,15 @@ class EfdlRendezvousHandler(RendezvousHandler):
                 lease_ttl_s=self._ttl,
                 serve_tcpstore=self._server.serve,
             )
-            self._agent.join()
+            self._participant.join()
         elif self._returned is not None:
-            latest = self._agent.current_round
+            latest = self._participant.current_round
             if latest is None or latest.generation <= self._returned.generation:
-                self._agent.request_restart()  # torchrun restarted: everyone rebuilds
+                self._participant.request_restart()  # torchrun restarted: everyone rebuilds
         after = self._returned.generation if self._returned else 0
         deadline = time.monotonic() + self._policy.join_timeout_s
         while True:
-            r = self._agent.next_round(after, timeout_s=max(0.0, deadline - time.monotonic()))
+            r = self._participant.next_round(after, timeout_s=max(0.0, deadline - time.monotonic()))
             if r is None:
                 raise RendezvousTimeoutError(
                     f"No round of job {self._run_id} took node {self._node.node_id} within "
@@ -237,7 +237,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
         assignment waits on all of them, and a member that died before the round was decided
         would make it fail instead of wait. None if a newer round came first (a dead member's
         lease expired, or a node joined), or ``r``'s store went away with it."""
-        assert self._agent is not None and r.member is not None
+        assert self._participant is not None and r.member is not None
         try:
             client = self._connect(r, deadline)
             if client is None:
@@ -246,7 +246,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
             store.set(f"arrived/{r.member.group_rank}", "1")
             keys = [f"arrived/{rank}" for rank in range(r.nodes)]
             while not self._arrived(store, keys, ARRIVAL_SLICE_S):
-                newer = self._agent.current_round
+                newer = self._participant.current_round
                 if newer is not None and newer.generation > r.generation:
                     return None
                 if time.monotonic() > deadline:
@@ -278,7 +278,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
         """A client of round ``r``'s store; None if a newer round came first (a superseded
         round's store is closed, and a client would retry a refused connection for its
         whole timeout)."""
-        assert self._agent is not None
+        assert self._participant is not None
         while True:
             try:
                 client = TCPStore(
@@ -290,7 +290,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
                 )
                 return client
             except RuntimeError:
-                newer = self._agent.current_round
+                newer = self._participant.current_round
                 if newer is not None and newer.generation > r.generation:
                     return None
                 if time.monotonic() > deadline:

@@ -13,7 +13,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -25,17 +25,26 @@ EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
 
 
 def standalone(
-    script: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 200
+    script: Path,
+    *args: str,
+    script_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    timeout_s: float = 200,
 ) -> subprocess.CompletedProcess[str]:
-    """``efdl-run --standalone ARGS SCRIPT`` to its end (its own embedded etcd); a run that
-    hangs fails here, at ``timeout_s``, not at the suite's timeout."""
+    """``efdl-run --standalone ARGS SCRIPT SCRIPT_ARGS`` to its end (its own embedded etcd); a
+    run that hangs fails here, at ``timeout_s``, not at the suite's timeout."""
     return subprocess.run(
-        [*EFDL_RUN, "--standalone", *args, str(script)],
+        [*EFDL_RUN, "--standalone", *args, str(script), *script_args],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         env={**os.environ, **(env or {})},
     )
+
+
+def rank0_rows(output: str) -> list[dict[str, object]]:
+    """The JSON lines rank 0 printed, as efdl-run passes them on (``[rank0]: {...}``)."""
+    return [json.loads(line[9:]) for line in output.splitlines() if line.startswith("[rank0]: {")]
 
 
 class Agent:

@@ -18,6 +18,7 @@ from tests.e2e.harness import (
     EFDL_RUN,
     Job,
     latest_gen,
+    rank0_rows,
     restart_job,
     steps_at_world,
     wait_gone,
@@ -132,17 +133,12 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
     env = {**os.environ, "TMPDIR": str(short_tmp)}  # where the default checkpoint goes
     checkpoint = short_tmp / "digits-standalone.pt"
 
-    def epochs(text: str) -> list[dict[str, object]]:
-        import json
-
-        return [json.loads(line[9:]) for line in text.splitlines() if line.startswith("[rank0]: {")]
-
     done = subprocess.run(
         [*command, "--epochs", "3"], capture_output=True, text=True, timeout=180, env=env
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert [e["epoch"] for e in epochs(done.stdout)] == [0, 1, 2], done.stdout
-    assert epochs(done.stdout)[-1]["world"] == 2 and "resumed" not in done.stdout
+    assert [e["epoch"] for e in rank0_rows(done.stdout)] == [0, 1, 2], done.stdout
+    assert rank0_rows(done.stdout)[-1]["world"] == 2 and "resumed" not in done.stdout
     assert not checkpoint.exists()
 
     log = tmp_path / "first.log"
@@ -151,14 +147,14 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
             [*command, "--epochs", "1000"], stdout=out, stderr=subprocess.STDOUT, env=env
         )
         try:
-            wait_until("two epochs", lambda: len(epochs(log.read_text())) >= 2, 120)
+            wait_until("two epochs", lambda: len(rank0_rows(log.read_text())) >= 2, 120)
             first.send_signal(signal.SIGTERM)
             assert first.wait(60) == 0, log.read_text()[-2000:]
         finally:
             if first.poll() is None:
                 first.kill()
                 first.wait()
-    second = epochs(log.read_text())
+    second = rank0_rows(log.read_text())
     assert second[0]["epoch"] == 0 and "resumed" not in log.read_text()  # ran twice: trained
     last = max(int(e["epoch"]) for e in second)  # type: ignore[call-overload]
     assert checkpoint.exists()
@@ -170,7 +166,7 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
 
     found = re.search(rf"resumed from {re.escape(str(checkpoint))} at epoch (\d+)", resumed.stdout)
     assert found and int(found.group(1)) in (last + 1, last + 2), resumed.stdout
-    assert epochs(resumed.stdout)[0]["epoch"] == int(found.group(1))
+    assert rank0_rows(resumed.stdout)[0]["epoch"] == int(found.group(1))
     assert not checkpoint.exists()
 
 
@@ -451,7 +447,11 @@ def test_efdl_run_leaves_nothing_in_the_temp_directory(tmp_path: Path, short_tmp
         env=env,
     )
     try:
-        wait_until("the agent's and etcd's directories", lambda: len(list(temp.iterdir())) >= 2, 60)
+        wait_until(  # made and marked as the agent's (a kill between the two leaves no mark)
+            "the agent's and etcd's directories, each with its owner mark",
+            lambda: len([p for p in temp.iterdir() if (p / ".owner").exists()]) >= 2,
+            60,
+        )
     finally:
         killed.kill()
         killed.wait()

@@ -412,9 +412,10 @@ def test_hostile_records_in_etcd(
 ) -> None:
     """Garbage and hostile values written into the job's etcd prefix while it trains (a node
     record that is not JSON, copies of a real one with a shell command as its host or a
-    billion slots, a round that is not a round, a step that is not a number, a cache record
+    billion slots, a round that is not a round, a member record that is not one, a cache record
     pointing at another path): the agents log each as an error naming the key and go on; a
-    node still joins (the leader replaces the bad round), and `efdl status` still answers."""
+    node still joins (the leader replaces the bad round), and `efdl status` still answers,
+    naming the bad records it read."""
     job = jobs.new()
     rows = start(job, "a", "b")
     g = latest_gen(rows)
@@ -431,7 +432,7 @@ def test_hostile_records_in_etcd(
             ):
                 hostile = {**real, "node_id": name, **bad}
                 store.put(keys.node(name), json.dumps(hostile).encode(), lease=lease)
-            store.put(keys.step("a"), b"NaN?", lease=lease)
+            store.put(keys.member("zz-garbage"), b"NaN?")
             store.put(keys.cache, b'{"step": "../../etc/passwd"}')
             store.put(keys.round, b"\x00\xff not a round")
             t0 = time.time()
@@ -442,12 +443,13 @@ def test_hostile_records_in_etcd(
     check_after(rows, g, committed)
     logs = "".join(a.output() for a in job.agents.values())
     named = [keys.node(n) for n in ("zz-garbage", "zz-host", "zz-slots")]
-    for key in [*named, keys.round, keys.step("a")]:
+    for key in [*named, keys.round]:
         assert key in logs, f"no error names {key}"
     assert "Traceback" not in logs
     shown = status_run(job)
     assert "world size 3" in shown.stdout
     assert keys.cache in shown.stderr and "Traceback" not in shown.stderr
+    assert keys.member("zz-garbage") in shown.stderr
 
 
 def test_two_jobs_one_churning(jobs: Jobs, record: Recorder, attempt: int) -> None:
