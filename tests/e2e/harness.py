@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import shutil
@@ -39,6 +40,19 @@ def standalone(
         text=True,
         timeout=timeout_s,
         env={**os.environ, **(env or {})},
+    )
+
+
+def lines_changed_for_efdl(example: Path) -> int:
+    """How many lines of ``example/train_torchrun.py`` the efdl version (``train_efdl.py``
+    beside it) changes, adds or removes, the module docstrings aside."""
+
+    def code(name: str) -> list[str]:
+        return (example / name).read_text().split('"""', 2)[2].splitlines()
+
+    matcher = difflib.SequenceMatcher(a=code("train_torchrun.py"), b=code("train_efdl.py"))
+    return sum(
+        max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"
     )
 
 

@@ -4,7 +4,6 @@ the committed one across every rescale (exact digests over the ranks' rows)."""
 
 from __future__ import annotations
 
-import difflib
 import os
 import signal
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from tests.e2e.harness import (
     check_consistent,
     in_place_job,
     latest_gen,
+    lines_changed_for_efdl,
     pids_of,
     steps_at_world,
 )
@@ -148,12 +148,5 @@ def test_the_gpt_example_differs_from_its_torchrun_version_by_the_efdl_change() 
     decorated function (its model from the state), commit. The torchrun script's own
     skip-ahead on resume (4 lines) goes: the ElasticSampler resumes by itself."""
 
-    def code(name: str) -> list[str]:
-        text = (ROOT / "examples" / "gpt" / name).read_text()
-        return text.split('"""', 2)[2].splitlines()  # the module docstring aside
-
-    matcher = difflib.SequenceMatcher(a=code("train_torchrun.py"), b=code("train_efdl.py"))
-    changed = sum(
-        max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"
-    )
+    changed = lines_changed_for_efdl(ROOT / "examples" / "gpt")
     assert 0 < changed <= 20, changed

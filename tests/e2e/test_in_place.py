@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ from tests.e2e.harness import (
     in_place_job,
     last_step_of,
     latest_gen,
+    lines_changed_for_efdl,
     pids_of,
     rank0_rows,
     regrown,
@@ -152,14 +152,7 @@ def test_a_crash_in_the_first_step_of_an_epoch_does_not_repeat_the_epoch(job: Jo
 
 
 def test_the_efdl_example_differs_from_the_torchrun_one_by_at_most_12_lines() -> None:
-    def code(name: str) -> list[str]:
-        text = (ROOT / "examples" / "digits" / name).read_text()
-        return text.split('"""', 2)[2].splitlines()  # the module docstring aside
-
-    matcher = difflib.SequenceMatcher(a=code("train_torchrun.py"), b=code("train_efdl.py"))
-    changed = sum(
-        max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"
-    )
+    changed = lines_changed_for_efdl(ROOT / "examples" / "digits")
     assert 0 < changed <= 12, changed
 
 
