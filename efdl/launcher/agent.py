@@ -83,7 +83,7 @@ class _Signal:
 
 
 @dataclass(frozen=True, slots=True)
-class _LeaseLost:
+class _LeaseExpired:
     reason: str
 
 
@@ -411,7 +411,7 @@ class NodeAgent:
             self._policy,
             lease_ttl_s=self._cfg.lease_ttl_s,
             on_round=lambda r: post(_RoundSeen(r)),
-            on_lease_lost=lambda reason: post(_LeaseLost(reason)),
+            on_lease_expired=lambda reason: post(_LeaseExpired(reason)),
             serve_tcpstore=self._server.serve,
             on_failure=lambda reason: post(_Failed(reason)),
             events=self._history,
@@ -441,7 +441,7 @@ class NodeAgent:
             self._on_exit(event)
         elif isinstance(event, _Signal):
             self._leave(event.signum)
-        elif isinstance(event, _LeaseLost):
+        elif isinstance(event, _LeaseExpired):
             self._fenced(event.reason)
         elif isinstance(event, _Failed):
             raise AgentExit(1, event.reason)

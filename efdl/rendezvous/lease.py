@@ -29,8 +29,9 @@ class LeaseSession:
         ttl_s: the lease's time to live. A dead agent is noticed after at most this long;
             it must be longer than the longest stall (GC pause, etcd leader election) that
             should *not* count as death.
-        on_lost: called once, from the keep-alive thread, with the reason, when the lease
-            is lost. Keep it short (set an event, signal a thread).
+        on_expired: called once, from the keep-alive thread, with the reason, when the lease
+            expires (or cannot be renewed in time, which counts the same). Keep it short
+            (set an event, signal a thread).
         clock: monotonic seconds; an argument for tests.
     """
 
@@ -38,14 +39,14 @@ class LeaseSession:
         self,
         store: KVStore,
         ttl_s: int,
-        on_lost: Callable[[str], None] | None = None,
+        on_expired: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s < 2:
             raise ConfigError(f"The lease TTL ({ttl_s} s) must be at least 2 seconds.")
         self._store = store
         self._ttl_s = ttl_s
-        self._on_lost = on_lost
+        self._on_expired = on_expired
         self._clock = clock
         self._stop = threading.Event()
         self._why_expired = ""
@@ -54,7 +55,7 @@ class LeaseSession:
         granted_in = clock() - self._last_ok
         if granted_in >= ttl_s:
             # The server counts the TTL from when it got the request: the lease may be gone
-            # already, and a member whose lease counts as lost from birth would never act.
+            # already, and a member whose lease counts as expired from birth would never act.
             # (Seen after a network partition healed: the grant hung until the link came back.)
             with contextlib.suppress(StoreError):
                 store.revoke_lease(self.lease_id)
@@ -96,11 +97,11 @@ class LeaseSession:
             return
         self._why_expired = reason
         log.error("%s", reason)
-        if self._on_lost is not None:
+        if self._on_expired is not None:
             try:
-                self._on_lost(reason)
+                self._on_expired(reason)
             except Exception:
-                log.exception("The lease-lost callback failed.")
+                log.exception("The lease-expired callback failed.")
 
     def _keep_alive(self) -> None:
         # Timed from the grant's request, which may have taken a while (the server's TTL runs

@@ -162,7 +162,7 @@ class Participant:
         policy: min/max workers, settle window, join timeout (used while leader).
         lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
         clock: wall-clock seconds (rounds carry wall times for the join timeout).
-        on_lease_lost: called once if the lease is lost (fencing): stop the workers.
+        on_lease_expired: called once if the lease expires (fencing): stop the workers.
         on_round: called (from the rendezvous thread) with each newer served round; keep it
             short.
         serve_tcpstore: called (from the rendezvous thread) when this node holds rank 0 of a new
@@ -181,7 +181,7 @@ class Participant:
         policy: Policy,
         lease_ttl_s: int = 5,
         clock: Callable[[], float] = time.time,
-        on_lease_lost: Callable[[str], None] | None = None,
+        on_lease_expired: Callable[[str], None] | None = None,
         on_round: Callable[[Round], None] | None = None,
         serve_tcpstore: Callable[[Round], int] | None = None,
         on_failure: Callable[[str], None] | None = None,
@@ -201,7 +201,7 @@ class Participant:
         self._policy = policy
         self._ttl_s = lease_ttl_s
         self._clock = clock
-        self._on_lease_lost = on_lease_lost
+        self._on_lease_expired = on_lease_expired
         self._inbox: queue.Queue[_InboxItem] = queue.Queue()
         self._cond = threading.Condition()
         self._round: Round | None = None  # the newest round seen, served or not
@@ -252,7 +252,7 @@ class Participant:
             DuplicateNodeError: a live node with the same id is already in the job.
             StoreError: etcd failed.
         """
-        self._session = LeaseSession(self._store, self._ttl_s, on_lost=self._lease_gone)
+        self._session = LeaseSession(self._store, self._ttl_s, on_expired=self._lease_gone)
         key = self.keys.node(self.node_id)
         result = self._store.txn(
             [Compare.absent(key)],
@@ -376,11 +376,11 @@ class Participant:
             self._thread.join(timeout=10)
 
     def _retried(self, what: str, fn: Callable[[], T]) -> T:
-        """:func:`retried`, ended by the lease: once it is lost this node is no longer a member
+        """:func:`retried`, ended by the lease: once it has expired this node is no longer a member
         and its agent is fenced (not failed), however long etcd stays away."""
 
         def attempt() -> T:
-            # A declared loss only: a late refresh makes the lease count as lost for an
+            # A declared expiry only: a late refresh makes the lease count as expired for an
             # instant, and the keep-alive may still renew it (see _loop).
             if self._session is not None and self._session.why_expired:
                 raise LeaseLostError(self._session.why_expired)
@@ -393,8 +393,8 @@ class Participant:
             self._is_leader = False
             self._cond.notify_all()
         self._inbox.put(("lease", None))
-        if self._on_lease_lost is not None:
-            self._on_lease_lost(reason)
+        if self._on_lease_expired is not None:
+            self._on_lease_expired(reason)
 
     def _sink(self, tag: str) -> Callable[[WatchBatch | StoreError], None]:
         return lambda item: self._inbox.put((tag, item))
@@ -565,7 +565,7 @@ class Participant:
                 tag, item = "wake", None
             if tag == "stop" or self._stopped:
                 break
-            # Only a declared loss ends the loop: the lease counts as lost by time alone for
+            # Only a declared expiry ends the loop: the lease counts as expired by time alone for
             # an instant when a refresh is late, and the keep-alive then either declares it
             # (and the agent is fenced) or renews it (and this node is still a member: a loop
             # that had quit would leave a member nobody acts for).

@@ -94,7 +94,7 @@ def test_losing_the_member_in_use_keeps_the_lease_the_watch_and_requests(
                 seen.extend(e.kv.key for e in item.events)
 
     try:
-        lease = LeaseSession(store, TTL_S, on_lost=lost.append)
+        lease = LeaseSession(store, TTL_S, on_expired=lost.append)
         store.put("/c/mine", b"1", lease.lease_id)
         watch = store.watch("/c/w/", prefix=True, sink=sink)
         writer.put("/c/w/before", b"1")

@@ -57,7 +57,7 @@ class Cluster:
             record,
             self.policy,
             lease_ttl_s=self.ttl_s,
-            on_lease_lost=lambda reason, n=node_id: self.lost.__setitem__(n, reason),
+            on_lease_expired=lambda reason, n=node_id: self.lost.__setitem__(n, reason),
         )
         agent.join()
         self.agents[node_id] = agent

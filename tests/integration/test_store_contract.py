@@ -146,7 +146,7 @@ def test_keep_alive_keeps_keys(store: KVStore, prefix: str) -> None:
 
 def test_lease_session_reports_a_lost_lease(store: KVStore, prefix: str) -> None:
     reasons: list[str] = []
-    session = LeaseSession(store, ttl_s=3, on_lost=reasons.append)
+    session = LeaseSession(store, ttl_s=3, on_expired=reasons.append)
     store.put(prefix + "node", b"alive", lease=session.lease_id)
     store.revoke_lease(session.lease_id)  # what an expiry looks like from the inside
     wait_until("the keep-alive to find the lease revoked", lambda: reasons, 5)
