@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from efdl.state.layout import Layout, rows
@@ -99,10 +99,18 @@ def sharding_of(model: nn.Module) -> Sharding | None:
 
 
 def mesh() -> DeviceMesh:
-    """This world's one-dimensional mesh over the default group, on efdl's device."""
+    """This world's one-dimensional mesh over the default group, on efdl's device.
+
+    Made from the default group itself, with no collective: ``init_device_mesh`` makes a new
+    group for a CUDA mesh over gloo (a collective of every rank), which a newcomer would call
+    alone while the survivors are in the state sync. A CUDA mesh takes the current device:
+    made this worker's own GPU first, whatever the backend."""
     from efdl.state.device import device
 
-    return init_device_mesh(device().type, (dist.get_world_size(),))
+    own = device()
+    if own.type == "cuda":
+        torch.cuda.set_device(own)
+    return DeviceMesh.from_group(_default_group(), own.type)
 
 
 def check(model: nn.Module) -> None:

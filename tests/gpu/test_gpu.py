@@ -108,6 +108,28 @@ def test_ranks_sharing_the_gpu_over_gloo_join_leave_and_survive_a_kill(job: Job)
     assert enters and all(e["device"] == "cuda:0" for e in enters)
 
 
+def test_an_fsdp2_model_on_the_gpu_grows_and_shrinks_in_place(job: Job) -> None:
+    """FSDP2 with CUDA shards (ranks sharing the GPU over gloo): a join spreads the rows over
+    three, a graceful leave over two, the survivors never restart, and every step's model and
+    optimizer state is the same whatever the layout."""
+    script = "fsdp_steps.py"
+    job.start("a", script=script)
+    job.start("b", script=script)
+    rows = job.wait_for("two workers", steps_at_world(2), timeout_s=180)
+    g2 = latest_gen(rows)
+    a_pid, b_pid = pids_of(rows, "a"), pids_of(rows, "b")
+    job.start("c", script=script)
+    rows = job.wait_for("three workers", steps_at_world(3, g2), timeout_s=180)
+    g3 = latest_gen(rows)
+    assert pids_of(rows, "a") == a_pid and pids_of(rows, "b") == b_pid
+    job.agents["b"].signal(signal.SIGTERM)
+    assert job.agents["b"].wait(90) == 0
+    rows = job.wait_for("back to two", steps_at_world(2, g3), timeout_s=180)
+    assert pids_of(rows, "a") == a_pid
+    assert rows and all(r["device"] == "cuda:0" for r in rows)
+    check_consistent(rows)
+
+
 def test_cuda_state_in_cache_snapshots_is_restored_on_resume(
     etcd_server: EmbeddedEtcd, tmp_path: Path
 ) -> None:

@@ -6,7 +6,8 @@ the whole model before and after the update ("before", "digest") and of the opti
 ("opt_before", "opt"). A digest is position-weighted sums of the tensors' bits, each rank
 summing its own rows, all-reduced in int64: exact whatever the layout, so equal digests
 across world sizes mean the same bits. Knobs: STEP_SECONDS, EPOCHS, SAMPLES, BATCH,
-MODEL_WIDTH (default 64).
+MODEL_WIDTH (default 64). It trains on efdl.device(), as efdl shards it: the GPU where there
+is one (the GPU suite: the ranks share it over gloo).
 """
 
 import json
@@ -30,6 +31,7 @@ epochs = int(os.environ.get("EPOCHS", "1000"))
 delay = float(os.environ.get("STEP_SECONDS", "0.1"))
 width = int(os.environ.get("MODEL_WIDTH", "64"))
 efdl.init_process_group("gloo", timeout_s=float(os.environ.get("COLLECTIVE_TIMEOUT", "15")))
+dev = efdl.device()
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # each rank's own init: rows differ
 
 
@@ -69,10 +71,10 @@ def digest(tensors: list[torch.Tensor]) -> int:
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor):
             start, _ = rows(t.shape[0], Layout(world, rank))
-            local = t._local_tensor.detach()
+            local = t._local_tensor.detach().cpu()
             first = start * math.prod(t.shape[1:])
         else:  # replicated: rank 0 counts it
-            local, first = t.detach(), 0
+            local, first = t.detach().cpu(), 0
             if rank:
                 continue
         bits = local.reshape(-1).view(torch.int32).long()
@@ -92,7 +94,7 @@ def train(state: efdl.ElasticState) -> None:
     for state.epoch in range(state.epoch, epochs):
         for x, idx in loader:
             rank, world = dist.get_rank(), dist.get_world_size()
-            loss = model(x).pow(2).mean()
+            loss = model(x.to(dev)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
             before = digest(list(model.parameters()))
@@ -113,6 +115,7 @@ def train(state: efdl.ElasticState) -> None:
                 "samples": idx.tolist(),
                 "t": time.time(),
                 "rescales": state.rescales,
+                "device": str(next(model.parameters()).device),
             }
             with open(out / "events.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
