@@ -73,6 +73,7 @@ def main() -> None:
         for epoch in range(progress["epoch"], args.epochs):
             sampler.set_epoch(epoch)
             for x, y in loader:
+                x, y = x.to(efdl.device()), y.to(efdl.device())  # where efdl shards: a GPU if any
                 loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 optimizer.zero_grad()
                 loss.backward()
