@@ -30,7 +30,7 @@ from efdl.kubeflow import pet_params
 from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
-from efdl.rendezvous.api import Compare, EventType, Put
+from efdl.rendezvous.api import Compare, EtcdSettings, EventType, Put
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -117,12 +117,15 @@ def _job_config(
 
 @contextmanager
 def _store_for(
-    cfg: EtcdClientConfig, standalone: bool
+    cfg: EtcdClientConfig, standalone: bool, settings: EtcdSettings | None = None
 ) -> Iterator[tuple[EtcdStore, EmbeddedEtcd | None]]:
+    """A client of ``cfg``'s etcd (``settings`` if resolved already), or with ``standalone``
+    of an embedded etcd started here; stopped, with the client closed, on the way out."""
     server = EmbeddedEtcd().start() if standalone else None
     try:
-        endpoint = str(server.endpoint) if server else None
-        store = EtcdStore(cfg.etcd_settings(endpoint))
+        if server is not None:
+            settings = cfg.etcd_settings(str(server.endpoint))
+        store = EtcdStore(settings or cfg.etcd_settings())
         try:
             yield store, server
         finally:
@@ -595,13 +598,12 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
     try:
         job_id = check_id(cfg.job_id or "standalone")
-        host = cfg.host or (
-            "127.0.0.1" if cfg.standalone else default_host(cfg.etcd_settings().endpoints)
-        )
+        settings = None if cfg.standalone else cfg.etcd_settings()
+        host = cfg.host or (default_host(settings.endpoints) if settings else "127.0.0.1")
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)
         logs.context.set(node=node.node_id)
-        with _store_for(cfg, cfg.standalone) as (store, _):
+        with _store_for(cfg, cfg.standalone, settings) as (store, _):
             start_job(store, job_id, cfg.new_run)
             log.info(
                 "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",

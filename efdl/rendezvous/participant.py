@@ -195,7 +195,7 @@ class Participant:
             raise RendezvousError(
                 f"Node {node.node_id} has neither a store server nor a fixed store port."
             )
-        self._serve_store = serve_tcpstore or (lambda _round: node.store_port)
+        self._serve_tcpstore = serve_tcpstore or (lambda _round: node.store_port)
         self._store = store
         self._node = node
         self._policy = policy
@@ -466,7 +466,7 @@ class Participant:
 
     def _serve(self, r: Round) -> int:
         try:
-            port = self._serve_store(r)
+            port = self._serve_tcpstore(r)
         except Exception as exc:
             raise RendezvousError(
                 f"Node {self.node_id} could not serve the c10d store of round {r.generation}: {exc}"
@@ -771,12 +771,13 @@ class Participant:
             new = replace(new, members_revision=self._write_members(decision.members, gone))
         if new.status is RoundStatus.ACTIVE and new.head == self.node_id:
             new = replace(new, store_port=self._serve(new))  # one write, not two
+        value = new.to_json()
         result = self._store.txn(
             [
                 Compare.mod_revision_is(self.keys.round, self._round_mod_revision),
                 Compare.create_revision_is(self.keys.node(self.node_id), self._my_revision),
             ],
-            [Put(self.keys.round, new.to_json())],
+            [Put(self.keys.round, value)],
             [Get(self.keys.round), Get(self.keys.node(self.node_id))],
         )
         if result.succeeded:
@@ -784,7 +785,7 @@ class Participant:
                 self._members, self._members_of = decision.members, new.round_id
             if self._events is not None:
                 self._events.round(new)
-            kv = KeyValue(self.keys.round, new.to_json(), 0, result.revision)
+            kv = KeyValue(self.keys.round, value, 0, result.revision)
             self._set_round(kv)
             return None
         round_kvs, mine = result.gets

@@ -134,14 +134,13 @@ def _files_from_json(raw: dict[str, Any], where: str) -> dict[str, FileInfo]:
     """File entries of a manifest or report, each name and digest checked."""
     files: dict[str, FileInfo] = {}
     for name, info in raw.items():
-        if not _FILE_NAME.match(name) or not isinstance(info, dict):
+        if not _FILE_NAME.match(name):
             raise SnapshotError(f"{where}: unexpected file entry {name!r}.")
-        size, digest = info.get("size"), info.get(DIGEST)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise SnapshotError(f"{where}: bad size {size!r} for {name!r}.")
-        if not isinstance(digest, str) or not _HEX.match(digest):
-            raise SnapshotError(f"{where}: {name!r} has a malformed {DIGEST} {digest!r}.")
-        files[name] = FileInfo(size, digest)
+        entry = Fields(info, f"{where} (file {name!r})", SnapshotError)
+        digest = entry.text(DIGEST, 64)
+        if not _HEX.match(digest):
+            raise entry.fail(f"has a malformed {DIGEST} {digest!r}.")
+        files[name] = FileInfo(entry.count("size", 0, 1 << 62), digest)
     return files
 
 

@@ -153,12 +153,13 @@ def test_a_corrupt_snapshot_is_skipped_naming_the_file(
         ({"step": "20"}, "'step'"),
         ({"files": {"../../etc/passwd": {"size": 1, "xxh3_128": "0" * 32}}}, "unexpected file"),
         ({"files": {STATE: {"size": 1, "xxh3_128": "nothex"}}}, "malformed xxh3_128"),
-        ({"files": {STATE: {"size": -1, "xxh3_128": "0" * 32}}}, "bad size"),
+        ({"files": {STATE: {"size": -1, "xxh3_128": "0" * 32}}}, r"field .size. is -1; expected 0"),
+        ({"files": {STATE: 5}}, r"\(file 'state.pt'\) must be a JSON object, not int"),
         ({"files": {}}, "lists no state.pt"),
         ({"format": 1}, "has format 1, not 2"),
         ({"world_size": 0}, r"field .world_size. is 0; expected 1\.\."),
         ({"step": True}, r"field .step. is True; expected int"),
-        ({"epoch": "3"}, r"field .epoch. is .3.; expected int or null"),
+        ({"epoch": "3"}, r"field .epoch. is .3.; expected int\."),
     ],
 )
 def test_a_hostile_manifest_is_rejected_by_name(

@@ -46,5 +46,7 @@ def test_a_failed_put_is_retried_until_it_succeeds(monkeypatch: pytest.MonkeyPat
     p = LatestPublisher(put, "test")
     p.offer(b"7")
     wait_until("three attempts", lambda: len(attempts) >= 3, 5)
-    p.close(1.0)  # joins the publisher's thread: any further attempt would be in by now
-    assert attempts == [b"7", b"7", b"7"]
+    p.offer(b"8")  # after the success, the next value is the next put: no "7" again
+    wait_until("the next value", lambda: attempts[-1] == b"8", 5)
+    p.close(1.0)
+    assert attempts == [b"7", b"7", b"7", b"8"]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from efdl.errors import StoreConnectionError
+from efdl.errors import LeaseLostError, StoreAuthError, StoreConnectionError
 from efdl.rendezvous.api import Compare, Op, TxnResult
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.memory_store import MemoryStore
@@ -61,3 +61,23 @@ def test_retried_goes_through_a_blip_and_gives_up_at_its_deadline() -> None:
 
     with pytest.raises(StoreConnectionError):
         retried("do it", down, timeout_s=0.05, pause_s=0.01)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        StoreAuthError("etcd at 127.0.0.1:2379 refused user 'train': permission denied"),
+        LeaseLostError("lease 1f expired"),
+    ],
+)
+def test_retried_gives_up_at_once_on_what_waiting_cannot_fix(error: Exception) -> None:
+    """A refused role or a lost lease is not a blip: one call, the error, no 30 s of retries."""
+    calls = []
+
+    def refused() -> str:
+        calls.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        retried("do it", refused, timeout_s=5, pause_s=0.01)
+    assert len(calls) == 1
