@@ -604,7 +604,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         policy = _policy(cfg, node.slots)
         logs.context.set(node=node.node_id)
         with _store_for(cfg, cfg.standalone, settings) as (store, _):
-            start_job(store, job_id, cfg.new_run)
+            start_job(store, job_id, cfg.new_run, timeout_s=cfg.join_timeout_s)
             log.info(
                 "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",
                 __version__,

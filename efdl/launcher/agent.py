@@ -22,7 +22,7 @@ from typing import Any
 from efdl import logs
 from efdl._process import private_dir
 from efdl.config import LaunchConfig
-from efdl.errors import DuplicateNodeError, EfdlError, StoreError
+from efdl.errors import EfdlError, StoreError
 from efdl.history import EventLog
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.gpus import free_slot
@@ -83,7 +83,9 @@ class _Signal:
 
 
 @dataclass(frozen=True, slots=True)
-class _LeaseExpired:
+class _LeaseLost:
+    """etcd said this node's lease has expired; the rendezvous registers it again."""
+
     reason: str
 
 
@@ -227,6 +229,7 @@ class NodeAgent:
         self._trained: int | None = None  # the last step local rank 0 reported committed
         self._trained_at = 0.0  # when (wall clock)
         self._finishing = False
+        self._departing = False  # leaving the job (SIGTERM): no round is held for this node
         self._finish_by: float | None = None
         self._in_place: set[int] = set()  # pids of workers that rebuild in place
         self._leaving: set[int] = set()  # pids told to leave at the next step boundary
@@ -254,8 +257,8 @@ class NodeAgent:
         self._rdzv: Participant | None = None
 
     def _describe(self) -> dict[str, object]:
-        """What this agent says of itself to a probe (``efdl status``); from the probe's
-        thread, so only reads of single attributes."""
+        """What this agent says of itself to a probe (``efdl status``, and a leader that saw
+        this node's record go); from the probe's thread, so only reads of single attributes."""
         group = self._group
         return {
             "pid": os.getpid(),
@@ -264,7 +267,19 @@ class NodeAgent:
             "in_place": self._rebuilds_in_place(),
             "step": self._trained,
             "step_time": self._trained_at,
+            "holds": self._holds(),
         }
+
+    def _holds(self) -> str:
+        """The ``round_id`` of the round whose workers run here now; "" if none does (none
+        placed, a newer round left this node out, or it leaves). Said when this node
+        registers again after its lease was lost, and to a leader that asks why its record
+        went: the node is then the member it was, and no round follows. From other threads,
+        so only reads of single attributes."""
+        r, group = self._round, self._group
+        if self._departing or r is None or group is None or r.generation != self._generation:
+            return ""
+        return r.round_id if group.running() else ""
 
     def _on_worker_message(self, pid: int, msg: dict[str, object]) -> None:
         kind, step, world = msg.get("type"), msg.get("step"), msg.get("world_size")
@@ -411,13 +426,15 @@ class NodeAgent:
             self._policy,
             lease_ttl_s=self._cfg.lease_ttl_s,
             on_round=lambda r: post(_RoundSeen(r)),
-            on_lease_expired=lambda reason: post(_LeaseExpired(reason)),
+            on_lease_expired=lambda reason: post(_LeaseLost(reason)),
+            holds=self._holds,
             serve_tcpstore=self._server.serve,
             on_failure=lambda reason: post(_Failed(reason)),
             events=self._history,
         )
-        self._rdzv.join()
-        self._metrics.lease_healthy.set(1)
+        self._register(self._rdzv)
+        rdzv = self._rdzv
+        self._metrics.lease_healthy.set_function(lambda: float(rdzv.lease_healthy))
         self._record(
             EventKind.JOIN,
             self._generation,
@@ -432,6 +449,39 @@ class NodeAgent:
             ", ".join(f"{g.index}:{g.model}" for g in self._node.gpus) or "none",
         )
 
+    def _register(self, rdzv: Participant) -> None:
+        """Register this node; while etcd does not answer, try again (saying so every ten
+        seconds) for up to the join timeout, and leave at once on SIGTERM or SIGINT."""
+        deadline = time.monotonic() + self._cfg.join_timeout_s
+        said_at = 0.0
+        while True:
+            try:
+                rdzv.join()
+                return
+            except StoreError as exc:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise AgentExit(
+                        1,
+                        f"Could not join job {self._job} within the join timeout "
+                        f"({self._cfg.join_timeout_s:g} s): {exc}",
+                    ) from None
+                if now - said_at >= 10.0:
+                    said_at = now
+                    log.warning(
+                        "%s: cannot join yet (%s); trying again for up to %.0f s more.",
+                        self._tag(),
+                        exc,
+                        deadline - now,
+                    )
+            try:
+                event = self._events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if isinstance(event, _Signal):
+                name = signal.Signals(event.signum).name
+                raise AgentExit(0, f"Left on {name} before joining the job.")
+
     # ---------------------------------------------------------------- events
 
     def _handle(self, event: object) -> None:
@@ -441,8 +491,13 @@ class NodeAgent:
             self._on_exit(event)
         elif isinstance(event, _Signal):
             self._leave(event.signum)
-        elif isinstance(event, _LeaseExpired):
-            self._fenced(event.reason)
+        elif isinstance(event, _LeaseLost):
+            self._record(
+                EventKind.LEASE_LOST,
+                self._generation,
+                f"lease lost ({event.reason}); registering again"
+                + (", its workers training on" if self._holds() else ""),
+            )
         elif isinstance(event, _Failed):
             raise AgentExit(1, event.reason)
         elif isinstance(event, _Hello):
@@ -480,7 +535,11 @@ class NodeAgent:
         if self._cache is None:
             return
         keys = JobKeys(self._job)
-        kv = self._store.get(keys.cache)
+        try:
+            kv = self._store.get(keys.cache)
+        except StoreError as exc:
+            log.warning("%s: could not read the cache record: %s", self._tag(), exc)
+            return
         record = None
         if kv is not None:
             try:
@@ -725,12 +784,19 @@ class NodeAgent:
             self._group = None
             if self._finishing:
                 raise AgentExit(0, "This node's workers finished; the job is done.")
-            end_job(
-                self._store,
-                self._job,
-                RoundStatus.FINISHED,
-                f"the workers of node {self._node.node_id} finished",
-            )
+            try:
+                end_job(
+                    self._store,
+                    self._job,
+                    RoundStatus.FINISHED,
+                    f"the workers of node {self._node.node_id} finished",
+                )
+            except StoreError as exc:
+                raise AgentExit(
+                    0,
+                    "This node's workers finished; the job's end could not be written to "
+                    f"etcd ({exc}): the other nodes end when their own workers finish.",
+                ) from None
             raise AgentExit(0, "This node's workers finished; the job is done.")
 
     def _worker_failed(self, group: WorkerGroup, ev: WorkerExit) -> None:
@@ -811,6 +877,7 @@ class NodeAgent:
         self._rdzv.set_down(len(self._replacing))
 
     def _leave(self, signum: int) -> None:
+        self._departing = True
         name = signal.Signals(signum).name
         self._record(EventKind.LEAVE, self._generation, f"leaving on {name}")
         log.info(
@@ -848,47 +915,3 @@ class NodeAgent:
         if self._rdzv is not None:
             self._rdzv.leave()
             self._rdzv = None
-
-    def _fenced(self, reason: str) -> None:
-        """Our lease is gone: the others may already train without us. Kill the workers at
-        once (no grace: two generations must never train together), then join again as a new
-        member."""
-        log.error("%s: fenced: %s Killing the workers and joining again.", self._tag(), reason)
-        self._record(EventKind.FENCED, self._generation, f"fenced: {reason}")
-        self._metrics.lease_healthy.set(0)
-        if self._group is not None:
-            self._group.kill()
-        self._replacing.clear()  # the new record offers every slot
-        self._restart_at = None  # joining again brings a round
-        self._forget_group()
-        if self._rdzv is not None:
-            self._rdzv.abandon()
-        deadline = time.monotonic() + self._cfg.join_timeout_s
-        while True:
-            try:
-                self._join()
-                return
-            except (StoreError, DuplicateNodeError) as exc:
-                # DuplicateNodeError: our own old record, when etcd was only too slow to
-                # answer and the lease is not gone yet; nobody refreshes it now, so it goes
-                # within a TTL.
-                if time.monotonic() > deadline:
-                    raise AgentExit(
-                        1, f"Could not join the job again after being fenced: {exc}"
-                    ) from None
-                log.warning("%s: cannot join again yet (%s); retrying.", self._tag(), exc)
-                self._pause(1.0)
-
-    def _pause(self, seconds: float) -> None:
-        """Sleep between attempts to join while the node is out of the job (no workers, no
-        rendezvous), but leave at once on SIGTERM or SIGINT; other events are of the run that
-        was fenced and are dropped."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = self._events.get(timeout=left)
-            except queue.Empty:
-                return
-            if isinstance(event, _Signal):
-                self._leave(event.signum)
-            log.debug("%s: out of the job; dropping %s.", self._tag(), event)

@@ -23,13 +23,18 @@ Rules:
   rank-0 node's agent publishes it (see :attr:`Round.served`).
 - Below ``min`` the job waits (a WAITING round stops training) until ``join_timeout_s``
   after the wait began; then a FAILED round ends it.
+- A member whose record went while its agent says it still runs the round's workers (its
+  lease was lost, not its node: etcd revoked it, or it expired while etcd was away) is
+  waited for until the leader's deadline (``JobView.returning``): no round is written
+  meanwhile. Registered again with ``holds`` naming the round, it is the member it was, and
+  nothing changes; not back by the deadline, it has left.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from efdl.errors import ConfigError
 from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
@@ -88,6 +93,8 @@ class JobView:
         last_change: when the leader last saw a node join (for the settle window).
         leader: the deciding node's id (written into the round).
         members: the members of ``round`` when it is active, in rank order.
+        returning: members whose record went but whose agent said it runs the round's
+            workers still and registers again, each with the time until which to wait.
     """
 
     nodes: Mapping[str, NodeView]
@@ -95,6 +102,7 @@ class JobView:
     last_change: float = 0.0
     leader: str = ""
     members: tuple[Member, ...] = ()
+    returning: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +178,7 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
                 node.record.incarnation,
                 node.joined_revision,
                 group_rank=len(members),
+                probe_port=node.record.probe_port,
             )
         )
         rank += counts[node_id]
@@ -218,11 +227,15 @@ def _changes(view: JobView, assignment: Assignment) -> _Changes:
     if prev is None or prev.status is not RoundStatus.ACTIVE:
         return _Changes([], [], [], [], [m.node_id for m in assignment.members])
     kept = [m for m in view.members if m.node_id in view.nodes]
-    # A member whose record was made again (its agent was fenced, or restarted under the same
-    # id, and the leader never saw the old record go) is a new member. Revision 0: a round
+    # A member whose record was made again (its agent restarted under the same id, and the
+    # leader never saw the old record go) is a new member, unless the record says it still
+    # runs this round's workers (its lease was lost, not its node). Revision 0: a round
     # written before revisions were recorded, which says nothing.
     rejoined = [
-        m.node_id for m in kept if m.revision not in (0, view.nodes[m.node_id].joined_revision)
+        m.node_id
+        for m in kept
+        if m.revision not in (0, view.nodes[m.node_id].joined_revision)
+        and view.nodes[m.node_id].record.holds != prev.round_id
     ]
     before = {m.node_id for m in view.members}
     bumped = [
@@ -245,6 +258,14 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     generation = (prev.generation if prev else 0) + 1
     if prev is not None and prev.status.final:
         return Decision(None, None, f"the job is {prev.status.value}")
+    awaited = [
+        m.node_id
+        for m in view.members
+        if m.node_id not in view.nodes and view.returning.get(m.node_id, now) > now
+    ]
+    if awaited and prev is not None and prev.status is RoundStatus.ACTIVE:
+        until = min(view.returning[n] for n in awaited)
+        return Decision(None, until, f"waiting for {names(awaited)} to register again")
     assignment = assign(view, policy)
     if assignment.workers < policy.min_workers:  # keep the replaced slots: wait for them
         assignment = assign(view, policy, replaced_count=True)

@@ -1,9 +1,11 @@
 """A lease held alive by a background thread: the proof that this agent is alive.
 
 Every key an agent writes about itself is bound to its lease, so the keys vanish when the
-agent dies or is cut off from etcd for longer than the TTL. The session notices the loss
-itself (fencing): a refresh answered with TTL 0, or no successful refresh for a whole TTL,
-means every key bound to the lease may be gone, and the owner must stop acting as a member.
+agent dies or is cut off from etcd for longer than the TTL. Only etcd can say that a lease is
+gone (a refresh answered with TTL 0): silence says nothing, since a restarted etcd, or a
+new raft leader, extends every lease it holds. So while etcd does not answer, the session
+keeps asking (the owner's workers train on meanwhile: etcd is not on the training path), and
+the owner learns of the loss from etcd's own answer, when there is one, and registers again.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ class LeaseSession:
         ttl_s: the lease's time to live. A dead agent is noticed after at most this long;
             it must be longer than the longest stall (GC pause, etcd leader election) that
             should *not* count as death.
-        on_expired: called once, from the keep-alive thread, with the reason, when the lease
-            expires (or cannot be renewed in time, which counts the same). Keep it short
-            (set an event, signal a thread).
+        on_expired: called once, from the keep-alive thread, with the reason, when etcd says
+            the lease has expired (or was revoked). Keep it short (set an event, signal a
+            thread).
         clock: monotonic seconds; an argument for tests.
     """
 
@@ -74,22 +76,24 @@ class LeaseSession:
 
     @property
     def expired(self) -> bool:
-        """Whether the lease is gone, or must be assumed gone: declared so by the keep-alive
-        (:attr:`why_expired`), or a whole TTL passed since the last renewal."""
-        return bool(self._why_expired) or self._clock() - self._last_ok >= self._ttl_s
+        """Whether etcd said that the lease has expired (:attr:`why_expired`)."""
+        return bool(self._why_expired)
 
     @property
     def why_expired(self) -> str:
-        """Why the keep-alive declared the lease expired; empty until it does."""
+        """Why the lease expired, as etcd said it; empty until it does."""
         return self._why_expired
 
+    @property
+    def silent_s(self) -> float:
+        """Seconds since the last renewal: past the TTL, the lease may have expired in etcd
+        (the keys bound to it may be gone), or etcd may still hold it (it was away)."""
+        return self._clock() - self._last_ok
+
     def check(self) -> None:
-        """Raise :class:`LeaseLostError` if the lease is (or must be assumed) gone."""
-        if self.expired:
-            raise LeaseLostError(
-                self._why_expired
-                or f"Lease {self.lease_id:x} was not renewed for a whole TTL ({self._ttl_s} s)."
-            )
+        """Raise :class:`LeaseLostError` if etcd said the lease is gone."""
+        if self._why_expired:
+            raise LeaseLostError(self._why_expired)
 
     def _declare_expired(self, reason: str) -> None:
         """Record the loss, then run the callback (once)."""
@@ -107,29 +111,38 @@ class LeaseSession:
         # Timed from the grant's request, which may have taken a while (the server's TTL runs
         # from when it got it), then from each successful refresh's.
         next_at = self._last_ok + self._ttl_s / 3
+        warned = False
         while not self._stop.wait(max(0.0, next_at - self._clock())):
             sent = self._clock()
             # The server counts the TTL from a refresh it received, at the latest from `sent`:
-            # never wait on one refresh past the moment the lease may have expired.
+            # never wait on one refresh past the moment the lease may have expired (another
+            # member may answer in time); after that, a refresh may take a third of the TTL.
             left_s = self._ttl_s - (sent - self._last_ok)
+            wait_s = max(0.2, left_s) if left_s > 0 else max(0.5, self._ttl_s / 3)
             try:
-                ttl = self._store.refresh_lease(self.lease_id, timeout_s=max(0.2, left_s))
+                ttl = self._store.refresh_lease(self.lease_id, timeout_s=wait_s)
             except StoreError as exc:
                 silent_s = self._clock() - self._last_ok
-                if silent_s >= self._ttl_s:
-                    self._declare_expired(
-                        f"Lease {self.lease_id:x} on {self._store.description} was not renewed "
-                        f"for {silent_s:.1f} s (TTL {self._ttl_s} s): {exc}. It must be taken "
-                        "as expired."
+                if silent_s >= self._ttl_s and not warned:
+                    warned = True
+                    log.warning(
+                        "Lease %x on %s was not renewed for %.1f s (TTL %d s): %s. It may have "
+                        "expired there; this node goes on as it is and asks again until etcd "
+                        "answers.",
+                        self.lease_id,
+                        self._store.description,
+                        silent_s,
+                        self._ttl_s,
+                        exc,
                     )
-                    return
-                log.warning(
-                    "Could not renew lease %x (%.1f s since the last renewal, TTL %d s): %s",
-                    self.lease_id,
-                    silent_s,
-                    self._ttl_s,
-                    exc,
-                )
+                elif not warned:
+                    log.warning(
+                        "Could not renew lease %x (%.1f s since the last renewal, TTL %d s): %s",
+                        self.lease_id,
+                        silent_s,
+                        self._ttl_s,
+                        exc,
+                    )
                 # Retry soon: the store has moved on to another member if this one hung.
                 next_at = self._clock() + min(0.25, self._ttl_s / 6)
                 continue
@@ -139,6 +152,14 @@ class LeaseSession:
                     "(etcd answered TTL 0); every key bound to it is gone."
                 )
                 return
+            if warned:
+                log.warning(
+                    "Lease %x on %s renewed after %.1f s without an answer: it held.",
+                    self.lease_id,
+                    self._store.description,
+                    sent - self._last_ok,
+                )
+                warned = False
             self._last_ok = sent
             next_at = sent + self._ttl_s / 3
 

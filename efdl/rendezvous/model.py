@@ -90,6 +90,12 @@ class JobKeys:
         """The newest persisted snapshot (not bound to a lease: it outlives every node)."""
         return self.prefix + "cache"
 
+    @property
+    def progress(self) -> str:
+        """The job's newest committed step (:class:`Progress`; not bound to a lease: a job
+        whose every worker died must still know that it had trained)."""
+        return self.prefix + "progress"
+
     def node_id_of(self, key: str) -> str:
         """The node id at the end of a ``nodes/``, ``members/`` or ``failures/`` key."""
         return key.rsplit("/", 1)[-1]
@@ -146,6 +152,10 @@ class NodeRecord:
             node offers ``slots - down`` workers until it is (see :attr:`offered`).
         probe_port: where the agent accepts connections while it lives (0: nowhere); a
             refused connection there is evidence that it died (efdl.rendezvous.probe).
+        holds: the ``round_id`` of the round whose workers this node still runs, written
+            when it registers again after its lease was lost (etcd revoked it, or it expired
+            while etcd was away): the leader then takes it for the member it was, not for a
+            newcomer, and no round follows. Empty: a node that joins.
     """
 
     node_id: str
@@ -159,6 +169,7 @@ class NodeRecord:
     incarnation: int = 0
     down: int = 0
     probe_port: int = 0
+    holds: str = ""
 
     @property
     def offered(self) -> int:
@@ -198,6 +209,8 @@ class NodeRecord:
             record = replace(record, down=f.count("down", 0, record.slots))
         if "probe_port" in f:
             record = replace(record, probe_port=f.count("probe_port", 0, 65535))
+        if "holds" in f:
+            record = replace(record, holds=f.text("holds", 64))
         if not ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
         if not HOST_RE.match(record.host):
@@ -239,6 +252,30 @@ class CacheRecord:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The job's newest committed step, under ``progress``: written by the agent of the node
+    that runs rank 0 (at most once a second, off its event loop), deleted by a new run.
+
+    A generation in which no rank holds state and no snapshot can be resumed, after this
+    step was committed, is an error (:class:`~efdl.errors.StateLostError`), not a cold start.
+    """
+
+    step: int
+    generation: int
+    time: float
+
+    def to_json(self) -> bytes:
+        return _dump(asdict(self))
+
+    @staticmethod
+    def from_json(raw: bytes, key: str) -> Progress:
+        f = _load(raw, f"The progress record at {key}")
+        return Progress(
+            f.count("step", 0, 1 << 62), f.count("generation", 0, 1 << 40), f.number("time")
+        )
+
+
 # ---------------------------------------------------------------- rounds
 
 
@@ -269,6 +306,9 @@ class Member:
             being fenced). 0: not recorded.
         generation, round_id: the round it was written for; a record whose ``round_id`` is
             not the round's is left over from another round (its node is not a member).
+        probe_port: where the node's agent answered probes when the round was made (0:
+            nowhere). A leader that sees the member's record go asks it there whether it still
+            runs the round's workers and is registering again (efdl.rendezvous.participant).
     """
 
     node_id: str
@@ -280,6 +320,7 @@ class Member:
     group_rank: int = 0
     generation: int = 0
     round_id: str = ""
+    probe_port: int = 0
 
     def to_json(self) -> bytes:
         return _dump(asdict(self))
@@ -299,6 +340,8 @@ class Member:
             f.count("generation", 1, 1 << 40),
             f.text("round_id", 64),
         )
+        if "probe_port" in f:  # absent from the records of older leaders
+            member = replace(member, probe_port=f.count("probe_port", 0, 65535))
         if key.rsplit("/", 1)[-1] != member.node_id:
             raise RecordError(f"{where} names node {member.node_id!r}, not the node of its key.")
         return member
@@ -407,7 +450,8 @@ class EventKind(StrEnum):
     CRASH = "crash"  # a worker failed
     RESTART = "restart"  # workers restarted, or a lost in-place worker replaced
     EVICT = "evict"  # a dead node's lease ended on evidence (efdl.rendezvous.probe)
-    FENCED = "fenced"  # this node's lease was lost: workers killed, joining again
+    LEASE_LOST = "lease-lost"  # the lease expired or was revoked: registered again, training on
+    HANG = "hang"  # a worker made no step for the hang timeout while its peers waited: replaced
     PERSIST = "persist"  # rank 0 wrote a snapshot to the remote cache
     RESUME = "resume"  # the job resumed from the remote cache
     RESCALE = "rescale"  # training went on at a new size; ``seconds``: how long it stood still

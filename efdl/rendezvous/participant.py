@@ -33,6 +33,7 @@ from efdl.errors import (
     RendezvousClosedError,
     RendezvousError,
     StoreAuthError,
+    StoreConnectionError,
     StoreError,
 )
 from efdl.history import EventLog
@@ -58,17 +59,24 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
-from efdl.rendezvous.probe import Reply, knock_all
+from efdl.rendezvous.probe import Reply, ask_all, knock_all
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_InboxItem = tuple[str, object]  # what happened, and its payload
+# What happened, its payload, and the election it belongs to (watches of an earlier election
+# of this node may still deliver; their items are dropped).
+_InboxItem = tuple[str, object, int]
 _Target = tuple[str, str, int, int]  # a node to probe: id, host, probe port, lease
 # How long a one-off etcd call (a restart request, the job's end, a store publication) keeps
 # trying through an etcd blip before the agent gives up on it. Each attempt already fails over
 # between members within the request timeout; this spans a restart of etcd itself.
 BLIP_S = 30.0
+# How long the leader waits for the answer of a member whose record went (see _await), and,
+# in lease TTLs, for such a member to register again once its agent said it runs the round
+# still: etcd revoked its lease, or the lease expired while etcd was away.
+ASK_S = 3.0
+REJOIN_TTLS = 2.0
 # Operations per transaction when the leader writes the members' records: etcd's default
 # --max-txn-ops.
 TXN_OPS = 128
@@ -77,17 +85,27 @@ TXN_OPS = 128
 def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: float = 0.5) -> T:
     """``fn()``, tried again (``pause_s`` apart) on a StoreError until ``timeout_s`` has passed,
     then the last error is raised. ``fn`` must be safe to repeat: a retried write may have
-    been applied."""
-    deadline = time.monotonic() + timeout_s
+    been applied. Says what it waits for at the first failure and every ten seconds."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    said_at = 0.0
     while True:
         try:
             return fn()
         except (LeaseLostError, CompactedError, StoreAuthError):  # not a blip
             raise
         except StoreError as exc:
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 raise
-            log.warning("Could not %s (%s); trying again.", what, exc)
+            if now - said_at >= 10.0:
+                said_at = now
+                log.warning(
+                    "Could not %s (%s); trying again for up to %.0f s more.",
+                    what,
+                    exc,
+                    deadline - now,
+                )
             time.sleep(pause_s)
 
 
@@ -162,7 +180,12 @@ class Participant:
         policy: min/max workers, settle window, join timeout (used while leader).
         lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
         clock: wall-clock seconds (rounds carry wall times for the join timeout).
-        on_lease_expired: called once if the lease expires (fencing): stop the workers.
+        on_lease_expired: called (from the lease's thread) each time etcd says the lease has
+            expired: the node then registers again by itself, with ``holds``; the workers
+            need not stop (a generation's workers can only train with each other).
+        holds: the ``round_id`` of the round whose workers the node runs now ("" if none, or
+            leaving), asked when it registers again after a lost lease, and by a leader that
+            saw the record of a member go (through the probe port). Default: "".
         on_round: called (from the rendezvous thread) with each newer served round; keep it
             short.
         serve_tcpstore: called (from the rendezvous thread) when this node holds rank 0 of a new
@@ -182,6 +205,7 @@ class Participant:
         lease_ttl_s: int = 5,
         clock: Callable[[], float] = time.time,
         on_lease_expired: Callable[[str], None] | None = None,
+        holds: Callable[[], str] | None = None,
         on_round: Callable[[Round], None] | None = None,
         serve_tcpstore: Callable[[Round], int] | None = None,
         on_failure: Callable[[str], None] | None = None,
@@ -202,6 +226,10 @@ class Participant:
         self._ttl_s = lease_ttl_s
         self._clock = clock
         self._on_lease_expired = on_lease_expired
+        self._holds = holds or (lambda: "")
+        # etcd calls of the rendezvous thread wait for etcd as long as the job may wait for
+        # its members: an outage is outlived, not failed on.
+        self._wait_s = max(BLIP_S, policy.join_timeout_s)
         self._inbox: queue.Queue[_InboxItem] = queue.Queue()
         self._cond = threading.Condition()
         self._round: Round | None = None  # the newest round seen, served or not
@@ -216,6 +244,11 @@ class Participant:
         self._failure = ""  # why the rendezvous thread died, if it did
         self._session: LeaseSession | None = None
         self._my_revision = 0
+        self._unpublished = False  # self._node has changes not written to etcd yet
+        self._election = 0  # bumped when this node follows or leads anew
+        # Leader: members whose record went, and until when to wait for them (clock time):
+        # first for their agent's answer, then for them to register again (see decide).
+        self._returning: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         # Evidence of dead nodes (efdl.rendezvous.probe): the node just before this one (its
         # record as read), the nodes whose probe port answered (and their lease then), the
@@ -236,6 +269,12 @@ class Participant:
         return self._is_leader
 
     @property
+    def lease_healthy(self) -> bool:
+        """Whether the lease was renewed within its TTL (etcd answers, the keys stand)."""
+        session = self._session
+        return session is not None and not session.expired and session.silent_s < self._ttl_s
+
+    @property
     def current_round(self) -> Round | None:
         """The newest served round (see :attr:`Round.served`)."""
         with self._cond:
@@ -245,6 +284,12 @@ class Participant:
         gen = self._served.generation if self._served else 0
         return f"job {self.keys.job_id} node {self.node_id} gen {gen}"
 
+    @property
+    def node(self) -> NodeRecord:
+        """This node's record as it offers itself now (written, or about to be)."""
+        with self._cond:
+            return self._node
+
     def join(self) -> None:
         """Register this node (bound to a new lease) and start following rounds.
 
@@ -252,40 +297,65 @@ class Participant:
             DuplicateNodeError: a live node with the same id is already in the job.
             StoreError: etcd failed.
         """
-        self._session = LeaseSession(self._store, self._ttl_s, on_expired=self._lease_gone)
-        key = self.keys.node(self.node_id)
-        result = self._store.txn(
-            [Compare.absent(key)],
-            [Put(key, self._node.to_json(), self._session.lease_id)],
-            [Get(key)],
-        )
-        existing = result.gets[0][0] if not result.succeeded and result.gets[0] else None
-        if existing is not None and existing.lease == self._session.lease_id:
-            # Our own record: a first attempt was applied, its answer lost, and retried.
-            result = replace(result, succeeded=True, revision=existing.create_revision)
-        if not result.succeeded:
-            self._session.close()
-            other = ""
-            if existing is not None:
-                try:
-                    other = f" (host {NodeRecord.from_json(existing.value, key).host})"
-                except RecordError:
-                    other = ""
-            raise DuplicateNodeError(
-                f"A live node with id {self.node_id!r} is already in job {self.keys.job_id!r}"
-                f"{other}; give this node another --node-id."
-            )
-        self._my_revision = result.revision
-        log.info(
-            "Job %s: node %s joined (lease %x).",
-            self.keys.job_id,
-            self.node_id,
-            self._session.lease_id,
-        )
+        self._register()
         self._thread = threading.Thread(
             target=self._run, name=f"efdl-rdzv-{self.node_id}", daemon=True
         )
         self._thread.start()
+
+    def _register(self, holds: str = "", again: bool = False) -> None:
+        """Write this node's record, bound to a new lease; ``holds``: see NodeRecord;
+        ``again``: after a lost lease, where an earlier attempt may have been applied."""
+        session = LeaseSession(self._store, self._ttl_s, on_expired=self._lease_gone)
+        with self._cond:
+            node = replace(self._node, holds=holds)
+        key = self.keys.node(self.node_id)
+        try:
+            result = self._store.txn(
+                [Compare.absent(key)],
+                [Put(key, node.to_json(), session.lease_id)],
+                [Get(key)],
+            )
+        except BaseException:
+            session.close()
+            raise
+        existing = result.gets[0][0] if not result.succeeded and result.gets[0] else None
+        if existing is not None and existing.lease == session.lease_id:
+            # Our own record: a first attempt was applied, its answer lost, and retried.
+            result = replace(result, succeeded=True, revision=existing.create_revision)
+        if not result.succeeded:
+            session.close()
+            other = ""
+            if existing is not None:
+                try:
+                    theirs = NodeRecord.from_json(existing.value, key)
+                except RecordError:
+                    theirs = None
+                if again and theirs is not None and (theirs.host, theirs.start_time) == (
+                    node.host,
+                    node.start_time,
+                ):
+                    # Ours, from an attempt whose answer was lost: nobody renews its lease,
+                    # so it goes within a TTL (a StoreError: the caller tries again).
+                    raise StoreConnectionError(
+                        f"The node record {key} of an earlier attempt to register is still "
+                        f"there (lease {existing.lease:x}); it goes within {self._ttl_s} s."
+                    )
+                other = f" (host {theirs.host})" if theirs is not None else ""
+            raise DuplicateNodeError(
+                f"A live node with id {self.node_id!r} is already in job {self.keys.job_id!r}"
+                f"{other}; give this node another --node-id."
+            )
+        with self._cond:
+            self._session, self._my_revision = session, result.revision
+            self._node, self._unpublished = node, False
+        log.info(
+            "Job %s: node %s %s (lease %x).",
+            self.keys.job_id,
+            self.node_id,
+            f"registered again, still running round {holds}" if holds else "joined",
+            session.lease_id,
+        )
 
     def next_round(self, after: int, timeout_s: float | None = None) -> Round | None:
         """The newest round with a generation above ``after``, waiting up to ``timeout_s``.
@@ -294,14 +364,11 @@ class Participant:
         most once, and the newest one always is.
 
         Raises:
-            LeaseLostError: this node's lease is gone: it is no longer a member.
             RendezvousError: the rendezvous failed on this node (it has left the job).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
-                if self._session is not None and self._session.expired:
-                    self._session.check()
                 if self._failure:
                     raise RendezvousError(self._failure)
                 if self._served is not None and self._served.generation > after:
@@ -317,38 +384,54 @@ class Participant:
         """A collective of this node's workers failed in ``generation`` (a peer's connection
         closed, or a worker died): have the nodes probed for dead agents, so that a node
         whose agent died with its workers leaves the job before its lease expires."""
-        self._inbox.put(("report", generation))
+        self._inbox.put(("report", generation, 0))
 
     def request_restart(self) -> None:
         """Ask for a new round with the same members (this node restarted its workers)."""
-        self._publish(replace(self._node, incarnation=self._node.incarnation + 1, down=0))
+        with self._cond:
+            node = self._node
+        self._publish(replace(node, incarnation=node.incarnation + 1, down=0))
 
     def set_down(self, down: int) -> None:
         """Offer ``slots - down`` workers: ``down`` in-place workers died and their
         replacements are not ready yet. A rise asks for a new round at once (the survivors go
         on without them); a fall (a replacement is ready) is an ordinary offer of more."""
-        if down > self._node.down:
-            self._publish(replace(self._node, incarnation=self._node.incarnation + 1, down=down))
-        elif down < self._node.down:
-            self._publish(replace(self._node, down=down))
+        with self._cond:
+            node = self._node
+        if down > node.down:
+            self._publish(replace(node, incarnation=node.incarnation + 1, down=down))
+        elif down < node.down:
+            self._publish(replace(node, down=down))
 
     def _publish(self, node: NodeRecord) -> None:
-        """Replace this node's record with ``node``, as long as it is still ours."""
-        assert self._session is not None, "join() first"
-        self._node = node
+        """Offer ``node`` from now on: the rendezvous thread writes it, while the record is
+        this node's, as soon as etcd answers (a node that registers again writes it too).
+        Returns at once: the caller (the agent's event loop) never waits for etcd."""
+        with self._cond:
+            self._node, self._unpublished = node, True
+        self._inbox.put(("publish", None, 0))
+
+    def _write_node(self) -> bool:
+        """Write the newest record (:meth:`_publish`); False if etcd failed (try again)."""
+        with self._cond:
+            node, session, revision = self._node, self._session, self._my_revision
+            self._unpublished = False
+        assert session is not None
         key = self.keys.node(self.node_id)
-        lease = self._session.lease_id
-        ok = retried(
-            "update the node record",
-            lambda: (
-                self._store.txn(
-                    [Compare.create_revision_is(key, self._my_revision)],
-                    [Put(key, self._node.to_json(), lease)],
-                ).succeeded
-            ),
-        )
-        if not ok:
-            raise LeaseLostError(f"The node record of {self.node_id} is gone; it left the job.")
+        try:
+            ok = self._store.txn(
+                [Compare.create_revision_is(key, revision)],
+                [Put(key, node.to_json(), session.lease_id)],
+            ).succeeded
+        except StoreError as exc:
+            log.warning("%s: could not update the node record (%s); retrying.", self._tag(), exc)
+            with self._cond:
+                self._unpublished = True
+            return False
+        if not ok:  # the lease is gone with the record: registering again writes it
+            log.info("%s: the node record is gone; it is written when the node registers "
+                     "again.", self._tag())
+        return True
 
     def leave(self) -> None:
         """Leave gracefully: revoke the lease, so the node's keys go and the next round comes
@@ -371,33 +454,47 @@ class Participant:
             self._stopped = True
             self._is_leader = False
             self._cond.notify_all()
-        self._inbox.put(("stop", None))
+        self._inbox.put(("stop", None, 0))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
     def _retried(self, what: str, fn: Callable[[], T]) -> T:
-        """:func:`retried`, ended by the lease: once it has expired this node is no longer a member
-        and its agent is fenced (not failed), however long etcd stays away."""
-
-        def attempt() -> T:
-            # A declared expiry only: a late refresh makes the lease count as expired for an
-            # instant, and the keep-alive may still renew it (see _loop).
-            if self._session is not None and self._session.why_expired:
-                raise LeaseLostError(self._session.why_expired)
-            return fn()
-
-        return retried(what, attempt)
+        """:func:`retried` for as long as the job may wait for its members (an etcd outage
+        is outlived; training does not need etcd meanwhile)."""
+        return retried(what, fn, timeout_s=self._wait_s)
 
     def _lease_gone(self, reason: str) -> None:
+        """From the lease's thread: etcd said the lease has expired."""
         with self._cond:
             self._is_leader = False
             self._cond.notify_all()
-        self._inbox.put(("lease", None))
+        self._inbox.put(("lease", None, 0))
         if self._on_lease_expired is not None:
             self._on_lease_expired(reason)
 
     def _sink(self, tag: str) -> Callable[[WatchBatch | StoreError], None]:
-        return lambda item: self._inbox.put((tag, item))
+        """A watch's sink into the inbox, for this node's current election (``tag`` pred,
+        nodes, failures) or for good (round)."""
+        election = self._election
+        return lambda item: self._inbox.put((tag, item, election))
+
+    def _register_again(self) -> None:
+        """etcd said the lease has expired: every key bound to it is gone. Register again
+        under a new lease, saying which round's workers this node still runs: a leader takes
+        it for the member it was (no round follows) if that round is still the job's; if the
+        job moved on without it, it is a newcomer. Waits for etcd (``_wait_s``)."""
+        with self._cond:
+            self._is_leader = False
+            old = self._session
+        if old is not None:
+            old.close(revoke=False)
+        holds = self._holds()
+        log.warning(
+            "%s: the lease is gone; registering again (%s).",
+            self._tag(),
+            f"its workers run round {holds} still" if holds else "as a newcomer",
+        )
+        self._retried("register this node again", lambda: self._register(holds, again=True))
 
     def _set_round(self, kv: KeyValue | None) -> None:
         """Take in the round key as read or watched; events may arrive late, never go back."""
@@ -421,7 +518,7 @@ class Participant:
             acted = self._served.generation if self._served is not None else 0
         if not latest.served:
             if latest.head == self.node_id:
-                self._inbox.put(("serve", None))
+                self._inbox.put(("serve", None, 0))
             return
         if acted >= latest.generation:
             return
@@ -516,8 +613,6 @@ class Participant:
                 )
             )
             self._loop()
-        except LeaseLostError:
-            pass
         except Exception as exc:
             log.error("%s: the rendezvous failed: %s", self._tag(), exc, exc_info=True)
             with self._cond:
@@ -548,83 +643,119 @@ class Participant:
             snap.kvs[0].key, start_revision=snap.revision + 1, sink=self._sink("pred")
         )
 
+    def _elect(self, watches: list[Watch]) -> dict[str, NodeView] | None:
+        """Follow the node before this one, or lead if there is none, replacing the watches
+        of an earlier election; the nodes as read when leading (None: following)."""
+        for w in watches:
+            w.cancel()
+        watches.clear()
+        self._election += 1  # what the old watches still deliver is dropped
+        with self._cond:
+            self._is_leader = False
+        pred = self._follow()
+        if pred is not None:
+            watches.append(pred)
+            return None
+        nodes_watch, failures_watch, nodes = self._lead()
+        watches += [nodes_watch, failures_watch]
+        return nodes
+
     def _loop(self) -> None:
-        pred_watch = self._follow()
-        nodes_watch: Watch | None = None
-        failures_watch: Watch | None = None
-        nodes: dict[str, NodeView] = {}
+        watches: list[Watch] = []  # this election's: the predecessor's, or the leader's two
+        nodes = self._elect(watches) or {}
         last_change = self._clock()
         wake_at: float | None = None
-        if pred_watch is None:
-            nodes_watch, failures_watch, nodes = self._lead()
-        while True:
-            timeout = None if wake_at is None else max(0.0, wake_at - self._clock())
-            try:
-                tag, item = self._inbox.get(timeout=timeout)
-            except queue.Empty:
-                tag, item = "wake", None
-            if tag == "stop" or self._stopped:
-                break
-            # Only a declared expiry ends the loop: the lease counts as expired by time alone for
-            # an instant when a refresh is late, and the keep-alive then either declares it
-            # (and the agent is fenced) or renews it (and this node is still a member: a loop
-            # that had quit would leave a member nobody acts for).
-            if tag == "lease" or (self._session is not None and self._session.why_expired):
-                break
-            if isinstance(item, StoreError):
-                raise item
-            if tag == "serve":
-                self._retried("publish the store's port", self._publish_tcpstore)
-            elif tag == "round" and isinstance(item, WatchBatch):
-                for ev in item.events:
-                    if ev.type is EventType.PUT:
-                        self._set_round(ev.kv)
-                    else:
-                        self._round_deleted()
-            elif tag == "pred" and isinstance(item, WatchBatch):
-                if any(ev.type is EventType.DELETE for ev in item.events):
-                    if pred_watch is not None:
-                        pred_watch.cancel()
-                    pred_watch = self._follow()
-                    if pred_watch is None:
-                        nodes_watch, failures_watch, nodes = self._lead()
-                        last_change = self._clock()
-            elif tag == "nodes" and isinstance(item, WatchBatch):
-                if item.reset:
-                    nodes = {}
-                for ev in item.events:
-                    node_id = self.keys.node_id_of(ev.kv.key)
-                    if ev.type is EventType.DELETE:
-                        nodes.pop(node_id, None)
-                        self._answered.pop(node_id, None)
-                    else:
-                        known = nodes.get(node_id)
-                        nodes.update(parse_nodes((ev.kv,), self.keys))
-                        if known is None or known.lease != ev.kv.lease:  # a newcomer
-                            self._probe(self._targets(nodes, {node_id}))
-                last_change = self._clock()
-            elif tag == "failures" and isinstance(item, WatchBatch):
-                if self._is_leader and any(ev.type is EventType.PUT for ev in item.events):
-                    self._probe(self._targets(nodes))
-            elif tag == "report" and isinstance(item, int):
-                self._on_report(item, nodes)
-            elif tag == "probed" and isinstance(item, list):
-                self._on_probed(item)
-            if self._is_leader:
+        retry_at: float | None = None  # write the node record again then (etcd failed)
+        try:
+            while True:
+                due = [t for t in (wake_at, retry_at) if t is not None]
+                timeout = max(0.0, min(due) - self._clock()) if due else None
                 try:
-                    wake_at = self._decide(nodes, last_change)
-                except StoreError as exc:
-                    log.warning(
-                        "%s: could not write the next round (%s); retrying.", self._tag(), exc
-                    )
-                    wake_at = self._clock() + 0.5
-        for w in (pred_watch, nodes_watch, failures_watch):
-            if w is not None:
+                    tag, item, election = self._inbox.get(timeout=timeout)
+                except queue.Empty:
+                    tag, item, election = "wake", None, 0
+                if tag == "stop" or self._stopped:
+                    break
+                if tag in ("pred", "nodes", "failures") and election != self._election:
+                    continue  # a watch of an earlier election
+                if isinstance(item, StoreError):
+                    raise item
+                if tag == "lease" and self._session is not None and self._session.expired:
+                    self._register_again()
+                    nodes, last_change = self._elect(watches) or {}, self._clock()
+                elif tag == "serve":
+                    self._retried("publish the store's port", self._publish_tcpstore)
+                elif tag == "round" and isinstance(item, WatchBatch):
+                    self._on_round_batch(item)
+                elif tag == "pred" and isinstance(item, WatchBatch):
+                    # Gone (a reset batch, after a compaction, says what is there now: our
+                    # predecessor's record, or nothing), or made again (a new create revision,
+                    # after ours: not our predecessor any more): follow anew, or lead.
+                    if item.reset or any(ev.type is EventType.DELETE for ev in item.events):
+                        found = self._elect(watches)
+                        if found is not None:
+                            nodes, last_change = found, self._clock()
+                elif tag == "nodes" and isinstance(item, WatchBatch):
+                    self._on_nodes_batch(item, nodes)
+                    last_change = self._clock()
+                elif tag == "failures" and isinstance(item, WatchBatch):
+                    if self._is_leader and any(ev.type is EventType.PUT for ev in item.events):
+                        self._probe(self._targets(nodes))
+                elif tag == "report" and isinstance(item, int):
+                    self._on_report(item, nodes)
+                elif tag == "probed" and isinstance(item, list):
+                    self._on_probed(item)
+                elif tag == "asked" and isinstance(item, dict):
+                    self._on_asked(item)
+                if self._unpublished and (retry_at is None or self._clock() >= retry_at):
+                    retry_at = None if self._write_node() else self._clock() + 0.5
+                if self._is_leader:
+                    try:
+                        wake_at = self._decide(nodes, last_change)
+                    except StoreError as exc:
+                        log.warning(
+                            "%s: could not write the next round (%s); retrying.", self._tag(), exc
+                        )
+                        wake_at = self._clock() + 0.5
+                else:
+                    wake_at = None
+        finally:
+            for w in watches:
                 w.cancel()
+
+    def _on_round_batch(self, batch: WatchBatch) -> None:
+        """The round key changed; a reset batch (after a compaction) holds it as it is now,
+        and no PUT in it means that it was deleted."""
+        for ev in batch.events:
+            if ev.type is EventType.PUT:
+                self._set_round(ev.kv)
+            else:
+                self._round_deleted()
+        if batch.reset and not any(ev.kv.key == self.keys.round for ev in batch.events):
+            self._round_deleted()
+
+    def _on_nodes_batch(self, batch: WatchBatch, nodes: dict[str, NodeView]) -> None:
+        """Leader: the node records changed (a reset batch holds them all as they are now).
+        A member of the active round whose record went is asked whether it comes back."""
+        if batch.reset:
+            nodes.clear()
+        for ev in batch.events:
+            node_id = self.keys.node_id_of(ev.kv.key)
+            if ev.type is EventType.DELETE:
+                nodes.pop(node_id, None)
+                self._answered.pop(node_id, None)
+            else:
+                known = nodes.get(node_id)
+                nodes.update(parse_nodes((ev.kv,), self.keys))
+                self._returning.pop(node_id, None)
+                if known is None or known.lease != ev.kv.lease:  # a newcomer
+                    self._probe(self._targets(nodes, {node_id}))
+        self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
 
     def _lead(self) -> tuple[Watch, Watch, dict[str, NodeView]]:
         """Become the leader: read every node record (the one agent that does) and watch them,
-        and the failure reports."""
+        and the failure reports. Members of the active round without a record are asked
+        whether they come back (their lease may be what went, not their node)."""
         with self._cond:
             self._is_leader = True
         log.info("%s: this node leads the job.", self._tag())
@@ -639,9 +770,63 @@ class Participant:
             self.keys.failures, prefix=True, start_revision=start, sink=self._sink("failures")
         )
         nodes = parse_nodes(snap.kvs, self.keys)
-        self._inbox.put(("wake", None))
+        self._returning.clear()
+        self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
+        self._inbox.put(("wake", None, 0))
         self._probe(self._targets(nodes))  # what answers now may be evidence later
         return watch, failures, nodes
+
+    # ---------------------------------------------------------------- members coming back
+
+    def _await(self, missing: list[Member]) -> None:
+        """Leader: members of the active round whose record is gone. Each is waited for (no
+        round is written) until its agent has answered on its probe port (at most ASK_S):
+        if it says it runs the round's workers still, its lease was lost, not its node, and
+        it registers again; a refusal, silence, or another answer means it has left."""
+        now = self._clock()
+        targets = []
+        for m in missing:
+            if m.probe_port and m.node_id not in self._returning:
+                self._returning[m.node_id] = now + ASK_S
+                targets.append((m.node_id, m.host, m.probe_port))
+        if not targets:
+            return
+        election = self._election
+
+        def run() -> None:
+            self._inbox.put(("asked", ask_all(targets), election))
+
+        threading.Thread(target=run, name="efdl-ask", daemon=True).start()
+
+    def _on_asked(self, replies: dict[str, tuple[Reply, dict[str, object] | None]]) -> None:
+        """The answers of members whose record went (see :meth:`_await`)."""
+        with self._cond:
+            current = self._round
+        for node_id, (reply, said) in replies.items():
+            if node_id not in self._returning:
+                continue  # registered again meanwhile
+            holds = said.get("holds") if said else None
+            if reply is Reply.ANSWERED and current is not None and holds == current.round_id:
+                wait_s = REJOIN_TTLS * self._ttl_s
+                self._returning[node_id] = self._clock() + wait_s
+                log.warning(
+                    "%s: the record of node %s went, but its agent runs round %d still: "
+                    "waiting up to %.0f s for it to register again.",
+                    self._tag(),
+                    node_id,
+                    current.generation,
+                    wait_s,
+                )
+            else:
+                self._returning[node_id] = 0.0  # left: not waited for, nor asked again
+                log.info(
+                    "%s: node %s has left (its agent %s).",
+                    self._tag(),
+                    node_id,
+                    "answered that it runs no round of ours"
+                    if reply is Reply.ANSWERED
+                    else f"{reply.value}",
+                )
 
     # ---------------------------------------------------------------- evidence of dead nodes
 
@@ -694,7 +879,7 @@ class Participant:
                         self._probing = False
                         return
                 replies = knock_all((n, host, port) for n, host, port, _ in todo)
-                self._inbox.put(("probed", [(t, replies[t[0]]) for t in todo]))
+                self._inbox.put(("probed", [(t, replies[t[0]]) for t in todo], 0))
 
         threading.Thread(target=run, name="efdl-probe", daemon=True).start()
 
@@ -760,6 +945,7 @@ class Participant:
             last_change=last_change,
             leader=self.node_id,
             members=self._current_members(current),
+            returning=dict(self._returning),
         )
         now = self._clock()
         decision = decide(view, self._policy, now)
@@ -865,19 +1051,23 @@ def end_job(
     raise RendezvousError(f"Could not end job {job_id!r}: its round kept changing.")
 
 
-def start_job(store: KVStore, job_id: str, new_run: bool) -> Round | None:
+def start_job(
+    store: KVStore, job_id: str, new_run: bool, timeout_s: float = BLIP_S
+) -> Round | None:
     """Before a node joins: if the job has ended (finished, stopped or failed), start a new
     run of it when ``new_run``, else refuse. A new run replaces the final round
     (compare-and-swap) with a waiting round of the next generation, so its nodes join as at
     a first start; the remote cache is the job's, so a resumed job goes on from its newest
     snapshot. Returns the round that ended the last run, if one was reopened.
 
+    Waits up to ``timeout_s`` for etcd to answer.
+
     Raises:
         RendezvousClosedError: the job has ended and ``new_run`` is off.
     """
     keys = JobKeys(job_id)
     while True:
-        kv = retried("read the round", lambda: store.get(keys.round))
+        kv = retried("read the round", lambda: store.get(keys.round), timeout_s)
         current = parse_round(kv, keys)
         if kv is None or current is None or not current.status.final:
             return None

@@ -14,7 +14,12 @@ T0 = 1_000.0
 
 
 def node(
-    node_id: str, slots: int = 1, rev: int = 0, incarnation: int = 0, down: int = 0
+    node_id: str,
+    slots: int = 1,
+    rev: int = 0,
+    incarnation: int = 0,
+    down: int = 0,
+    holds: str = "",
 ) -> tuple[str, NodeView]:
     record = NodeRecord(
         node_id,
@@ -23,6 +28,7 @@ def node(
         slots=slots,
         incarnation=incarnation,
         down=down,
+        holds=holds,
     )
     return node_id, NodeView(record, joined_revision=rev or ord(node_id[-1]))
 
@@ -216,8 +222,37 @@ def test_a_lost_worker_does_not_take_the_job_below_min() -> None:
     assert decide(view(node("a"), node("b", incarnation=1), round=d), P, T0 + 9).round is None
 
 
+def test_members_registered_again_with_their_workers_running_make_no_round() -> None:
+    """etcd ended every member's lease (an outage, or etcd 3.5.1's paused leader): each
+    registers again under a new revision, saying that it runs the round still. Nothing
+    changed for the job: no round."""
+    r1 = settled(view(node("a"), node("b")), P)
+    assert r1.round is not None
+    held = r1.round.round_id
+    again = view(node("a", rev=500, holds=held), node("b", rev=501, holds=held), round=r1)
+    assert decide(again, P, T0 + 5).round is None
+    # A stale claim (of an older round) is no claim: a new member.
+    stale = view(node("a", rev=500, holds="0123"), node("b", rev=501, holds=held), round=r1)
+    d = decide(stale, P, T0 + 5)
+    assert d.round is not None and "a joined again" in d.reason
+
+
+def test_a_member_awaited_holds_every_round_until_its_deadline() -> None:
+    """A member whose record went while its agent says it runs the round is waited for:
+    no round (not for its absence, nor for a join) until the deadline; then it has left."""
+    r1 = settled(view(node("a"), node("b")), P)
+    awaited = replace(view(node("a"), node("c"), round=r1), returning={"b": T0 + 8})
+    d = decide(awaited, P, T0 + 5)
+    assert d.round is None and d.wake_at == T0 + 8 and "waiting for b to register" in d.reason
+    late = decide(awaited, P, T0 + 8)
+    assert late.round is not None and "b left" in late.reason
+    # An answer that it has left (a deadline passed, 0): no wait at all.
+    gone = replace(view(node("a"), round=r1), returning={"b": 0.0})
+    assert decide(gone, P, T0 + 5).round is not None
+
+
 def test_members_that_joined_again_under_their_ids_get_a_new_round_at_once() -> None:
-    """Every agent fenced by an etcd outage joins again with new records under the same ids:
+    """Agents restarted under the same ids (their workers new) join again with new records:
     the leader never saw them leave, yet their workers are new (found by the fault suite:
     the job stood still with no worker)."""
     r1 = settled(view(node("a"), node("b")), P)

@@ -1,12 +1,13 @@
-"""LeaseSession on the in-memory store with a manual clock: fencing without a server."""
+"""LeaseSession on the in-memory store with a manual clock: expiry without a server."""
 
 from __future__ import annotations
 
 import pytest
 
-from efdl.errors import ConfigError, StoreConnectionError
+from efdl.errors import ConfigError, LeaseLostError, StoreConnectionError
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.memory_store import MemoryStore
+from tests.wait import wait_until
 
 
 class Clock:
@@ -17,15 +18,41 @@ class Clock:
         return self.now
 
 
-def test_silence_for_a_whole_ttl_counts_as_lost() -> None:
+class Unreachable(MemoryStore):
+    """A store whose lease refreshes fail while ``away`` (etcd hung, or partitioned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.away = True
+        self.refreshes = 0
+
+    def refresh_lease(self, lease_id: int, timeout_s: float | None = None) -> int:
+        self.refreshes += 1
+        if self.away:
+            raise StoreConnectionError("etcd did not answer")
+        return super().refresh_lease(lease_id, timeout_s)
+
+
+def test_silence_is_not_expiry_etcd_says_when_a_lease_is_gone() -> None:
+    """Past the TTL without an answer the lease may or may not be gone (a restarted etcd, or
+    a new raft leader, extends it): the session keeps asking, and only etcd's TTL 0 ends it."""
     clock = Clock()
-    store = MemoryStore()
-    session = LeaseSession(store, ttl_s=30, clock=clock)  # the thread waits 10 s: never fires
-    assert not session.expired
-    clock.now += 29.9
-    assert not session.expired
-    clock.now += 0.2
-    assert session.expired  # even before the keep-alive thread notices
+    store = Unreachable()
+    lost: list[str] = []
+    session = LeaseSession(store, ttl_s=3, clock=clock, on_expired=lost.append)
+    clock.now += 10  # three TTLs of silence
+    wait_until("refreshes after the TTL", lambda: store.refreshes >= 3, 10)
+    assert not session.expired and not lost
+    assert session.silent_s >= 10
+    store.away = False  # etcd is back and held the lease
+    wait_until("a renewal", lambda: session.silent_s < 1, 10)
+    assert not session.expired and not lost
+    store.revoke_lease(session.lease_id)  # etcd let it expire meanwhile
+    clock.now += 2
+    wait_until("etcd's word", lambda: lost, 10)
+    assert session.expired and "TTL 0" in lost[0]
+    with pytest.raises(LeaseLostError):
+        session.check()
     session.close(revoke=False)
     store.close()
 
