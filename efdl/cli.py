@@ -598,7 +598,10 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
     try:
         job_id = check_id(cfg.job_id or "standalone")
-        settings = None if cfg.standalone else cfg.etcd_settings()
+        # A node started while etcd is away waits for it as long as the job may wait for
+        # its members, saying so (it joins once etcd is back).
+        wait_s = max(2 * cfg.etcd_timeout_s, cfg.join_timeout_s)
+        settings = None if cfg.standalone else cfg.etcd_settings(connect_timeout_s=wait_s)
         host = cfg.host or (default_host(settings.endpoints) if settings else "127.0.0.1")
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)

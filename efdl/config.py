@@ -216,9 +216,14 @@ class EtcdClientConfig:
     etcd_timeout_s: float = 5.0
 
     def etcd_settings(
-        self, endpoints: str | None = None, env: Mapping[str, str] | None = None
+        self,
+        endpoints: str | None = None,
+        env: Mapping[str, str] | None = None,
+        connect_timeout_s: float | None = None,
     ) -> EtcdSettings:
-        """Resolved client settings (reads the password); ``endpoints`` overrides ``etcd``."""
+        """Resolved client settings (reads the password); ``endpoints`` overrides ``etcd``;
+        ``connect_timeout_s``: how long to wait for etcd at start (default: two request
+        timeouts)."""
         target = endpoints or self.etcd
         if not target:
             raise ConfigError(
@@ -236,7 +241,7 @@ class EtcdClientConfig:
             user=self.etcd_user,
             password=password,
             request_timeout_s=self.etcd_timeout_s,
-            connect_timeout_s=2 * self.etcd_timeout_s,
+            connect_timeout_s=connect_timeout_s or 2 * self.etcd_timeout_s,
         )
 
 

@@ -111,7 +111,8 @@ class LeaseSession:
         # Timed from the grant's request, which may have taken a while (the server's TTL runs
         # from when it got it), then from each successful refresh's.
         next_at = self._last_ok + self._ttl_s / 3
-        warned = False
+        warned = False  # the TTL passed without an answer, and the log said so
+        failures = 0  # refreshes that failed in a row
         while not self._stop.wait(max(0.0, next_at - self._clock())):
             sent = self._clock()
             # The server counts the TTL from a refresh it received, at the latest from `sent`:
@@ -126,23 +127,25 @@ class LeaseSession:
                 if silent_s >= self._ttl_s and not warned:
                     warned = True
                     log.warning(
-                        "Lease %x on %s was not renewed for %.1f s (TTL %d s): %s. It may have "
+                        "Lease %x on %s was not renewed for %.1f s (TTL %d s): %s It may have "
                         "expired there; this node goes on as it is and asks again until etcd "
                         "answers.",
                         self.lease_id,
                         self._store.description,
                         silent_s,
                         self._ttl_s,
-                        exc,
+                        _sentence(exc),
                     )
-                elif not warned:
-                    log.warning(
+                else:  # the first failure says it; the next ones, and the TTL, are enough
+                    log.log(
+                        logging.DEBUG if failures else logging.WARNING,
                         "Could not renew lease %x (%.1f s since the last renewal, TTL %d s): %s",
                         self.lease_id,
                         silent_s,
                         self._ttl_s,
                         exc,
                     )
+                failures += 1
                 # Retry soon: the store has moved on to another member if this one hung.
                 next_at = self._clock() + min(0.25, self._ttl_s / 6)
                 continue
@@ -160,7 +163,7 @@ class LeaseSession:
                     sent - self._last_ok,
                 )
                 warned = False
-            self._last_ok = sent
+            self._last_ok, failures = sent, 0
             next_at = sent + self._ttl_s / 3
 
     def close(self, revoke: bool = True) -> None:
@@ -184,3 +187,9 @@ class LeaseSession:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _sentence(exc: BaseException) -> str:
+    """``exc``'s message ending with one full stop."""
+    text = str(exc).rstrip()
+    return text if text.endswith(".") else text + "."

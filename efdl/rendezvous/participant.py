@@ -786,7 +786,7 @@ class Participant:
         now = self._clock()
         targets = []
         for m in missing:
-            if m.probe_port and m.node_id not in self._returning:
+            if m.probe_port and m.node_id not in self._returning and m.node_id != self.node_id:
                 self._returning[m.node_id] = now + ASK_S
                 targets.append((m.node_id, m.host, m.probe_port))
         if not targets:
@@ -1002,7 +1002,9 @@ class Participant:
         return revision
 
     def _not_leading(self) -> NoReturn:
-        log.error("%s: our node record is gone; no longer leading.", self._tag())
+        log.warning(
+            "%s: our node record is gone (its lease expired); no longer leading.", self._tag()
+        )
         with self._cond:
             self._is_leader = False
         raise LeaseLostError("The node record is gone.")

@@ -227,6 +227,8 @@ def test_bad_config_files_and_unreachable_etcd(tmp_path: Path) -> None:
             "127.0.0.1:9,127.0.0.1:10",
             "--etcd-timeout",
             "1",
+            "--join-timeout",
+            "3",
             "--job-id",
             "j",
             "x.py",

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from efdl.errors import LeaseLostError, RendezvousError
+from efdl.errors import RendezvousError
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
