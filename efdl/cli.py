@@ -431,6 +431,13 @@ _IGNORED = {
     help="Seconds from SIGTERM to SIGKILL for workers and for leaving.",
 )
 @click.option(
+    "--hang-timeout",
+    "hang_timeout_s",
+    type=float,
+    help="Seconds an in-place worker may make no step while a peer waits on it before it is "
+    "replaced (default: 90% of the collective timeout, at least 5 of the longest steps).",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     help="text (default) or json: one object per line with time, job, node, generation, rank.",

@@ -278,6 +278,9 @@ class LaunchConfig(EtcdClientConfig):
             the memory of an interpreter with torch imported (about 300 MB of host memory
             with a CPU build of torch).
         grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
+        hang_timeout_s: how long an in-place worker may make no step while a peer waits on
+            it in a collective before its agent replaces it (efdl.state.hang); None: 90% of
+            the workers' collective timeout, and at least five of the longest steps.
         log_format: ``text`` (for people) or ``json`` (one object per line, agent and worker
             lines alike, each with time, job, node, generation and, for workers, rank).
         metrics_port: serve Prometheus metrics on ``--host`` at this port (None: off; 0: a
@@ -310,6 +313,7 @@ class LaunchConfig(EtcdClientConfig):
     max_restarts: int = 3
     warm_workers: int | None = None
     grace_period_s: float = 30.0
+    hang_timeout_s: float | None = None
     metrics_port: int | None = None
     log_format: str = "text"
     log_dir: Path | None = None
@@ -356,6 +360,11 @@ class LaunchConfig(EtcdClientConfig):
                 raise ConfigError(f"--{flag} ({getattr(self, name)}) must not be negative.")
         if self.join_timeout_s <= 0:
             raise ConfigError(f"--join-timeout ({self.join_timeout_s} s) must be positive.")
+        if self.hang_timeout_s is not None and self.hang_timeout_s <= 0:
+            raise ConfigError(
+                f"--hang-timeout ({self.hang_timeout_s} s) must be positive (leave it out for "
+                "the default: 90% of the collective timeout)."
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts ({self.max_restarts}) must not be negative.")
         if self.log_format not in ("text", "json"):

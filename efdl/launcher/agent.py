@@ -42,6 +42,7 @@ from efdl.rendezvous.model import (
     EventKind,
     JobKeys,
     NodeRecord,
+    Progress,
     RecordError,
     Round,
     RoundStatus,
@@ -51,6 +52,7 @@ from efdl.rendezvous.probe import ProbeListener
 from efdl.state.cache import CacheSettings, SnapshotStorage
 from efdl.state.channel import (
     GRACE_ENV,
+    JOB_STEP_ENV,
     JOIN_TIMEOUT_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SOCKET_ENV,
@@ -58,6 +60,7 @@ from efdl.state.channel import (
     ChannelServer,
     Placement,
 )
+from efdl.state.hang import HANG_TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,23 @@ class _PeerFailed:
     """A worker's collective failed because a peer's connection closed."""
 
     generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class _StateLost:
+    """Rank 0 found that no rank holds the job's state and no snapshot brings it back."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Hung:
+    """An in-place worker made no step for the hang timeout while a peer waited on it."""
+
+    pid: int
+    step: int
+    stalled_s: float
+    timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +259,16 @@ class NodeAgent:
         self._replacing: set[int] = set()
         self._unsent: dict[int, Placement] = {}  # placements for workers not connected yet
         self._round: Round | None = None  # the newest active round that placed this node
-        cache_key = JobKeys(job_id).cache
+        keys = JobKeys(job_id)
         self._cache_record = LatestPublisher(
-            lambda value: store.put(cache_key, value), "cache record"
+            lambda value: store.put(keys.cache, value), "cache record"
+        )
+        # The job's newest committed step: what this node knows of it (etcd's progress
+        # record, read at each round, and its own workers' commits), and, while this node
+        # runs rank 0, its publication (see Progress).
+        self._job_step = 0
+        self._progress = LatestPublisher(
+            lambda value: store.put(keys.progress, value), "progress record"
         )
         # Removed when run() ends. The job id, cut short: the socket's path must stay short.
         self._run_dir = private_dir(f"{job_id[:24]}-")
@@ -300,6 +327,21 @@ class NodeAgent:
         elif kind == "progress" and isinstance(step, int):
             self._trained, self._trained_at = step, time.time()
             self._metrics.progress(step)  # thread-safe: no need for the main thread
+            r = self._round
+            if r is not None and r.member is not None and r.member.first_rank == 0:
+                self._progress.offer(Progress(step, r.generation, time.time()).to_json())
+        elif kind == "hung" and isinstance(step, int):
+            still, timeout = msg.get("stalled_s"), msg.get("timeout_s")
+            self._events.put(
+                _Hung(
+                    pid,
+                    step,
+                    float(still) if isinstance(still, int | float) else 0.0,
+                    float(timeout) if isinstance(timeout, int | float) else 0.0,
+                )
+            )
+        elif kind == "state_lost" and isinstance(msg.get("message"), str):
+            self._events.put(_StateLost(str(msg["message"])))
         elif kind == "resumed" and isinstance(step, int):
             text = f"resumed from the cache's snapshot of step {step}"
             self._events.put(
@@ -368,6 +410,7 @@ class NodeAgent:
                 self._probe.close()
             self._channel.close()
             self._cache_record.close(timeout_s=2.0)
+            self._progress.close(timeout_s=2.0)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -502,6 +545,10 @@ class NodeAgent:
             raise AgentExit(1, event.reason)
         elif isinstance(event, _Hello):
             self._on_hello(event.pid)
+        elif isinstance(event, _StateLost):
+            self._state_lost(event.message)
+        elif isinstance(event, _Hung):
+            self._hung(event)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
         elif isinstance(event, Event):
@@ -516,6 +563,49 @@ class NodeAgent:
         """Into the job's history, and into the metrics it moves."""
         self._history.write(event)
         self._metrics.count(event)
+
+    def _hung(self, ev: _Hung) -> None:
+        """Kill a hung worker (its peers wait on it): its exit then replaces it in place,
+        as any lost worker (the job shrinks, then grows back)."""
+        group = self._group
+        worker = next((w for w in group.running() if w.pid == ev.pid), None) if group else None
+        if worker is None:
+            return
+        text = (
+            f"worker rank {worker.rank} (pid {ev.pid}) made no step for {ev.stalled_s:.0f} s "
+            f"after step {ev.step} while a peer waited on it (hang timeout {ev.timeout_s:.0f} s)"
+        )
+        log.error("%s: %s: killing it.", self._tag(), text)
+        self._record(EventKind.HANG, self._generation, text, step=ev.step)
+        worker.signal_group(signal.SIGKILL)
+
+    def _state_lost(self, message: str) -> None:
+        """The job cannot go on from where it was: end it (every agent exits non-zero with
+        the reason), rather than let restarts start it over from step 0."""
+        self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
+        try:
+            end_job(self._store, self._job, RoundStatus.FAILED, message.rstrip("."))
+        except StoreError as exc:
+            log.error("%s: could not end the job in etcd: %s", self._tag(), exc)
+        raise AgentExit(1, message)
+
+    def _read_progress(self) -> None:
+        """Learn the job's newest committed step from etcd (a node that joins a job that
+        trained, or that runs a generation made of newcomers only); kept if etcd fails."""
+        keys = JobKeys(self._job)
+        try:
+            kv = self._store.get(keys.progress)
+        except StoreError as exc:
+            log.warning("%s: could not read the job's progress record: %s", self._tag(), exc)
+            return
+        if kv is None:
+            return
+        try:
+            step = Progress.from_json(kv.value, keys.progress).step
+        except RecordError as exc:
+            log.error("%s: ignoring a bad progress record: %s", self._tag(), exc)
+            return
+        self._job_step = max(self._job_step, step)
 
     def _on_hello(self, pid: int) -> None:
         """A worker connected: it rebuilds in place. A replacement is ready now: offer its
@@ -612,6 +702,10 @@ class NodeAgent:
         member = r.member
         if member is not None:
             self._round = r
+            # Its workers are told how far the job got (a generation of newcomers only must
+            # not start over from step 0): one small read per round.
+            self._job_step = max(self._job_step, self._trained or 0)
+            self._read_progress()
         if self._rebuilds_in_place():
             self._rebuild_in_place(r)
             return
@@ -664,6 +758,7 @@ class NodeAgent:
                     r.nodes,
                     r.store_host,
                     r.store_port,
+                    self._job_step,
                 )
                 if not self._channel.send_round(w.pid, placement):
                     self._unsent[w.pid] = placement  # a replacement still starting
@@ -718,6 +813,9 @@ class NodeAgent:
             env[GRACE_ENV] = f"{self._cfg.grace_period_s:g}"
             env[PLACEMENT_TIMEOUT_ENV] = f"{self._cfg.placement_timeout_s():g}"
             env[JOIN_TIMEOUT_ENV] = f"{self._cfg.join_timeout_s:g}"
+            env[JOB_STEP_ENV] = str(self._job_step)
+            if self._cfg.hang_timeout_s is not None:
+                env[HANG_TIMEOUT_ENV] = f"{self._cfg.hang_timeout_s:g}"
             if self._cache is not None:
                 env.update(self._cache.to_env())
             if standby:

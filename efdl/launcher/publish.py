@@ -35,6 +35,7 @@ class LatestPublisher:
         self._cond = threading.Condition()
         self._pending: bytes | None = None
         self._closed = False
+        self._failing = False  # the last put failed (and the log said so)
         self._thread = threading.Thread(target=self._run, name=f"efdl-{name}", daemon=True)
         self._thread.start()
 
@@ -62,8 +63,15 @@ class LatestPublisher:
             try:
                 self._put(value)
             except StoreError as exc:
-                log.warning("Could not publish the %s (retrying): %s", self._name, exc)
+                # Said once per outage: an etcd away for minutes would fill the log.
+                level = logging.DEBUG if self._failing else logging.WARNING
+                log.log(level, "Could not publish the %s (retrying): %s", self._name, exc)
+                self._failing = True
                 with self._cond:
                     if self._pending is None:
                         self._pending = value
                     self._cond.wait(RETRY_S)
+                continue
+            if self._failing:
+                self._failing = False
+                log.info("Published the %s again.", self._name)

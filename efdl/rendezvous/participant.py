@@ -1094,7 +1094,8 @@ def start_job(
             functools.partial(
                 store.txn,
                 [Compare.mod_revision_is(keys.round, kv.mod_revision)],
-                [Put(keys.round, fresh.to_json())],
+                # The last run's progress goes: a new run without a snapshot starts from 0.
+                [Put(keys.round, fresh.to_json()), Delete(keys.progress)],
             ),
         )
         if ok.succeeded:

@@ -35,9 +35,19 @@ JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
 STANDBY_ENV = "EFDL_STANDBY"
 
 
+# The job's newest committed step as the agent knew it when it placed the worker (see
+# Placement.job_step).
+JOB_STEP_ENV = "EFDL_JOB_STEP"
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a worker stands in one generation."""
+    """Where a worker stands in one generation.
+
+    ``job_step``: the job's newest committed step as its agent knew it (etcd's progress
+    record, and its own workers' commits): a generation in which no rank holds state must
+    not start over from step 0 if it is above 0 (efdl.errors.StateLostError).
+    """
 
     generation: int
     rank: int
@@ -48,6 +58,7 @@ class Placement:
     group_world_size: int
     master_addr: str
     master_port: int
+    job_step: int = 0
 
     @staticmethod
     def from_env(env: dict[str, str] | None = None) -> Placement:
@@ -62,6 +73,7 @@ class Placement:
             int(e.get("GROUP_WORLD_SIZE", "1")),
             e["MASTER_ADDR"],
             int(e["MASTER_PORT"]),
+            int(e.get(JOB_STEP_ENV, "0")),
         )
 
 

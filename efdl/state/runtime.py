@@ -6,6 +6,7 @@ place), leaves broken ones, and tells the agent's news to the training loop.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -30,6 +31,7 @@ from efdl.state.channel import (
 )
 from efdl.state.device import device, nccl_aborter, nccl_options
 from efdl.state.failure import Failure, classify
+from efdl.state.hang import HangWatch
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class Runtime:
         self.side: Any = None  # the CPU (gloo) group for control: agreement, sizes, CPU state
         self.gate = ready.ReadinessGate(self.timeout, self.join_timeout_s)
         self.breaker = Breaker()
+        self.hang: HangWatch | None = None  # started with the agent's channel
         self.in_elastic_fn = False  # the main thread runs the @elastic function
         # For the agent's history and metrics: the last commit (time, generation) and when
         # local rank 0 last reported progress.
@@ -93,6 +96,9 @@ class Runtime:
         if nccl:  # a hung NCCL peer is cut loose by aborting the communicators
             default = dist.distributed_c10d._get_default_group()
             self.breaker.on_cut(p.generation, nccl_aborter(default))
+        if self.hang is not None:  # its own client of the store, with short timeouts
+            quick = datetime.timedelta(seconds=2)
+            self.hang.joined(lambda: ready.connect(p, quick), self.side)
         self.placement = p
 
     def join(self, p: Placement) -> Placement | None:
@@ -126,6 +132,8 @@ class Runtime:
         wait for it, so abort them (NCCL: abort the communicators) and keep the broken group
         objects alive until then: gloo's destructor joins its worker threads, which are the
         ones waiting (found with a 3-rank job where a node died: 15 s in the destructor)."""
+        if self.hang is not None:
+            self.hang.left()
         if not dist.is_initialized():
             return
         try:
@@ -144,6 +152,8 @@ class Runtime:
         training stood still when this is the first commit of a new generation; local rank 0
         reports its progress at most once a second."""
         self.breaker.stepped()
+        if self.hang is not None:
+            self.hang.committed(step)
         p, channel = self.placement, self.channel
         if channel is None or p is None:
             return
@@ -253,6 +263,12 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
         _warm_up()  # a newcomer: get the slow first-use imports done before counting in
     if path:
         rt.channel = AgentChannel(path, placement.local_rank, on_round=rt.on_round)
+        if rt.hang is None:
+            rt.hang = HangWatch.from_env(
+                rt.channel.notify, rt.timeout.total_seconds(), lambda: rt.in_elastic_fn
+            )
+            atexit.register(rt.hang.close)
+        rt.hang.set_collective_timeout(rt.timeout.total_seconds())
         if standby:  # a replacement: ready, waiting for a place
             log.info(
                 "Standing by (generation %d) for a round that places this worker.",

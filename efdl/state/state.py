@@ -41,7 +41,7 @@ from efdl.state.resume import Resumed, resume
 from efdl.state.rng import rng_state
 from efdl.state.runtime import runtime
 from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
-from efdl.state.transaction import Choice, Phase, Recovery, Standing, choose, recovery
+from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,8 @@ class ElasticState:
         dist.all_gather(gathered, mine, group=side)
         keys = [int(g[0].item()) for g in gathered]
         layouts = [Layout(int(g[1]), int(g[2])) if int(g[1]) else None for g in gathered]
-        choice = choose(keys, layouts if self._sharding is not None else None)
+        job_step = rt.placement.job_step if rt.placement is not None else 0
+        choice = choose(keys, layouts if self._sharding is not None else None, job_step)
         self.last_sync = None
         resumed = self._resume() if choice.step is None else None
         if resumed is not None:
@@ -355,26 +356,11 @@ class ElasticState:
                 resumed.manifest.epoch,
                 self._persister.settings.url if self._persister is not None else "?",
             )
-        elif choice.lost and self._sharding is not None:
-            raise StateLostError(
-                "The job's sharded state is lost: no step's rows are all held by the ranks "
-                "left (a rank that held some died, and its peers have stepped past the step "
-                f"before; steps held: {sorted({k // 2 for k in keys if k >= 0})}), and "
-                + (
-                    f"the remote cache {self._persister.settings.url} holds no snapshot yet."
-                    if self._persister is not None
-                    else "no remote cache holds a snapshot: run with --cache-url to survive "
-                    "the loss of a worker."
-                )
-            )
-        elif choice.lost:
-            raise StateLostError(
-                "The job's state is lost: the ranks that held it failed inside "
-                "optimizer.step(), which tore their update (an optimizer that communicates "
-                "inside step()), and no remote cache holds a snapshot to resume from. Keep "
-                "rollback copies (efdl.elastic_state(..., snapshot_every=1)) or a remote "
-                "cache (--cache-url) with such an optimizer."
-            )
+        elif choice.loss is not None:
+            error = StateLostError(self._why_lost(choice.loss, keys, job_step))
+            if runtime.channel is not None and rank == 0:
+                runtime.channel.notify({"type": "state_lost", "message": str(error)})
+            raise error
         elif self._sharding is not None:
             self._reshard(choice, layouts)
         else:
@@ -391,6 +377,37 @@ class ElasticState:
             self.ddp = DistributedDataParallel(self.model, init_sync=False)
         self.generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
+
+    def _why_lost(self, loss: Loss, keys: list[int], job_step: int) -> str:
+        """The :class:`StateLostError` message: what was lost, why, and the ways on."""
+        p = self._persister
+        cache = (
+            f"the remote cache {p.settings.url} holds no snapshot yet"
+            if p is not None
+            else "no remote cache holds a snapshot (run with --cache-url to survive this)"
+        )
+        if loss is Loss.UNCOVERED:
+            held = sorted({k // 2 for k in keys if k >= 0})
+            return (
+                "The job's sharded state is lost: no step's rows are all held by the ranks left "
+                "(a rank that held some died, and its peers have stepped past the step before; "
+                f"steps held: {held}), and {cache}."
+            )
+        if loss is Loss.TORN:
+            return (
+                "The job's state is lost: the ranks that held it failed inside "
+                "optimizer.step(), which tore their update (an optimizer that communicates "
+                f"inside step()), and {cache}. Keep rollback copies "
+                "(efdl.elastic_state(..., snapshot_every=1)) or a remote cache (--cache-url) "
+                "with such an optimizer."
+            )
+        return (
+            f"The job's state is lost: it had committed step {job_step}, but no rank of this "
+            f"generation holds any step (every worker that held one is gone), and {cache}. "
+            "It will not start over from step 0 by itself: resume it from a remote cache "
+            "(--cache-url, persisted before the loss), or start it afresh with efdl-run "
+            "--new-run."
+        )
 
     def _resume(self) -> Resumed | None:
         """Every rank: load the remote cache's newest snapshot (none: None). A sharded model

@@ -86,6 +86,14 @@ class Standing:
         return Standing(key // 2, bool(key % 2))
 
 
+class Loss(enum.StrEnum):
+    """Why no rank's state can be the job's, when none holds a step whole."""
+
+    TORN = "torn"  # the holders' update was torn inside optimizer.step()
+    UNCOVERED = "uncovered"  # sharded: no step's rows are all held by the ranks left
+    GONE = "gone"  # every rank is new, and the job had committed steps before
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     """Who sends what after a rebuild.
@@ -97,26 +105,32 @@ class Choice:
             lowest rank holding ``step`` settled, else the lowest holding it.
         holders: the ranks whose tensors are at ``step``: they send, and receive no tensor.
         needy: every other rank: each receives every tensor.
-        lost: no rank holds state and some rank's was torn, or (sharded) no step's rows
-            are all held: the job's state is gone but for the remote cache (rank 0's own
-            state is not the job's).
+        loss: set when no rank holds a step whole and rank 0's own state is not the job's:
+            the job's state is gone but for the remote cache (see :class:`Loss`).
     """
 
     step: int | None
     primary: int
     holders: tuple[int, ...]
     needy: tuple[int, ...]
-    lost: bool = False
+    loss: Loss | None = None
+
+    @property
+    def lost(self) -> bool:
+        return self.loss is not None
 
 
-def choose(keys: Sequence[int], layouts: Sequence[Layout | None] | None = None) -> Choice:
+def choose(
+    keys: Sequence[int], layouts: Sequence[Layout | None] | None = None, job_step: int = 0
+) -> Choice:
     """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure.
 
     With a sharded state, ``layouts`` says which rows each rank holds: a step can be taken
     only if its holders cover every row between them (efdl.state.layout), so the newest
     step so covered is taken; if some rank held a step and none is covered, the state is
     lost (the rows of a dead rank are gone, and its peers have stepped past the ones
-    before).
+    before). ``job_step``: the job's newest committed step as its agents know it; when no
+    rank holds any step and it is above 0, the job is not at a cold start: its state is lost.
     """
     standings = [Standing.from_key(k) for k in keys]
     held = sorted({s.step for s in standings if s.step is not None}, reverse=True)
@@ -128,8 +142,16 @@ def choose(keys: Sequence[int], layouts: Sequence[Layout | None] | None = None) 
             if covers(x for x, s in zip(layouts, standings, strict=True) if x and s.step == step)
         ]
     if not steps:  # a cold start (or a resume from the cache): rank 0's state is the job's
-        lost = any(s.torn for s in standings) or bool(held)  # held, but no step whole
-        return Choice(None, 0, (0,), tuple(range(1, len(keys))), lost)
+        loss = (
+            Loss.UNCOVERED  # held, but no step whole
+            if held
+            else Loss.TORN
+            if any(s.torn for s in standings)
+            else Loss.GONE
+            if job_step > 0
+            else None
+        )
+        return Choice(None, 0, (0,), tuple(range(1, len(keys))), loss)
     best = steps[0]
     holders = tuple(r for r, s in enumerate(standings) if s.step == best)
     settled = [r for r in holders if standings[r].settled]

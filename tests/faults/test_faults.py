@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys
+from efdl.rendezvous.model import JobKeys, Progress
 from tests.e2e.harness import (
     ELASTIC_ARGS,
     Job,
@@ -33,6 +34,7 @@ from tests.e2e.harness import (
     last_step_of,
     latest_gen,
     pids_of,
+    regrown,
     steps_at_world,
     wait_gone,
 )
@@ -375,6 +377,75 @@ def test_sigterm_while_etcd_is_gone(jobs: Jobs, own_etcd: EmbeddedEtcd) -> None:
     agent.signal(signal.SIGTERM)
     assert agent.wait(timeout_s=60) == 0, agent.output()[-3000:]
     assert "Left the job on SIGTERM" in agent.output()
+
+
+def test_hung_worker_whose_agent_lives(jobs: Jobs, record: Recorder, attempt: int) -> None:
+    """A worker's main thread sleeps forever after a step (its process and agent alive, its
+    channel answering): it makes no step while its peer waits on it in the next step's
+    collective; after the hang timeout (--hang-timeout 5; the peer's collective timeout is
+    15 s) its agent kills it, the job trains on without it (the healthy rank is never the one
+    replaced), and its replacement joins."""
+    job = jobs.new()
+    job.common = [*job.common, "--hang-timeout", "5"]
+    job.env["HANG_AT"] = "1:20"
+    rows = start(job, "a", "b")
+    g = latest_gen(rows)
+    hung_node = str(next(r["node"] for r in rows if r["gen"] == g and r["rank"] == 1))
+    healthy = "a" if hung_node == "b" else "b"
+    healthy_pids = pids_of(rows, healthy)
+    rows = job.wait_for("the hang", lambda rs: any(int(r["step"]) >= 20 for r in rs), 60)  # type: ignore[call-overload]
+    hung_pid = next(r["pid"] for r in rows if r["rank"] == 1 and r["step"] == 20)
+    t0 = max(float(r["t"]) for r in rows if r["step"] == 20)  # type: ignore[arg-type]
+    rows = job.wait_for("training without it", steps_at_world(1, g), 90)
+    alone = min(float(r["t"]) for r in rows if int(r["gen"]) > g and r["world"] == 1)  # type: ignore[arg-type, call-overload]
+    assert alone - t0 < 5 + 10, f"it took {alone - t0:.1f} s to go on without the hung worker"
+    record.recovered(alone - t0)
+    rows = job.wait_for("its replacement", regrown(2), 120)
+    assert pids_of(rows, healthy) == healthy_pids, "the healthy rank was replaced"
+    assert hung_pid not in {r["pid"] for r in rows if float(r["t"]) > t0 + 1}  # type: ignore[arg-type]
+    assert "made no step" in job.agents[hung_node].output()
+    check_after(rows, g, 20)
+    history = subprocess.run(
+        [sys.executable, "-m", "efdl", "events", "--etcd", job.etcd, "--job-id", job.job_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "hang" in history and "made no step" in history, history
+
+
+@pytest.mark.parametrize("script", ["elastic_steps.py", "fsdp_steps.py"])
+def test_every_worker_killed_without_a_cache(
+    jobs: Jobs, etcd_server: EmbeddedEtcd, record: Recorder, attempt: int, script: str
+) -> None:
+    """Every worker SIGKILLed at once (their agents alive) with no remote cache, after steps
+    were committed, for a DDP and an FSDP2 model: the replacements hold no state and nothing
+    can bring it back, so the job fails with a StateLostError that names the step lost and
+    the ways on; every agent exits non-zero and no worker trains from step 0."""
+    job = jobs.new()
+    for name in "ab":
+        job.start(name, script=script)
+    job.wait_for("2 workers", steps_at_world(2))
+    keys = JobKeys(job.job_id)
+    with EtcdStore(etcd_server.settings()) as store:
+        wait_until("the job's progress in etcd", lambda: store.get(keys.progress), 30)
+        published = Progress.from_json(store.get(keys.progress).value, keys.progress).step  # type: ignore[union-attr]
+    victims = [pid for a in job.agents.values() for pid in a.worker_pids()]
+    jobs.watch(job, victims)
+    t0 = time.time()
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    codes = {n: a.wait(120) for n, a in job.agents.items()}
+    record.recovered(time.time() - t0)
+    logs = "".join(a.output() for a in job.agents.values())
+    assert all(code == 1 for code in codes.values()), (codes, logs[-4000:])
+    lost = re.search(r"The job's state is lost: it had committed step (\d+)", logs)
+    assert lost and int(lost.group(1)) >= published, logs[-4000:]
+    assert "--cache-url" in logs and "--new-run" in logs
+    fresh = [r for r in job.events() if float(r["t"]) > t0]  # type: ignore[arg-type]
+    assert not fresh, f"a worker trained after every worker was lost: {fresh[:3]}"
+    assert "failed" in status(job) and "state is lost" in status(job)
 
 
 def test_hostile_records_in_etcd(

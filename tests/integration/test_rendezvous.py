@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from efdl.errors import RendezvousError
-from efdl.rendezvous.api import KVStore
+from efdl.rendezvous.api import EtcdSettings, KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -20,6 +20,7 @@ from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
 from efdl.rendezvous.participant import REJOIN_TTLS, Participant, close_job, read_members
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.status import read_status
+from tests.proxy import Proxy
 from tests.wait import wait_until
 
 Layout = list[tuple[str, int]]
@@ -53,7 +54,12 @@ class Cluster:
         return s
 
     def add(
-        self, node_id: str, slots: int = 1, probe: bool = False, probe_port: int = 0
+        self,
+        node_id: str,
+        slots: int = 1,
+        probe: bool = False,
+        probe_port: int = 0,
+        store: EtcdStore | None = None,
     ) -> Participant:
         record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots)
         if probe:  # listens for liveness probes, as efdl-run's agent does
@@ -62,8 +68,10 @@ class Cluster:
             )
             probe_port = self.probes[node_id].port
         record = replace(record, probe_port=probe_port)
+        if store is not None:
+            self.stores.append(store)
         agent = Participant(
-            self.store(),
+            store or self.store(),
             self.job,
             record,
             self.policy,
@@ -438,6 +446,31 @@ def test_a_member_that_says_it_comes_back_but_does_not_is_left_out(
     waited = time.monotonic() - t0
     assert "b left" in r2.reason
     assert REJOIN_TTLS * c.ttl_s <= waited < REJOIN_TTLS * c.ttl_s + 10, waited
+
+
+def test_a_successor_takes_over_after_a_compaction_in_its_watch_gap(
+    cluster: Callable[..., Cluster], etcd_server: EmbeddedEtcd
+) -> None:
+    """The node after the leader loses its link to etcd (its watch of the leader's record
+    breaks); meanwhile the leader leaves and etcd compacts past it. When the link is back the
+    watch resumes from a compacted revision and re-lists: a reset batch of what is there now,
+    which does not hold the leader's record. The successor takes that for "gone" and leads."""
+    c = cluster(min_workers=1, ttl_s=10)
+    c.add("a")
+    with Proxy(("127.0.0.1", etcd_server.client_port)) as link:
+        settings = EtcdSettings.from_list(link.address, request_timeout_s=3)
+        c.add("b", store=EtcdStore(settings))
+        r1 = c.wait(shape(("a", 1), ("b", 1)))
+        link.cut()
+        c.agents["a"].leave()  # its record goes, while b hears nothing
+        admin = c.store()
+        for i in range(3):  # etcd moves on, and compacts past the delete
+            admin.put(f"/t/gap-{c.job}/{i}", b"x")
+        admin.compact(admin.get_prefix(f"/t/gap-{c.job}/").revision)
+        link.heal()
+        r2 = c.wait(shape(("b", 1)), "b", timeout_s=30)
+    assert c.leaders() == ["b"] and r2.generation == r1.generation + 1
+    assert "a left" in r2.reason
 
 
 def test_duplicate_node_id_is_refused(cluster: Callable[..., Cluster]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from efdl.state.layout import Layout, covers, overlap, rows
-from efdl.state.transaction import Choice, Phase, Recovery, Standing, choose, recovery
+from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
 
 
 @pytest.mark.parametrize(
@@ -58,6 +58,14 @@ def test_rolled_forward_holders_are_a_source_when_no_rank_settled() -> None:
 def test_a_cold_start_takes_rank_0s_state() -> None:
     assert choose([-1, -1, -1]) == Choice(None, 0, (0,), (1, 2))
     assert choose([-1]) == Choice(None, 0, (0,), ())
+
+
+def test_no_holder_after_committed_steps_is_lost_not_a_cold_start() -> None:
+    """Every rank new (all the holders died together) while the job had committed step 56:
+    not a cold start from rank 0's initial weights; a job that never committed is one."""
+    assert choose([-1, -1], job_step=56).loss is Loss.GONE
+    assert not choose([-1, -1], job_step=0).lost
+    assert not choose([Standing(40).key(), -1], job_step=56).lost  # a holder sends what it has
 
 
 def test_a_torn_state_with_no_holder_left_is_lost_not_a_cold_start() -> None:

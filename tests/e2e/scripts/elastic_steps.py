@@ -18,6 +18,8 @@ PAUSE_SKEW="rank:s" makes the agent's news reach that rank s seconds late, the f
 rank has news (once per job); each row says whether this rank itself had seen news at the
 commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
+HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
+that step (its process and its agent live on: a hang, not a crash).
 Errors that are not communication: OOM_AT="rank:step" (once per job) raises CUDA's
 out-of-memory error there; SKIP_BARRIER_AT="rank:step" (first generation): every rank but
 that one enters a dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT
@@ -201,6 +203,9 @@ def train(state: efdl.ElasticState) -> None:
             if delay:
                 time.sleep(delay)
             state.commit()
+            if here == os.environ.get("HANG_AT") and once(f"hang-{here}"):
+                while True:
+                    time.sleep(3600)  # the main thread is stuck; the channel's thread answers
 
 
 train(state)
