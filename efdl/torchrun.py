@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from torch.distributed import (  # type: ignore[attr-defined]
@@ -55,6 +56,7 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus, check_id
 from efdl.rendezvous.participant import Participant, close_job, parse_round
+from efdl.rendezvous.probe import ProbeListener
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,24 @@ class EfdlRendezvousHandler(RendezvousHandler):
         self._server = TCPStoreServer(node.host)
         self._participant: Participant | None = None
         self._returned: Round | None = None  # the round torchrun's workers run in
+        self._leaving = False
+        # Listens while torchrun's agent lives: its refusal is evidence of death, and a leader
+        # that sees this node's record go (a lost lease) asks here whether it comes back.
+        try:
+            self._probe: ProbeListener | None = ProbeListener(node.host, self._describe)
+            self._node = replace(node, probe_port=self._probe.port)
+        except OSError as exc:
+            log.warning("Cannot listen on %s for liveness probes (%s).", node.host, exc)
+            self._probe = None
+
+    def _holds(self) -> str:
+        """The round torchrun's workers run in now ("" while torchrun is between rounds, or
+        leaving): see NodeRecord.holds."""
+        r = self._returned
+        return "" if r is None or self._leaving else r.round_id
+
+    def _describe(self) -> dict[str, object]:
+        return {"pid": os.getpid(), "holds": self._holds()}
 
     # ---------------------------------------------------------------- torchrun's interface
 
@@ -163,6 +183,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """Leave the job (revoke the lease: the others' next round comes at once)."""
+        self._leaving = True
         try:
             if self._participant is not None:
                 self._participant.leave()
@@ -173,6 +194,8 @@ class EfdlRendezvousHandler(RendezvousHandler):
             return False
         finally:
             self._server.close()
+            if self._probe is not None:
+                self._probe.close()
             self._store.close()
 
     # ---------------------------------------------------------------- internals
@@ -195,6 +218,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
                 self._policy,
                 lease_ttl_s=self._ttl,
                 serve_tcpstore=self._server.serve,
+                holds=self._holds,
             )
             self._participant.join()
         elif self._returned is not None:

@@ -93,6 +93,11 @@ class _LeaseLost:
 
 
 @dataclass(frozen=True, slots=True)
+class _EtcdSilent:
+    """etcd has not answered for a lease TTL: no round can come until it does."""
+
+
+@dataclass(frozen=True, slots=True)
 class _Failed:
     reason: str
 
@@ -470,6 +475,7 @@ class NodeAgent:
             lease_ttl_s=self._cfg.lease_ttl_s,
             on_round=lambda r: post(_RoundSeen(r)),
             on_lease_expired=lambda reason: post(_LeaseLost(reason)),
+            on_etcd_silent=lambda: post(_EtcdSilent()),
             holds=self._holds,
             serve_tcpstore=self._server.serve,
             on_failure=lambda reason: post(_Failed(reason)),
@@ -549,6 +555,12 @@ class NodeAgent:
             self._state_lost(event.message)
         elif isinstance(event, _Hung):
             self._hung(event)
+        elif isinstance(event, _EtcdSilent) and self._group is not None:
+            # A worker whose collective failed (a peer died meanwhile) waits for the round
+            # that etcd's return brings, with its state in memory, up to the join timeout.
+            for w in self._group.running():
+                if w.pid in self._in_place:
+                    self._channel.send_waiting(w.pid, self._cfg.join_timeout_s)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
         elif isinstance(event, Event):

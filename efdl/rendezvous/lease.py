@@ -34,6 +34,8 @@ class LeaseSession:
         on_expired: called once, from the keep-alive thread, with the reason, when etcd says
             the lease has expired (or was revoked). Keep it short (set an event, signal a
             thread).
+        on_silent: called from the keep-alive thread when a whole TTL passed without an
+            answer (etcd is away; the lease may or may not hold), once per such silence.
         clock: monotonic seconds; an argument for tests.
     """
 
@@ -43,12 +45,14 @@ class LeaseSession:
         ttl_s: int,
         on_expired: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_silent: Callable[[], None] | None = None,
     ) -> None:
         if ttl_s < 2:
             raise ConfigError(f"The lease TTL ({ttl_s} s) must be at least 2 seconds.")
         self._store = store
         self._ttl_s = ttl_s
         self._on_expired = on_expired
+        self._on_silent = on_silent
         self._clock = clock
         self._stop = threading.Event()
         self._why_expired = ""
@@ -136,6 +140,8 @@ class LeaseSession:
                         self._ttl_s,
                         _sentence(exc),
                     )
+                    if self._on_silent is not None:
+                        self._on_silent()
                 else:  # the first failure says it; the next ones, and the TTL, are enough
                     log.log(
                         logging.DEBUG if failures else logging.WARNING,

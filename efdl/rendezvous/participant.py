@@ -183,6 +183,9 @@ class Participant:
         on_lease_expired: called (from the lease's thread) each time etcd says the lease has
             expired: the node then registers again by itself, with ``holds``; the workers
             need not stop (a generation's workers can only train with each other).
+        on_etcd_silent: called (from the lease's thread) when etcd has not answered for a
+            lease TTL: no round can come until it does; in-place workers waiting for one
+            should wait longer.
         holds: the ``round_id`` of the round whose workers the node runs now ("" if none, or
             leaving), asked when it registers again after a lost lease, and by a leader that
             saw the record of a member go (through the probe port). Default: "".
@@ -205,6 +208,7 @@ class Participant:
         lease_ttl_s: int = 5,
         clock: Callable[[], float] = time.time,
         on_lease_expired: Callable[[str], None] | None = None,
+        on_etcd_silent: Callable[[], None] | None = None,
         holds: Callable[[], str] | None = None,
         on_round: Callable[[Round], None] | None = None,
         serve_tcpstore: Callable[[Round], int] | None = None,
@@ -226,6 +230,7 @@ class Participant:
         self._ttl_s = lease_ttl_s
         self._clock = clock
         self._on_lease_expired = on_lease_expired
+        self._on_etcd_silent = on_etcd_silent
         self._holds = holds or (lambda: "")
         # etcd calls of the rendezvous thread wait for etcd as long as the job may wait for
         # its members: an outage is outlived, not failed on.
@@ -306,7 +311,9 @@ class Participant:
     def _register(self, holds: str = "", again: bool = False) -> None:
         """Write this node's record, bound to a new lease; ``holds``: see NodeRecord;
         ``again``: after a lost lease, where an earlier attempt may have been applied."""
-        session = LeaseSession(self._store, self._ttl_s, on_expired=self._lease_gone)
+        session = LeaseSession(
+            self._store, self._ttl_s, on_expired=self._lease_gone, on_silent=self._on_etcd_silent
+        )
         with self._cond:
             node = replace(self._node, holds=holds)
         key = self.keys.node(self.node_id)

@@ -31,6 +31,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from efdl.errors import RendezvousTimeoutError
 from efdl.state.channel import GRACE_ENV
 from efdl.state.failure import Failure, classify
 from efdl.state.runtime import init_process_group, runtime
@@ -62,6 +63,14 @@ def _rebuild(state: ElasticState, failure: BaseException | None) -> bool:
             rt.placement.generation,
         )
         raise failure
+    if placement is None and not rt.channel.leave_requested and not rt.channel.closed:
+        # The others paused for a generation this rank's agent has not placed it in (cut
+        # off from etcd): not a leave, and not the end of training (exit 0 would say both).
+        raise RendezvousTimeoutError(
+            f"No placement came within {rt.placement_timeout_s:.0f} s of the pause at step "
+            f"{state.step} (generation {rt.placement.generation}): this worker's agent did "
+            "not learn of the next round; ending this worker (its agent replaces it)."
+        )
     if failure is None:  # a pause: the old group still stands
         state.hand_over(placement.rank if placement is not None else None)
     if placement is None and rt.channel.leave_requested:
