@@ -157,7 +157,7 @@ class EfdlRendezvousHandler(RendezvousHandler):
         try:
             return self._next()
         except LeaseLostError as exc:
-            raise RendezvousStateError(f"This node was fenced out of the job: {exc}") from None
+            raise RendezvousStateError(f"This node left the job: {exc}") from None
         except StoreError as exc:
             raise RendezvousConnectionError(str(exc)) from None
 

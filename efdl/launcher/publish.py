@@ -3,7 +3,7 @@
 The agent publishes each persisted step of the cache (``/efdl/<job>/cache``). Done on the
 agent's event loop, a slow or unreachable etcd held the loop for the store's timeout per
 step (5 s), and a backlog of steps kept it from handling the lost lease behind them: the
-workers of a fenced node trained on. Here the loop only hands the value over; the newest
+node could not learn that its lease was gone. Here the loop only hands the value over; the newest
 value that came while a put was under way replaces the older ones (only the newest step
 matters), and a failed put is retried until a newer value or ``close``.
 """

@@ -303,7 +303,7 @@ class Member:
         incarnation, revision: what the node's record said when the round was made: its
             incarnation (a higher one later: it restarted its workers) and the etcd revision
             that created it (another one later: it joined again under the same id, e.g. after
-            being fenced). 0: not recorded.
+            being restarted under the same id). 0: not recorded.
         generation, round_id: the round it was written for; a record whose ``round_id`` is
             not the round's is left over from another round (its node is not a member).
         probe_port: where the node's agent answered probes when the round was made (0:
