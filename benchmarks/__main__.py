@@ -35,6 +35,12 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
         ["--repeat", "1", "--events", "leave,kill", "--steady-repeat", "1"],
     ),
     (
+        "outage",
+        "Control-plane outages: efdl now and before, and TorchFT",
+        ["--repeat", "2", "--outage", "60"],
+        ["--repeat", "1", "--outage", "20", "--faults", "hung"],
+    ),
+    (
         "convergence",
         "Convergence under churn",
         ["--seeds", "3", "--epochs", "10"],

@@ -250,6 +250,7 @@ class Participant:
         self._session: LeaseSession | None = None
         self._my_revision = 0
         self._unpublished = False  # self._node has changes not written to etcd yet
+        self._write_failing = False  # the last write of the node record failed
         self._election = 0  # bumped when this node follows or leads anew
         # Leader: members whose record went, and until when to wait for them (clock time):
         # first for their agent's answer, then for them to register again (see decide).
@@ -431,13 +432,15 @@ class Participant:
                 [Put(key, node.to_json(), session.lease_id)],
             ).succeeded
         except StoreError as exc:
-            log.warning("%s: could not update the node record (%s); retrying.", self._tag(), exc)
+            # Said once until a write succeeds: an etcd away for minutes would fill the log.
+            level = logging.DEBUG if self._write_failing else logging.WARNING
+            log.log(level, "%s: could not update the node record (%s); retrying.", self._tag(), exc)
             with self._cond:
-                self._unpublished = True
+                self._unpublished, self._write_failing = True, True
             return False
+        self._write_failing = False
         if not ok:  # the lease is gone with the record: registering again writes it
-            log.info("%s: the node record is gone; it is written when the node registers "
-                     "again.", self._tag())
+            log.info("%s: the node record is gone; registering again writes it.", self._tag())
         return True
 
     def leave(self) -> None:
