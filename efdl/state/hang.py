@@ -102,6 +102,7 @@ class HangWatch:
         self._store: Any = None
         self._marked = -1
         self._reported = False
+        self._warned = False  # that the collective timeout is short for the steps
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -120,7 +121,18 @@ class HangWatch:
             longest = max(self._steps, default=0.0)
         if self._timeout_s is not None:
             return self._timeout_s
-        return default_timeout(self._collective_s, longest)
+        timeout = default_timeout(self._collective_s, longest)
+        if timeout > self._collective_s and not self._warned:
+            self._warned = True
+            log.warning(
+                "Steps take up to %.1f s: a peer's collective times out (%.0f s) before a rank "
+                "that holds it is taken for hung (%.0f s); raise the collective timeout "
+                "(efdl.init_process_group(timeout_s=...)) above five steps.",
+                longest,
+                self._collective_s,
+                timeout,
+            )
+        return timeout
 
     def set_collective_timeout(self, seconds: float) -> None:
         self._collective_s = seconds
