@@ -393,7 +393,11 @@ def test_hung_worker_whose_agent_lives(jobs: Jobs, record: Recorder, attempt: in
     hung_node = str(next(r["node"] for r in rows if r["gen"] == g and r["rank"] == 1))
     healthy = "a" if hung_node == "b" else "b"
     healthy_pids = pids_of(rows, healthy)
-    rows = job.wait_for("the hang", lambda rs: any(int(r["step"]) >= 20 for r in rs), 60)  # type: ignore[call-overload]
+    rows = job.wait_for(
+        "rank 1's step 20, where it hangs",
+        lambda rs: any(r["rank"] == 1 and r["step"] == 20 for r in rs),
+        60,
+    )
     hung_pid = next(r["pid"] for r in rows if r["rank"] == 1 and r["step"] == 20)
     t0 = max(float(r["t"]) for r in rows if r["step"] == 20)  # type: ignore[arg-type]
     rows = job.wait_for("training without it", steps_at_world(1, g), 90)
