@@ -58,6 +58,7 @@ class Outcome:
     trained: float  # share of the steps expected during the outage
     restarted: int  # workers that were not there before the fault
     lost: int  # committed steps trained again or gone
+    came_back: bool  # trained again within AFTER_S of the outage's end
 
 
 def measure(rows: Rows, before_pids: set[object], t0: float, t1: float) -> Outcome:
@@ -67,15 +68,17 @@ def measure(rows: Rows, before_pids: set[object], t0: float, t1: float) -> Outco
     earlier = [t for t in stamps if t0 - 10 <= t < t0]
     rate = (len(earlier) - 1) / (earlier[-1] - earlier[0]) if len(earlier) > 2 else 1 / STEP_S
     around = [t0, *[t for t in stamps if t0 < t <= t1 + AFTER_S]]
-    if around[-1] < t1 + AFTER_S - 2:  # stopped and never came back within the watch
+    came_back = around[-1] > t1
+    if around[-1] < t1 + AFTER_S - 2:  # stopped, and not training at the end of the watch
         around.append(t1 + AFTER_S)
     still = max(b - a for a, b in itertools.pairwise(around))
     during = sum(1 for t in stamps if t0 < t <= t1)
     top = max((int(r["step"]) for r in mine if float(r["t"]) < t0), default=0)  # type: ignore[arg-type, call-overload]
     after = [int(r["step"]) for r in mine if float(r["t"]) >= t0]  # type: ignore[call-overload, arg-type]
-    lost = max(0, top - min(after) + 1) if after else top
+    lost = max(0, top - min(after) + 1) if after else 0
     restarted = len({r["pid"] for r in rows if float(r["t"]) >= t0} - before_pids)  # type: ignore[arg-type]
-    return Outcome(still, min(1.0, during / max(1.0, rate * (t1 - t0))), restarted, lost)
+    trained = min(1.0, during / max(1.0, rate * (t1 - t0)))
+    return Outcome(still, trained, restarted, lost, came_back)
 
 
 def torchft_launcher(lighthouse: str) -> Launcher:
@@ -91,6 +94,8 @@ def torchft_launcher(lighthouse: str) -> Launcher:
             "1",
             "--nproc-per-node",
             "1",
+            "--max-restarts",
+            "3",
             "--master-addr",
             "127.0.0.1",
             "--master-port",
@@ -158,11 +163,19 @@ def before_tree(ref: str) -> Iterator[Path | None]:
 
 
 def old_efdl(tree: Path, etcd: str, job: str) -> Launcher:
-    """The efdl-aware job under efdl as it is in ``tree`` (its own script)."""
+    """The efdl-aware job under efdl as it is in ``tree`` (its own script). The agent's
+    ``-c`` would import efdl from the working directory first: it puts ``tree`` first
+    itself; its workers find efdl through PYTHONPATH."""
     script = tree / "tests" / "e2e" / "scripts" / "elastic_steps.py"
     base = efdl_launcher(etcd, job, script=script)
+    first = f"import sys; sys.path.insert(0, {str(tree)!r}); "
+
+    def cmd(node: str, i: int) -> list[str]:
+        argv = base.command(node, i)
+        return [argv[0], "-c", first + argv[2], *argv[3:]]
+
     env = {"PYTHONPATH": str(tree)}
-    return Launcher("efdl before (in place)", base.command, env, True, base.script)
+    return Launcher("efdl before (in place)", cmd, env, True, base.script)
 
 
 Etcd = EmbeddedEtcd | EtcdCluster
@@ -284,8 +297,10 @@ def main() -> None:
         f"rank 0 from the fault to {AFTER_S:g} s after it ended; trained: the steps trained "
         "during the outage, as a share of those the job trained in the same time before it; "
         "restarted: worker processes that were not there before; lost: committed steps trained "
-        f"again, or gone. Medians of {args.repeat} runs with (min-max). efdl before: efdl at "
-        f"{args.before} (before issue 34), no remote cache. Faults:\n"
+        "again, or gone (a job that came back from step 0). Medians of "
+        f"{args.repeat} runs with (min-max). efdl before: efdl at {args.before} (before issue "
+        "34), no remote cache. TorchFT: its own timeouts (60 s), each replica group under "
+        "torchrun --max-restarts 3. Faults:\n"
     )
     for kind in kinds:
         print(f"- `{kind}`: {FAULTS[kind]}")
@@ -296,8 +311,12 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|")
     for (kind, name), outs in results.items():
+        gone = sum(not o.came_back for o in outs)
+        still = spread([o.still_s for o in outs])
+        if gone:
+            still = f"{still}; did not train again in {gone} of {len(outs)} runs"
         print(
-            f"| {kind} | {name} | {spread([o.still_s for o in outs])} | "
+            f"| {kind} | {name} | {still} | "
             f"{spread([o.trained for o in outs], 0, 100)} % | "
             f"{spread([float(o.restarted) for o in outs], 0)} | "
             f"{spread([float(o.lost) for o in outs], 0)} |"

@@ -29,7 +29,7 @@ def save() -> dict[str, object]:
     return {"model": model.state_dict(), "optimizer": sgd.state_dict()}
 
 
-timeout = datetime.timedelta(seconds=float(os.environ.get("TORCHFT_TIMEOUT", "10")))
+timeout = datetime.timedelta(seconds=float(os.environ.get("TORCHFT_TIMEOUT", "60")))  # its default
 manager = Manager(
     pg=ProcessGroupGloo(timeout=timeout),
     load_state_dict=load,
