@@ -1,7 +1,7 @@
 """A job's history: its events in etcd under ``events/``, bounded, written off the hot path.
 
-Every round (by the leader), join, leave, crash, eviction, fencing, restart, persist, resume
-and rescale (by the agent where it happened) is one small record under
+Every round (by the leader), join, leave, crash, eviction, lost lease, hang, restart, persist,
+resume and rescale (by the agent where it happened) is one small record under
 ``/efdl/<job>/events/<time in ns>-<node>``: keys sort by time, and two agents never write
 the same key. They are not bound to a lease: the history outlives the nodes (and a new run
 of the job). A writer keeps the newest :data:`LIMIT` events: after every :data:`TRIM_EVERY`

@@ -339,10 +339,8 @@ class Participant:
                     theirs = NodeRecord.from_json(existing.value, key)
                 except RecordError:
                     theirs = None
-                if again and theirs is not None and (theirs.host, theirs.start_time) == (
-                    node.host,
-                    node.start_time,
-                ):
+                same = theirs is not None and theirs.start_time == node.start_time
+                if again and same and theirs is not None and theirs.host == node.host:
                     # Ours, from an attempt whose answer was lost: nobody renews its lease,
                     # so it goes within a TTL (a StoreError: the caller tries again).
                     raise StoreConnectionError(

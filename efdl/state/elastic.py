@@ -83,7 +83,7 @@ def _rebuild(state: ElasticState, failure: BaseException | None) -> bool:
     rt.destroy_group(abort=failure is not None)
     if placement is None or rt.join(placement) is None:
         return False
-    state.rescales += 1
+    state._rescales += 1
     return True
 
 

@@ -42,6 +42,7 @@ from efdl.state.rng import rng_state
 from efdl.state.runtime import runtime
 from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
 from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
+from efdl.state.values import StateValueError
 
 log = logging.getLogger(__name__)
 
@@ -100,33 +101,92 @@ class ElasticState:
                 f"snapshot_every is {snapshot_every!r}; expected 0 (no rollback copies, the "
                 "default) or a positive number of commits between copies."
             )
+        taken = sorted(set(values) & RESERVED)
+        if taken:
+            raise StateValueError(
+                f"The state value name {taken[0]!r} is efdl's own (state.{taken[0]} is "
+                f"read-only){_OWN_HINT}"
+            )
         state_values.check_all(values)
         object.__setattr__(self, "_values", dict(values))
-        self.model = model
+        self._model = model
         self._sharding = sharded.sharding_of(model)
         self._layout: Layout | None = None  # the rows this rank holds (sharded)
         self._rows: dict[str, transfer.Region] | None = None  # held apart from the model
-        self.optimizer = optimizer
-        self.sampler = sampler
-        self.scheduler = scheduler
-        self.snapshot_every = snapshot_every
-        self.step = 0
-        self.ddp: DistributedDataParallel | torch.nn.Module = model
-        self.generation = 0
-        self.rescales = 0
-        self.phase = Phase.COMMITTED
+        self._optimizer = optimizer
+        self._sampler = sampler
+        self._scheduler = scheduler
+        self._snapshot_every = snapshot_every
+        self._step = 0
+        self._ddp: DistributedDataParallel | torch.nn.Module = model
+        self._generation = 0
+        self._rescales = 0
+        self._phase = Phase.COMMITTED
         self._holds = False  # the tensors are a committed step's (False: new, or torn)
         self._settled = True  # and so is the rest (False after a roll-forward)
         self._torn = False  # it held state and a failure tore it
         self._copy: dict[str, Any] | None = None  # the rollback copy (snapshot_every)
         self._flags = torch.zeros(len(_Flag), dtype=torch.int64)
         self._agree_work: Any = None
-        self.last_sync: transfer.Moved | None = None  # what the last sync moved here
+        self._last_sync: transfer.Moved | None = None  # what the last sync moved here
         settings = CacheSettings.from_env()
         self._persister = Persister(settings) if settings is not None else None
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._on_step_start)
             optimizer.register_step_post_hook(self._on_step_end)
+
+    # ---------------------------------------------------------------- what efdl keeps
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The module (sharded: on the current world's mesh; rebuilt after a rescale)."""
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._optimizer
+
+    @property
+    def sampler(self) -> ElasticSampler | ElasticBatchSampler | None:
+        return self._sampler
+
+    @property
+    def scheduler(self) -> Any:
+        return self._scheduler
+
+    @property
+    def snapshot_every(self) -> int:
+        return self._snapshot_every
+
+    @property
+    def ddp(self) -> DistributedDataParallel | torch.nn.Module:
+        """What the training step calls: the model wrapped for this generation's group."""
+        return self._ddp
+
+    @property
+    def step(self) -> int:
+        """The job's committed steps: one per ``commit()`` (a resume or a sync sets it)."""
+        return self._step
+
+    @property
+    def generation(self) -> int:
+        """The generation (membership) this rank trains in; 0 before the first."""
+        return self._generation
+
+    @property
+    def rescales(self) -> int:
+        """How often this worker's state was rebuilt in place."""
+        return self._rescales
+
+    @property
+    def phase(self) -> Phase:
+        """Where the current step stands (efdl.state.transaction)."""
+        return self._phase
+
+    @property
+    def last_sync(self) -> transfer.Moved | None:
+        """What the last sync moved to and from this rank."""
+        return self._last_sync
 
     # ---------------------------------------------------------------- user values
 
@@ -134,32 +194,44 @@ class ElasticState:
         values = object.__getattribute__(self, "_values")
         if name in values:
             return values[name]
-        raise AttributeError(name)
+        raise AttributeError(
+            f"The state has no value {name!r}; its values are {sorted(values)} (declare one "
+            f"as efdl.elastic_state(..., {name}=<initial value>))."
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):  # efdl's own bookkeeping
+            object.__setattr__(self, name, value)
+            return
         values = object.__getattribute__(self, "_values")
         if name in values:
             state_values.check(name, value)
             values[name] = value
-            if name == "epoch" and self.sampler is not None:
-                self.sampler.set_epoch(int(value))
+            if name == "epoch" and self._sampler is not None:
+                self._sampler.set_epoch(int(value))
+        elif name in RESERVED:
+            raise StateValueError(f"state.{name} is efdl's own and read-only{_OWN_HINT}")
         else:
-            object.__setattr__(self, name, value)
+            raise StateValueError(
+                f"state.{name} is not a value of this state, so it would not go with the state "
+                f"to other ranks or snapshots: declare it as efdl.elastic_state(..., "
+                f"{name}=<initial value>)."
+            )
 
     # ---------------------------------------------------------------- the step transaction
 
     def _on_step_start(self, *_: Any) -> None:
         if self._persister is not None:
             self._persister.fence()  # the snapshot being persisted has copied the tensors
-        self.phase = Phase.STEPPING
+        self._phase = Phase.STEPPING
 
     def _on_step_end(self, *_: Any) -> None:
-        self.phase = Phase.STEPPED
+        self._phase = Phase.STEPPED
 
     def _count_step(self) -> None:
-        self.step += 1
-        if self.sampler is not None:
-            self.sampler.advance()
+        self._step += 1
+        if self._sampler is not None:
+            self._sampler.advance()
 
     def commit(self) -> None:
         """End a step: count it, advance the sampler, and pause here if all ranks agree that
@@ -172,15 +244,15 @@ class ElasticState:
         # Values changed in place (a list appended to) are checked here, before they spread.
         state_values.check_all(object.__getattribute__(self, "_values"))
         self._count_step()
-        self.phase, self._settled = Phase.COMMITTED, True
+        self._phase, self._settled = Phase.COMMITTED, True
         rt = runtime
-        rt.committed(self.step)
+        rt.committed(self._step)
         agreed: list[int] | None = None
         if self._agree_work is not None:
             self._agree_work.wait()
             agreed = [int(x) for x in self._flags.tolist()]
             self._agree_work = None
-        if self.snapshot_every and self.step % self.snapshot_every == 0:
+        if self._snapshot_every and self._step % self._snapshot_every == 0:
             self._copy = self._clone()
         if agreed is not None:
             pause = bool(agreed[_Flag.NEWS])
@@ -196,7 +268,7 @@ class ElasticState:
             flags[_Flag.LEAVING] = int(rt.channel.leave_requested)
         flags[_Flag.STAYING] = 1 - flags[_Flag.LEAVING]
         if self._persister is not None:
-            flags[_Flag.PERSIST] = int(dist.get_rank() == 0 and self._persister.due(self.step))
+            flags[_Flag.PERSIST] = int(dist.get_rank() == 0 and self._persister.due(self._step))
             flags[_Flag.BUSY] = int(self._persister.busy)
         self._flags.copy_(torch.tensor(flags))
         self._agree_work = dist.all_reduce(
@@ -224,7 +296,7 @@ class ElasticState:
     def recover(self) -> Recovery:
         """After a failure inside a step or a sync: make this rank's state a committed one
         again (efdl.state.transaction), and drop the step's partial gradients."""
-        action = recovery(self.phase, self._copy is not None)
+        action = recovery(self._phase, self._copy is not None)
         if action is Recovery.RESTORE_COPY:
             assert self._copy is not None
             tree = dict(self._copy)
@@ -237,15 +309,15 @@ class ElasticState:
             self._settled = False
         elif action is Recovery.DISCARD:
             self._holds, self._torn = False, True
-        self.phase = Phase.COMMITTED
-        self.model.zero_grad(set_to_none=True)
+        self._phase = Phase.COMMITTED
+        self._model.zero_grad(set_to_none=True)
         return action
 
     def standing(self) -> Standing:
         """What this rank holds, as the sync compares it."""
         if not self._holds:
             return Standing(None, torn=self._torn)
-        return Standing(self.step, self._settled)
+        return Standing(self._step, self._settled)
 
     # ---------------------------------------------------------------- the remote cache
 
@@ -260,9 +332,9 @@ class ElasticState:
         p = self._persister
         assert p is not None
         epoch = object.__getattribute__(self, "_values").get("epoch")
-        buffers = {_key("model", name) for name, _ in self.model.named_buffers()}
+        buffers = {_key("model", name) for name, _ in self._model.named_buffers()}
         p.start(
-            self.step,
+            self._step,
             epoch if isinstance(epoch, int) else None,
             dist.get_rank(),
             dist.get_world_size(),
@@ -280,14 +352,14 @@ class ElasticState:
 
     def _state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
+            "model": self._model.state_dict(),
             # `is not None`, never truthiness: a sampler at the end of its epoch has length 0
             # (a crash right after an epoch's last commit then lost the cursor, and the
             # finished epoch was trained again).
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "step": self.step,
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+            "sampler": self._sampler.state_dict() if self._sampler is not None else None,
+            "step": self._step,
             "values": object.__getattribute__(self, "_values"),
         }
 
@@ -300,14 +372,14 @@ class ElasticState:
         """Take ``tree`` as this rank's state. ``model_in_place``: the model's tensors in it
         are the model's own (received in place): nothing to copy."""
         if not model_in_place:
-            self.model.load_state_dict(tree["model"])
-        if self.optimizer is not None and tree["optimizer"] is not None:
-            self.optimizer.load_state_dict(tree["optimizer"])  # adopts the tensors: no copy
-        if self.scheduler is not None and tree["scheduler"] is not None:
-            self.scheduler.load_state_dict(tree["scheduler"])
-        if self.sampler is not None and tree["sampler"] is not None:
-            self.sampler.load_state_dict(tree["sampler"])
-        self.step = int(tree["step"])
+            self._model.load_state_dict(tree["model"])
+        if self._optimizer is not None and tree["optimizer"] is not None:
+            self._optimizer.load_state_dict(tree["optimizer"])  # adopts the tensors: no copy
+        if self._scheduler is not None and tree["scheduler"] is not None:
+            self._scheduler.load_state_dict(tree["scheduler"])
+        if self._sampler is not None and tree["sampler"] is not None:
+            self._sampler.load_state_dict(tree["sampler"])
+        self._step = int(tree["step"])
         object.__getattribute__(self, "_values").update(tree["values"])
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
@@ -343,10 +415,10 @@ class ElasticState:
         layouts = [Layout(int(g[1]), int(g[2])) if int(g[1]) else None for g in gathered]
         job_step = rt.placement.job_step if rt.placement is not None else 0
         choice = choose(keys, layouts if self._sharding is not None else None, job_step)
-        self.last_sync = None
+        self._last_sync = None
         resumed = self._resume() if choice.step is None else None
         if resumed is not None:
-            self.last_sync = resumed.moved
+            self._last_sync = resumed.moved
             if runtime.channel is not None and dist.get_rank() == 0:
                 runtime.channel.notify({"type": "resumed", "step": resumed.manifest.step})
             log.warning(
@@ -366,16 +438,16 @@ class ElasticState:
         else:
             self._receive(choice)
         self._holds, self._settled, self._torn = True, True, False
-        if self.snapshot_every:
+        if self._snapshot_every:
             self._copy = self._clone()
-        if self.sampler is not None:
-            self.sampler.set_world(rank, world)
-        self.ddp = self.model  # the old wrapper's buckets go before the new one's come
+        if self._sampler is not None:
+            self._sampler.set_world(rank, world)
+        self._ddp = self._model  # the old wrapper's buckets go before the new one's come
         if self._sharding is None and (world > 1 or rt.elastic):
             # No init sync: every rank holds the same state now (it would broadcast the
             # whole model from rank 0 over the training group on every rebuild).
-            self.ddp = DistributedDataParallel(self.model, init_sync=False)
-        self.generation = rt.placement.generation if rt.placement else 0
+            self._ddp = DistributedDataParallel(self._model, init_sync=False)
+        self._generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
 
     def _why_lost(self, loss: Loss, keys: list[int], job_step: int) -> str:
@@ -426,9 +498,9 @@ class ElasticState:
                 self._load(resumed.tree, resumed.model_in_place)
             return resumed
         model = self._on_this_world()
-        if model is not self.model:
+        if model is not self._model:
             self._holds, self._torn = False, self._holds or self._torn
-            sharded.release(self.model, self.optimizer)
+            sharded.release(self._model, self._optimizer)
         mesh = sharded.mesh_of(model)
         into = {_key("model", n): t for n, t in model.state_dict().items()}
 
@@ -445,17 +517,17 @@ class ElasticState:
         """The sharded model on this world's mesh: the model itself if it is sharded over
         this group already (a newcomer, a cold start), else built anew."""
         assert self._sharding is not None
-        if sharded.on_current_group(self.model):
-            return self.model
+        if sharded.on_current_group(self._model):
+            return self._model
         return self._sharding.build(sharded.mesh())
 
     def _adopt(self, model: torch.nn.Module, tree: dict[str, Any]) -> None:
         """Take ``model`` (sharded on this world's mesh, its rows in ``tree``) and ``tree`` as
         this rank's state; free the old model's rows."""
-        old = self.model
-        if model is not old and self.optimizer is not None:
-            sharded.rebind(self.optimizer, old, model)
-        self.model = model
+        old = self._model
+        if model is not old and self._optimizer is not None:
+            sharded.rebind(self._optimizer, old, model)
+        self._model = model
         self._load(tree, model_in_place=True)
         self._layout, self._rows = Layout(dist.get_world_size(), dist.get_rank()), None
         if model is not old:
@@ -496,7 +568,7 @@ class ElasticState:
         tensors = [t.tensor for t in lands]
         regions = [transfer.Region(t) for t in tensors]
         fresh = [not t.own and not t.on_device for t in lands]
-        self.last_sync = self._move(leaves, regions, regions, fresh)
+        self._last_sync = self._move(leaves, regions, regions, fresh)
         if rank != choice.primary:
             in_place = all(t.own for t in lands if t.key.startswith("['model']"))
             self._load(transfer.fill(header["tree"], tensors), model_in_place=in_place)
@@ -546,10 +618,10 @@ class ElasticState:
                 kept[key] = transfer.Region(mine, byte_span(shape, itemsize, after[rank])[0])
             wanted.append(kept.get(key))
         fresh = [w is not None and w.tensor.device.type == "cpu" for w in wanted]
-        self.last_sync = self._move(leaves, held, wanted, fresh)
+        self._last_sync = self._move(leaves, held, wanted, fresh)
         if rank in after:
             self._rows, self._layout = kept, after[rank]
-            sharded.release(self.model, self.optimizer)  # the rows are in self._rows now
+            sharded.release(self._model, self._optimizer)  # the rows are in self._rows now
 
     def _reshard(self, choice: Choice, layouts: list[Layout | None]) -> None:
         """Sharded: build the model anew on this world's mesh (unless it is built on it
@@ -557,7 +629,7 @@ class ElasticState:
         holders of ``choice.step`` (their rows in ``layouts``) and from its own old rows."""
         assert self._sharding is not None
         rank, world = dist.get_rank(), dist.get_world_size()
-        old = self.model
+        old = self._model
         current = sharded.on_current_group(old)
         new_layout = Layout(world, rank)
         if choice.step is None:  # a cold start: every rank's rows are the job's
@@ -614,8 +686,17 @@ class ElasticState:
             landed.append(land.tensor)
             fresh.append(not land.own and not on_device)
         # A failure in here leaves the old rows and tensors as they were (new ones land apart).
-        self.last_sync = self._move(leaves, held, wanted, fresh)
+        self._last_sync = self._move(leaves, held, wanted, fresh)
         self._adopt(model, transfer.fill(header["tree"], landed))
+
+
+RESERVED: frozenset[str] = frozenset(n for n in dir(ElasticState) if not n.startswith("_"))
+"""The names efdl keeps on a state (attributes and methods): no user value may take one."""
+
+_OWN_HINT = (
+    f"; give your value another name (e.g. my_step=0 for a step counter of your own). "
+    f"efdl's own names: {', '.join(sorted(RESERVED))}."
+)
 
 
 def _key(*names: str) -> str:

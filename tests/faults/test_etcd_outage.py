@@ -207,5 +207,3 @@ def test_etcd_leader_paused_revokes_the_leases(
     leader = leader_of(cluster)
     pause = lambda: break_member(leader, "stop")  # noqa: E731
     outage_row(jobs, cluster.endpoints, record, pause, 12.0, joins_after=False)
-
-

@@ -314,8 +314,8 @@ def test_etcd_restart_during_training(
     jobs: Jobs, own_etcd: EmbeddedEtcd, record: Recorder, attempt: int
 ) -> None:
     """etcd stopped for 2 s and started again (same data) while the job trains: training goes
-    on through it, no split brain, and the job is intact in etcd afterwards (lease TTL 10 s:
-    an outage longer than the TTL fences the nodes, as a partition does)."""
+    on through it, no split brain, and the job is intact in etcd afterwards (lease TTL 10 s;
+    outages longer than the TTL: tests/faults/test_etcd_outage.py)."""
     job = jobs.new(own_etcd.endpoint.target, ttl=10)
     rows = start(job, "a", "b")
     g = latest_gen(rows)

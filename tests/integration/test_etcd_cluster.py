@@ -1,6 +1,6 @@
 """A 3-member etcd on 127.0.0.1 losing the member a client uses: the client goes on through
 a healthy member within the lease TTL, keeping its lease and its watches (resumed from the
-last revision seen). Losing the quorum is an outage (fencing, tested elsewhere)."""
+last revision seen). Losing the quorum is an outage (tests/faults/test_etcd_outage.py)."""
 
 from __future__ import annotations
 

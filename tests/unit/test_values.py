@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import inspect
 import io
 import re
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from efdl.state.state import ElasticState
+from efdl.state.state import RESERVED, ElasticState
 from efdl.state.values import StateValueError, check
 
 PLAIN: list[Any] = [
@@ -84,3 +85,35 @@ def test_the_state_refuses_them_at_construction_assignment_and_commit() -> None:
     with pytest.raises(StateValueError, match=r"The state value best\[1\] is a numpy"):
         state.commit()
     assert state.step == 0  # refused before the step counted
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED))
+def test_a_value_named_like_efdls_own_is_refused(name: str) -> None:
+    """elastic_state(..., step=0) once made the user's counter efdl's commit counter: each
+    step counted twice. Every name efdl keeps on a state is refused as a value, and read-only."""
+    model = torch.nn.Linear(2, 2)
+    if name not in inspect.signature(ElasticState).parameters:  # those are efdl's arguments
+        with pytest.raises(StateValueError, match=f"The state value name '{name}' is efdl's own"):
+            ElasticState(model, **{name: 0})
+    state = ElasticState(model, epoch=0)
+    before = getattr(state, name)
+    with pytest.raises(StateValueError, match=f"state.{name} is efdl's own and read-only"):
+        setattr(state, name, 5)
+    assert getattr(state, name) == before
+
+
+def test_the_users_counter_and_efdls_step_stay_apart() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ElasticState(model, opt, epoch=0, my_step=0)
+    for _ in range(3):
+        opt.step()
+        state.my_step += 1
+        state.commit()
+    assert (state.step, state.my_step) == (3, 3)
+    with pytest.raises(StateValueError, match=r"state.best is not a value of this state"):
+        state.best = 0.5  # undeclared: it would not go with the state
+    with pytest.raises(
+        AttributeError, match=r"no value 'best'; its values are \['epoch', 'my_step'\]"
+    ):
+        _ = state.best

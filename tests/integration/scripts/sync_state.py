@@ -40,7 +40,7 @@ if rank < 3:
         state.commit()
     model.zero_grad(set_to_none=True)  # as a rebuild drops the step's gradients
     state._holds = True  # they synced in an earlier generation
-    state.note = f"rank {rank}"
+    state.note = f"rank {rank}"  # a declared value
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 state.sync()
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
