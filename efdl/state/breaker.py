@@ -82,6 +82,7 @@ class Breaker:
         self._commits = 0
         self._steps: deque[float] = deque(maxlen=9)  # the last step times (s), any generation
         self._last: float | None = None  # the last commit's time; None: none since a rebuild
+        self._cut_below = 0  # every generation below this one was cut
 
     @contextmanager
     def recording(self, generation: int) -> Iterator[None]:
@@ -129,6 +130,7 @@ class Breaker:
         """Shut down the sockets of generations older than ``below`` and abort their NCCL
         communicators; how many connections and communicators were."""
         with self._lock:
+            self._cut_below = max(self._cut_below, below)
             doomed = {ino for ino, g in self._opened.items() if g < below}
             for ino in doomed:
                 del self._opened[ino]
@@ -141,6 +143,12 @@ class Breaker:
             except Exception as exc:  # a communicator already gone: nothing left to cut
                 log.warning("Aborting an older generation's communicators failed: %s", exc)
         return n
+
+    def was_cut(self, generation: int) -> bool:
+        """Whether efdl cut ``generation``'s groups itself (what its collectives raise after
+        is that cut, whatever the words: efdl.state.failure)."""
+        with self._lock:
+            return generation < self._cut_below
 
     def watch(self, generation: int, trains_older: Callable[[], bool]) -> None:
         """In the background, now that ``generation`` is ready: while ``trains_older()`` (this

@@ -154,7 +154,7 @@ def _left_generation(exc: BaseException) -> bool:
     rt = runtime
     if rt.channel is None:
         return False
-    kind = classify(exc)
+    kind = classify(exc, rt.placement is not None and rt.breaker.was_cut(rt.placement.generation))
     if kind is Failure.TIMEOUT and rt.placement is not None:
         return rt.channel.superseded(rt.placement.generation)
     return kind is Failure.PEER

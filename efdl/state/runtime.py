@@ -179,7 +179,9 @@ class Runtime:
         leaves the job before its lease expires; efdl.rendezvous.probe), and close this
         rank's connections of the generation."""
         p, channel = self.placement, self.channel
-        if channel is not None and p is not None and classify(exc) is Failure.PEER:
+        if channel is None or p is None:
+            return
+        if classify(exc, self.breaker.was_cut(p.generation)) is Failure.PEER:
             channel.notify({"type": "peer_failed", "generation": p.generation})
             # And end this generation's connections now: a rank whose neighbours in the
             # collective still live would otherwise wait on them (until the breaker cuts it,
