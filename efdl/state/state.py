@@ -35,6 +35,7 @@ from efdl.state import values as state_values
 from efdl.state.cache import CacheSettings, Manifest
 from efdl.state.channel import GRACE_ENV
 from efdl.state.device import device
+from efdl.state.digest import digest
 from efdl.state.layout import Layout, byte_span, rows
 from efdl.state.persist import Persister
 from efdl.state.resume import Resumed, resume
@@ -406,15 +407,32 @@ class ElasticState:
         self.fence()  # a snapshot being persisted has copied the tensors the sync may change
         held = self._layout if self._holds else None
         mine = torch.tensor(
-            [self.standing().key(), *((held.shards, held.index) if held else (0, 0))],
+            [
+                self.standing().key(),
+                *((held.shards, held.index) if held else (0, 0)),
+                self._digest(),
+            ],
             dtype=torch.int64,
         )
-        gathered = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+        gathered = [torch.zeros(4, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(gathered, mine, group=side)
         keys = [int(g[0].item()) for g in gathered]
         layouts = [Layout(int(g[1]), int(g[2])) if int(g[1]) else None for g in gathered]
+        digests = [int(g[3].item()) for g in gathered]
         job_step = rt.placement.job_step if rt.placement is not None else 0
-        choice = choose(keys, layouts if self._sharding is not None else None, job_step)
+        sharded_state = self._sharding is not None
+        choice = choose(
+            keys, layouts if sharded_state else None, job_step, None if sharded_state else digests
+        )
+        if choice.diverged and rank == choice.primary:
+            log.warning(
+                "The replicas of step %s differ: rank(s) %s hold tensors unlike those of "
+                "rank(s) %s (digests %s): they are taken as torn and receive the state.",
+                choice.step,
+                list(choice.diverged),
+                list(choice.holders),
+                {r: hex(digests[r] & (2**64 - 1)) for r in (*choice.diverged, choice.primary)},
+            )
         self._last_sync = None
         resumed = self._resume() if choice.step is None else None
         if resumed is not None:
@@ -449,6 +467,20 @@ class ElasticState:
             self._ddp = DistributedDataParallel(self._model, init_sync=False)
         self._generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
+
+    def _digest(self) -> int:
+        """This replica's digest (efdl.state.digest) of its parameters and optimizer state; 0
+        where there is none to compare: a rank that holds no step, or a sharded state (its
+        rows differ by design). Buffers are left out: DDP broadcasts them from rank 0 only at
+        the next forward (batch-norm statistics differ between replicas until then)."""
+        if not self._holds or self._sharding is not None:
+            return 0
+        buffers = {_key("model", name) for name, _ in self._model.named_buffers()}
+        return digest(
+            t
+            for k, t in self._own_tensors().items()
+            if k.startswith(("['model']", "['optimizer']")) and k not in buffers
+        )
 
     def _why_lost(self, loss: Loss, keys: list[int], job_step: int) -> str:
         """The :class:`StateLostError` message: what was lost, why, and the ways on."""

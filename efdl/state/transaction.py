@@ -23,6 +23,7 @@ change state outside ``optimizer.step()`` can still ask for one (``snapshot_ever
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,6 +108,8 @@ class Choice:
         needy: every other rank: each receives every tensor.
         loss: set when no rank holds a step whole and rank 0's own state is not the job's:
             the job's state is gone but for the remote cache (see :class:`Loss`).
+        diverged: ranks that hold ``step`` with tensors unlike the other holders' (their
+            digest differs): treated as torn, they are among ``needy``.
     """
 
     step: int | None
@@ -114,6 +117,7 @@ class Choice:
     holders: tuple[int, ...]
     needy: tuple[int, ...]
     loss: Loss | None = None
+    diverged: tuple[int, ...] = ()
 
     @property
     def lost(self) -> bool:
@@ -121,7 +125,10 @@ class Choice:
 
 
 def choose(
-    keys: Sequence[int], layouts: Sequence[Layout | None] | None = None, job_step: int = 0
+    keys: Sequence[int],
+    layouts: Sequence[Layout | None] | None = None,
+    job_step: int = 0,
+    digests: Sequence[int] | None = None,
 ) -> Choice:
     """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure.
 
@@ -131,6 +138,11 @@ def choose(
     lost (the rows of a dead rank are gone, and its peers have stepped past the ones
     before). ``job_step``: the job's newest committed step as its agents know it; when no
     rank holds any step and it is above 0, the job is not at a cold start: its state is lost.
+    ``digests``: each rank's digest of its replicated tensors (0: none, as for a sharded
+    state); holders of the chosen step whose digest is not the one most of them share (a tie:
+    the one the lowest settled holder has) hold no step: a replica that went its own way (a
+    step taken on torn gradients, a fault in memory) is repaired from the others instead of
+    spreading.
     """
     standings = [Standing.from_key(k) for k in keys]
     held = sorted({s.step for s in standings if s.step is not None}, reverse=True)
@@ -154,6 +166,13 @@ def choose(
         return Choice(None, 0, (0,), tuple(range(1, len(keys))), loss)
     best = steps[0]
     holders = tuple(r for r, s in enumerate(standings) if s.step == best)
+    diverged: tuple[int, ...] = ()
+    if digests is not None and len(holders) > 1 and all(digests[r] for r in holders):
+        first = ([r for r in holders if standings[r].settled] or list(holders))[0]
+        counts = Counter(digests[r] for r in holders)
+        agreed = max(counts, key=lambda d: (counts[d], d == digests[first]))
+        diverged = tuple(r for r in holders if digests[r] != agreed)
+        holders = tuple(r for r in holders if digests[r] == agreed)
     settled = [r for r in holders if standings[r].settled]
     needy = tuple(r for r in range(len(keys)) if r not in holders)
-    return Choice(best, (settled or list(holders))[0], holders, needy)
+    return Choice(best, (settled or list(holders))[0], holders, needy, diverged=diverged)

@@ -15,12 +15,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "sync_state.py"
 BUCKET_MB = 1
 
 
-def run_world(tmp_path: Path, world: int) -> list[dict[str, object]]:
+def run_world(
+    tmp_path: Path, world: int, env: dict[str, str] | None = None
+) -> list[dict[str, object]]:
     args = [
         [str(r), str(world), str(tmp_path / "store"), str(tmp_path / f"rank{r}.json")]
         for r in range(world)
     ]
-    run_ranks(SCRIPT, args, {"EFDL_SYNC_BUCKET_MB": str(BUCKET_MB)})
+    run_ranks(SCRIPT, args, {"EFDL_SYNC_BUCKET_MB": str(BUCKET_MB), **(env or {})})
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -56,3 +58,19 @@ def test_a_newcomer_receives_in_place_with_at_most_a_bucket_extra(tmp_path: Path
     # not have) are new. A copy of the parameters, or of the whole state, would show here.
     slack = 6 << 20
     assert int(newcomer["grew"]) <= momentum + BUCKET_MB * (1 << 20) + slack, newcomer["grew"]  # type: ignore[call-overload]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("corrupt", [0, 2])
+def test_a_replica_that_differs_is_found_and_repaired(tmp_path: Path, corrupt: int) -> None:
+    """Three ranks hold step 5; one of them (the would-be primary, rank 0, or another) has one
+    parameter element changed: the holders compare digests, the odd one out is taken as torn
+    and receives the state of the other two; nobody receives the odd one's tensors."""
+    ranks = run_world(tmp_path, 4, {"SYNC_HOLDERS": "3", "SYNC_CORRUPT": str(corrupt)})
+    good = ranks[1]
+    size = int(good["state_bytes"])  # type: ignore[call-overload]
+    for r in ranks:
+        assert (r["params"], r["momentum"], r["step"]) == (good["params"], good["momentum"], 5)
+    assert ranks[corrupt]["received"] == size  # repaired: it received every tensor
+    assert ranks[corrupt]["sent"] == 0  # and spread nothing
+    assert ranks[3]["received"] == size

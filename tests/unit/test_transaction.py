@@ -4,7 +4,9 @@ what after a rebuild."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from efdl.state.digest import digest
 from efdl.state.layout import Layout, covers, overlap, rows
 from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
 
@@ -140,3 +142,30 @@ def test_the_rows_two_layouts_share() -> None:
     assert overlap(101, Layout(2, 1), Layout(3, 0)) == (51, 34)  # none: start >= end
     assert overlap(101, Layout(3, 2), Layout(1, 0)) == (68, 101)
     assert overlap(2, Layout(4, 3), Layout(4, 3)) == (2, 2)  # an empty chunk holds nothing
+
+
+def test_holders_whose_digest_differs_from_the_others_are_torn() -> None:
+    k = Standing(5).key()
+    three = choose([k, k, k, -1], digests=[7, 9, 9, 0])
+    assert (three.holders, three.diverged, three.primary) == ((1, 2), (0,), 1)
+    assert three.needy == (0, 3)
+    # Two that differ: no majority; the lowest settled holder's stands.
+    rolled = Standing(5, settled=False).key()
+    two = choose([rolled, k], digests=[7, 9])
+    assert (two.holders, two.diverged) == ((1,), (0,))
+    # Equal digests, or none (0: a sharded state, a rank holding nothing): nothing diverges.
+    assert choose([k, k], digests=[7, 7]).diverged == ()
+    assert choose([k, k], digests=[0, 9]).holders == (0, 1)
+
+
+def test_the_digest_sees_one_changed_bit_and_not_where_a_tensor_lies() -> None:
+    params = [torch.randn(1000), torch.randn(3, 5, dtype=torch.float16), torch.zeros(0)]
+    d = digest(params)
+    assert d == digest([p.clone() for p in params]) and d != 0
+    flipped = [p.clone() for p in params]
+    flipped[0].view(torch.int32)[777] ^= 1  # the lowest bit of one element
+    assert digest(flipped) != d
+    assert digest(params[::-1]) != d  # order counts
+    base = torch.arange(20, dtype=torch.float32)
+    assert digest([base[1:9]]) == digest([base[1:9].clone()])  # a view at an odd offset
+    assert digest([base.reshape(4, 5).t()]) == digest([base.reshape(4, 5).t().contiguous()])

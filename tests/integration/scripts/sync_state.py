@@ -2,12 +2,14 @@
 
 Args: rank, world size, a FileStore path, an output JSON path. Standings: ranks 0 and 1 hold
 step 5 (the same five SGD-momentum steps), rank 2 holds step 4 (a step behind), rank 3 and
-up are newcomers (their own random init, no optimizer state). Writes what the sync moved,
-the state it left, and how much this rank's peak memory grew in the sync.
+up are newcomers (their own random init, no optimizer state). SYNC_HOLDERS=N: ranks below N
+hold step 5; SYNC_CORRUPT=R: rank R changes one parameter element before the sync. Writes what
+the sync moved, the state it left, and how much this rank's peak memory grew in the sync.
 """
 
 import datetime
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -31,15 +33,19 @@ model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 sampler = ElasticSampler(10_000, batch_size=4, seed=1)
 state = ElasticState(model, opt, sampler, epoch=0, note="x")
-if rank < 3:
+holders = int(os.environ.get("SYNC_HOLDERS", "2"))
+if rank < max(3, holders):
     data = torch.Generator().manual_seed(7)
-    for _ in range(5 if rank < 2 else 4):
+    for _ in range(5 if rank < holders else 4):
         opt.zero_grad(set_to_none=True)
         model(torch.randn(8, width, generator=data)).pow(2).mean().backward()
         opt.step()
         state.commit()
     model.zero_grad(set_to_none=True)  # as a rebuild drops the step's gradients
     state._holds = True  # they synced in an earlier generation
+    if rank == int(os.environ.get("SYNC_CORRUPT", "-1")):  # a replica gone its own way
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[12345] += 1e-3
     state.note = f"rank {rank}"  # a declared value
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 state.sync()
