@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ErrorType
 
 from efdl._process import free_port
 from efdl.state import ready
@@ -146,6 +147,27 @@ class Runtime:
             log.warning("Destroying the old process group failed (%s); going on.", exc)
         self.breaker.forget()
         self.side = None
+
+    def errored(self) -> bool:
+        """Whether this rank's training group reported a communication error: efdl cut it,
+        or (NCCL) ``ProcessGroupNCCL.get_error()`` is not SUCCESS (efdl.state.verdict)."""
+        p = self.placement
+        if p is not None and self.breaker.was_cut(p.generation):
+            return True
+        if self.backend != "nccl" or not dist.is_initialized():
+            return False
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device())
+        get_error = getattr(backend, "get_error", None)  # torch >= 2.7
+        return get_error is not None and get_error() != ErrorType.SUCCESS
+
+    def step_event(self) -> Any:
+        """A CUDA event after the work enqueued so far (NCCL: a step's collectives may still
+        run when commit() is called); None where collectives block (gloo)."""
+        if self.backend != "nccl":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
 
     def committed(self, step: int) -> None:
         """A step was committed: the breaker sees progress; rank 0 tells the agent how long

@@ -44,6 +44,7 @@ from efdl.state.runtime import runtime
 from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
 from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
 from efdl.state.values import StateValueError
+from efdl.state.verdict import Verdicts
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,12 @@ class _Flag(enum.IntEnum):
     BUSY = 2  # this rank's writer is still writing the last one
     LEAVING = 3  # this rank was asked to leave
     STAYING = 4  # this rank was not
+    FAILED = 5  # this rank's group reported a communication error (efdl.state.verdict)
+
+
+class StepFailed(dist.DistError):
+    """A rank's group reported a communication error: every rank leaves the generation at
+    the same commit (a failure of the job's communication: rebuilt in place)."""
 
 
 class ElasticState:
@@ -130,6 +137,7 @@ class ElasticState:
         self._flags = torch.zeros(len(_Flag), dtype=torch.int64)
         self._agree_work: Any = None
         self._last_sync: transfer.Moved | None = None  # what the last sync moved here
+        self._verdicts = Verdicts(runtime.errored, runtime.step_event)
         settings = CacheSettings.from_env()
         self._persister = Persister(settings) if settings is not None else None
         if optimizer is not None:
@@ -248,11 +256,17 @@ class ElasticState:
         self._phase, self._settled = Phase.COMMITTED, True
         rt = runtime
         rt.committed(self._step)
+        self._verdicts.committed(self._step)
         agreed: list[int] | None = None
         if self._agree_work is not None:
             self._agree_work.wait()
             agreed = [int(x) for x in self._flags.tolist()]
             self._agree_work = None
+        if agreed is not None and agreed[_Flag.FAILED]:
+            raise StepFailed(
+                f"A rank's training group reported a communication error by step {self._step}: "
+                "every rank leaves this generation here."
+            )
         if self._snapshot_every and self._step % self._snapshot_every == 0:
             self._copy = self._clone()
         if agreed is not None:
@@ -268,6 +282,7 @@ class ElasticState:
             flags[_Flag.NEWS] = int(rt.channel.pending(rt.placement.generation))
             flags[_Flag.LEAVING] = int(rt.channel.leave_requested)
         flags[_Flag.STAYING] = 1 - flags[_Flag.LEAVING]
+        flags[_Flag.FAILED] = int(self._verdicts.failed)
         if self._persister is not None:
             flags[_Flag.PERSIST] = int(dist.get_rank() == 0 and self._persister.due(self._step))
             flags[_Flag.BUSY] = int(self._persister.busy)
@@ -298,6 +313,18 @@ class ElasticState:
         """After a failure inside a step or a sync: make this rank's state a committed one
         again (efdl.state.transaction), and drop the step's partial gradients."""
         action = recovery(self._phase, self._copy is not None)
+        self._verdicts.settle_within(runtime.timeout.total_seconds())
+        kept = int(self._copy["step"]) if action is Recovery.RESTORE_COPY and self._copy else None
+        stepped = self._step + int(action is Recovery.ROLL_FORWARD)
+        if not self._verdicts.holds(kept if kept is not None else stepped):
+            log.warning(
+                "This rank's communication failed after step %d was verified: its tensors "
+                "(step %d) may have been updated from torn gradients; it takes the state "
+                "from a peer.",
+                self._verdicts.verified,
+                stepped,
+            )
+            action = Recovery.DISCARD
         if action is Recovery.RESTORE_COPY:
             assert self._copy is not None
             tree = dict(self._copy)
@@ -456,6 +483,7 @@ class ElasticState:
         else:
             self._receive(choice)
         self._holds, self._settled, self._torn = True, True, False
+        self._verdicts.reset(self._step)
         if self._snapshot_every:
             self._copy = self._clone()
         if self._sampler is not None:

@@ -54,6 +54,8 @@ def test_nccl_world_size_1_init_abort_and_reinit_in_place() -> None:
     assert report["aborter_done"], "aborting the communicators from a side thread hung"
     assert report["kind"] == "peer", report  # the breaker's abort reads as a lost peer
     assert report["value"] == 2.0  # the new generation's group works
+    assert report["verified_before"] == 2  # completed, no error: both steps count
+    assert report["torn_after"], report  # enqueued after the failure: counted nowhere
 
 
 def test_plain_torchrun_script_sets_its_device_from_local_rank(tmp_path: Path) -> None:

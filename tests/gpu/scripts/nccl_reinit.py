@@ -1,7 +1,8 @@
 """NCCL at world size 1, the way efdl's in-place path drives it: make the group (eager,
 non-blocking communicators), train, abort the communicators as the breaker does when a peer
-hangs, see the next collective fail as a communication failure, destroy the group and make
-the next generation's, train again. Prints one JSON line of what happened and how long.
+hangs, see the next collective fail as a communication failure, see the step verdicts verify
+the steps before and refuse the one after, destroy the group and make the next generation's,
+train again. Prints one JSON line of what happened and how long.
 """
 
 import json
@@ -18,6 +19,7 @@ from efdl.state.channel import Placement
 from efdl.state.device import nccl_aborter
 from efdl.state.failure import classify
 from efdl.state.runtime import runtime as _runtime
+from efdl.state.verdict import Verdicts
 
 
 def placement(generation: int) -> Placement:
@@ -31,8 +33,15 @@ t0 = time.perf_counter()
 _runtime.init_group(placement(1))
 init_s = time.perf_counter() - t0
 x = torch.ones(1 << 20, device=efdl.device())
-dist.all_reduce(x)
+# The step verdicts (efdl.state.verdict): two steps, each an all-reduce and a commit; once
+# their events completed with no error reported, both are verified.
+verdicts = Verdicts(_runtime.errored, _runtime.step_event)
+for step in (1, 2):
+    dist.all_reduce(x)
+    verdicts.committed(step)
 torch.cuda.synchronize()
+verdicts.settle()
+verified_before = verdicts.verified
 
 # The breaker's abort runs on a side thread while the main thread trains.
 t1 = time.perf_counter()
@@ -48,6 +57,14 @@ except Exception as exc:
     kind = classify(exc).value
 else:
     kind = "none"
+# A step enqueued after the failure counts nowhere: the group is cut (efdl's record) and the
+# step's tensors may come from torn gradients.
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+get_error = str(getattr(backend, "get_error", lambda: "n/a")())
+_runtime.breaker.cut(below=2)
+verdicts.committed(3)
+verdicts.settle_within(30)
+torn_after = not verdicts.holds(3) and verdicts.holds(2)
 _runtime.destroy_group(abort=True)
 _runtime.init_group(placement(2))
 y = torch.full((1 << 20,), 2.0, device=efdl.device())
@@ -65,6 +82,9 @@ print(
             "kind": kind,
             "value": float(y[0]),
             "aborter_done": not aborter.is_alive(),
+            "verified_before": verified_before,
+            "get_error_after_abort": get_error,
+            "torn_after": torn_after,
         }
     ),
     flush=True,

@@ -1,0 +1,95 @@
+"""Each rank's verdict on its steps' communication: a step counts only where it succeeded.
+
+On gloo a collective returns only when it is done (or raises), so a step that reaches
+``commit()`` had its communication succeed on this rank, and every commit is verified at once.
+On NCCL, ``backward()`` only enqueues the gradient all-reduce and ``optimizer.step()`` after it:
+a collective that a failure ends early (a dead peer, an abort, the watchdog's timeout) leaves
+the already enqueued update to run on partial gradients, on some ranks and not on others, and
+the CPU reaches ``commit()`` long before the GPU knows. So there each ``commit()`` records a
+CUDA event on the current stream (no synchronisation), and a step is *verified* once its event
+has completed while the group reported no error (``ProcessGroupNCCL.get_error()``); the next
+commits ask, without waiting (``Event.query()``).
+
+What a verdict changes:
+
+- the per-commit agreement carries a ``FAILED`` flag: a rank whose group reported an error
+  makes every rank pause at the same commit (efdl.state.state), so no rank trains on after a
+  step some rank saw fail;
+- after a failure, a rank that holds steps not verified before the error (its update may have
+  run on torn gradients) holds no step: it is torn, and receives the state from a rank whose
+  steps were verified (or from the remote cache); the holders' digests are compared too
+  (efdl.state.digest).
+
+Cost: nothing on gloo; on NCCL one event record and a few ``query()`` calls per step, and one
+bounded wait on the unverified events after a failure (the abort has ended their kernels).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+
+class Event(Protocol):
+    """What efdl needs of a CUDA event (``torch.cuda.Event``)."""
+
+    def query(self) -> bool: ...
+
+
+class Verdicts:
+    """This rank's record of which committed steps' communication succeeded.
+
+    Args:
+        errored: whether the group has reported a communication error (NCCL: ``get_error()``
+            is not SUCCESS; any backend: efdl cut the group itself).
+        event: records an event after the work enqueued so far; None where the backend
+            blocks (a step that reaches ``commit()`` is verified there).
+    """
+
+    def __init__(self, errored: Callable[[], bool], event: Callable[[], Event | None]) -> None:
+        self._errored = errored
+        self._event = event
+        self._pending: deque[tuple[int, Event]] = deque()  # (step, its event), oldest first
+        self.verified = 0  # the newest step known to have succeeded here
+        self.failed = False  # the group reported an error while steps were unverified
+
+    def committed(self, step: int) -> None:
+        """``commit()`` counted ``step``: record it, and settle what has completed since."""
+        event = self._event()
+        if event is None:
+            if not self.failed:
+                self.verified = step
+            return
+        self._pending.append((step, event))
+        self.settle()
+
+    def settle(self) -> None:
+        """Mark the completed steps verified, unless the group reports an error: then every
+        step not verified before it is suspect (``failed``)."""
+        if self.failed or not self._pending:
+            return
+        if self._errored():
+            self.failed = True
+            return
+        while self._pending and self._pending[0][1].query():
+            self.verified = self._pending.popleft()[0]
+
+    def settle_within(self, timeout_s: float) -> None:
+        """After a failure: give the unverified steps' work up to ``timeout_s`` to end (an
+        aborted communicator ends its kernels), then settle."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending and not self._pending[-1][1].query() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.settle()
+
+    def holds(self, step: int) -> bool:
+        """Whether this rank's tensors at ``step`` may be trusted: nothing failed here, or
+        every step up to ``step`` was verified before it did."""
+        return not self.failed or self.verified >= step
+
+    def reset(self, step: int) -> None:
+        """A sync made this rank hold ``step`` (received, or found whole): a fresh start."""
+        self._pending.clear()
+        self.verified, self.failed = step, False
