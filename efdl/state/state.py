@@ -5,9 +5,11 @@ CPU side group (no GPU synchronisation; by then it is long done) and starts the 
 this rank's flags. Every rank reads the same result of the same all-reduce, so all pause (and
 persist) at the same commit, after which none of them is inside a collective.
 
-Nothing is copied per step: the step is a transaction (efdl.state.transaction). After a
-rebuild, :meth:`ElasticState.sync` gathers what each rank holds, and only the ranks that lack
-the newest committed state receive it, tensor by tensor in bounded messages, from the ranks
+Nothing is copied per step: the step is a transaction (efdl.state.transaction), and on NCCL a
+step counts on a rank only once its communication is known to have succeeded there
+(efdl.state.verdict). After a rebuild, :meth:`ElasticState.sync` gathers what each rank holds
+and a digest of it (efdl.state.digest: a replica unlike the others is torn), and only the
+ranks that lack the newest committed state receive it, tensor by tensor in bounded messages, from the ranks
 that hold it (efdl.state.transfer); when no rank holds any, from the remote cache
 (efdl.state.resume).
 """
@@ -246,7 +248,7 @@ class ElasticState:
         """End a step: count it, advance the sampler, and pause here if all ranks agree that
         the agent has news (persisting here if a snapshot is due).
 
-        Cost: one asynchronous five-integer all-reduce on a CPU gloo group per call, waited
+        Cost: one asynchronous six-integer all-reduce on a CPU gloo group per call, waited
         at the next call (so it overlaps the step), and a walk of the user values; no copy
         and no GPU synchronisation.
         """
