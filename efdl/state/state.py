@@ -9,9 +9,9 @@ Nothing is copied per step: the step is a transaction (efdl.state.transaction), 
 step counts on a rank only once its communication is known to have succeeded there
 (efdl.state.verdict). After a rebuild, :meth:`ElasticState.sync` gathers what each rank holds
 and a digest of it (efdl.state.digest: a replica unlike the others is torn), and only the
-ranks that lack the newest committed state receive it, tensor by tensor in bounded messages, from the ranks
-that hold it (efdl.state.transfer); when no rank holds any, from the remote cache
-(efdl.state.resume).
+ranks that lack the newest committed state receive it, tensor by tensor in bounded messages,
+from the ranks that hold it (efdl.state.transfer); when no rank holds any, from the remote
+cache (efdl.state.resume).
 """
 
 from __future__ import annotations

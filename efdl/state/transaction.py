@@ -3,8 +3,8 @@
 The only thing that changes the tensors of a DDP-style state is ``optimizer.step()``, and it
 runs only after the step's communication (the gradient all-reduce in ``backward``) has
 succeeded on this rank (so on gloo; on NCCL, where the update is enqueued behind a collective
-that may yet fail, efdl.state.verdict makes it so). So a rank whose step failed holds one of three states, told apart by
-the optimizer's own hooks:
+that may yet fail, efdl.state.verdict makes it so). So a rank whose step failed holds one of
+three states, told apart by the optimizer's own hooks:
 
 - ``COMMITTED``: it failed before ``optimizer.step()`` (in the forward or backward pass): its
   tensors are exactly those of its last ``commit()``;
