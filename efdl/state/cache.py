@@ -11,9 +11,15 @@ One snapshot per persisted step, written by every rank at once::
                                               replicated state is cut into parts, and the
                                               ranks write the parts in parallel
     <url>/step-000000001234/rank-00003.pt     rank 3: what is its own (its RNG states)
-    <url>/step-000000001234/report-00003.json rank 3: the size and digest of what it wrote
+    <url>/step-000000001234/report-00003.json rank 3: the size and digest of what it wrote,
+                                              and the attempt it wrote it in
     <url>/step-000000001234/manifest.json     written last, by rank 0, once every rank
-                                              reported
+                                              reported in its attempt
+
+An attempt is one writing of a snapshot: its number, random, is chosen by rank 0 and reaches
+every rank in the commit agreement that starts it. Rank 0 takes only reports of its own
+attempt, so a crashed run's leftovers under the same step (a resumed run that reaches the
+step again) are never read; they are overwritten, or deleted once a snapshot completes.
 
 A snapshot exists only if its manifest is complete and valid: step, epoch, world size, the
 size and xxh3-128 digest of every file, efdl and torch versions. A file that does not match
@@ -55,6 +61,7 @@ PROBE_TIMEOUT_S = 30.0
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 _FILE_NAME = re.compile(r"^(state|rank-\d{5}|part-\d{5})\.pt$")
+_REPORT = re.compile(r"^report-(\d{5})\.json$")
 
 
 def _torch() -> Any:
@@ -278,13 +285,15 @@ class SnapshotStorage:
         else:  # an object store's PUT is atomic
             self.fs.pipe_file(target, data)
 
-    def report(self, step: int, rank: int, files: Mapping[str, FileInfo]) -> None:
-        """Say what ``rank`` wrote for snapshot ``step`` (rank 0 gathers the reports)."""
-        data = json.dumps({"rank": rank, "files": _files_to_json(files)}).encode()
-        self._put(self.path(step, report_file(rank)), data)
+    def report(self, step: int, rank: int, files: Mapping[str, FileInfo], attempt: int) -> None:
+        """Say what ``rank`` wrote for snapshot ``step`` in ``attempt`` (rank 0 gathers the
+        reports of its own attempt only)."""
+        data = json.dumps({"rank": rank, "attempt": attempt, "files": _files_to_json(files)})
+        self._put(self.path(step, report_file(rank)), data.encode())
 
-    def reported(self, step: int, rank: int) -> dict[str, FileInfo] | None:
-        """What ``rank`` reported for ``step``; None if it has not (yet)."""
+    def reported(self, step: int, rank: int, attempt: int) -> dict[str, FileInfo] | None:
+        """What ``rank`` reported for ``step`` in ``attempt``; None if it has not (yet): no
+        report, or one of another attempt (a crashed run's leftovers, read as not there)."""
         where = self.path(step, report_file(rank))
         try:
             raw = self.fs.cat_file(where)
@@ -293,7 +302,23 @@ class SnapshotStorage:
         f = Fields.parse(raw, where, SnapshotError)
         if f.count("rank") != rank:
             raise f.fail(f"is not rank {rank}'s report.")
+        if f.optional_count("attempt", 0, (1 << 63) - 1) != attempt:
+            return None
         return _files_from_json(f.value("files", dict), where)
+
+    def reporters(self, step: int) -> set[int]:
+        """The ranks with a report file in snapshot ``step`` (of any attempt): one listing."""
+        self.fs.invalidate_cache(self.path(step))
+        try:
+            entries = self.fs.ls(self.path(step), detail=False)
+        except FileNotFoundError:
+            return set()
+        found = set()
+        for entry in entries:
+            m = _REPORT.match(str(entry).rsplit("/", 1)[-1])
+            if m:
+                found.add(int(m.group(1)))
+        return found
 
     def commit(self, manifest: Manifest) -> None:
         """Write the manifest: from now on the snapshot exists."""
@@ -415,9 +440,11 @@ class SnapshotStorage:
                 below = layout.manifest.step
         return None
 
-    def prune(self, keep: int) -> None:
-        """Keep the newest ``keep`` complete snapshots; delete older ones (and any older
-        incomplete ones)."""
+    def prune(self, keep: int, written: int | None = None) -> None:
+        """Keep the newest ``keep`` complete snapshots; delete older ones and any older
+        incomplete ones. ``written``: the step whose manifest this job has just written, when
+        no other snapshot of it is being written (one at a time): then every incomplete one,
+        newer too, is a crashed attempt's leftover, and goes."""
         complete = 0
         for step in self.steps():
             if complete >= keep:
@@ -427,7 +454,8 @@ class SnapshotStorage:
                 self.manifest(step)
                 complete += 1
             except SnapshotError:
-                pass  # maybe still being written
+                if written is not None and step != written:
+                    self.fs.rm(self.path(step), recursive=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -136,6 +136,7 @@ class _Job:
     expected: set[str]  # rank 0: every part file of the snapshot
     on_done: Callable[[Manifest], None]
     step_done: Any = None  # a CUDA event: the committed step's kernels are done
+    attempt: int = 0  # this writing of the snapshot (efdl.state.cache)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -199,11 +200,13 @@ class Persister:
         copy_now: set[str],
         own: dict[str, Any],
         on_done: Callable[[Manifest], None],
+        attempt: int = 0,
     ) -> None:
         """Persist ``step``: this rank's share of ``tree`` (the replicated state, tensors by
         reference), and ``own`` (what is this rank's alone, already a private copy).
 
         Args:
+            attempt: this writing's number, the same on every rank (efdl.state.cache).
             copy_now: key paths of tensors the next forward pass changes (the model's
                 buffers): copied now rather than in the background.
             on_done: called on rank 0 with the manifest once the snapshot is complete.
@@ -269,6 +272,7 @@ class Persister:
             structure,
             {part_file(p) for p in range(len(cut.owner))},
             on_done,
+            attempt=attempt,
         )
         if any(src.is_cuda for pairs in copies.values() for _, src in pairs):
             job.step_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -324,7 +328,7 @@ class Persister:
             took = time.perf_counter() - job.started
             self.written.append(sum(f.size for f in files.values()))
             if job.rank != 0:
-                storage.report(job.step, job.rank, files)
+                storage.report(job.step, job.rank, files, job.attempt)
                 self.durations.append(time.perf_counter() - job.started)
                 return
             assert job.structure is not None
@@ -343,7 +347,7 @@ class Persister:
             storage.commit(manifest)
             self.durations.append(time.perf_counter() - job.started)
             self.last_persisted = job.step
-            storage.prune(self.settings.keep)
+            storage.prune(self.settings.keep, written=job.step)
             job.on_done(manifest)
         except Exception as exc:  # storage trouble must not stop training
             log.warning(
@@ -357,15 +361,18 @@ class Persister:
             copier.join()  # the fence is open in any case
 
     def _gather(self, job: _Job, wait_s: float) -> dict[str, FileInfo] | None:
-        """Rank 0: every other rank's report of ``job``'s step, read from storage (polled:
-        storage has no watch; off the training path and bounded by ``wait_s``)."""
+        """Rank 0: every other rank's report of ``job``'s step in ``job``'s attempt, read from
+        storage (polled: storage has no watch; off the training path and bounded by
+        ``wait_s``). Each poll lists the snapshot's directory once and reads only the reports
+        there of ranks still awaited; a report of another attempt (a crashed run's) is read as
+        not there yet."""
         deadline = time.monotonic() + wait_s
         waiting = set(range(1, job.world))
         files: dict[str, FileInfo] = {}
         pause = 0.005  # the others finish about when this rank does: look again soon, then less
         while True:
-            for r in sorted(waiting):
-                found = self.storage.reported(job.step, r)
+            for r in sorted(waiting & self.storage.reporters(job.step)):
+                found = self.storage.reported(job.step, r, job.attempt)
                 if found is not None:
                     files.update(found)
                     waiting.discard(r)

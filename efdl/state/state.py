@@ -21,6 +21,7 @@ import enum
 import functools
 import logging
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +67,7 @@ class _Flag(enum.IntEnum):
     LEAVING = 3  # this rank was asked to leave
     STAYING = 4  # this rank was not
     FAILED = 5  # this rank's group reported a communication error (efdl.state.verdict)
+    ATTEMPT = 6  # rank 0: a random number, the attempt of a snapshot started here
 
 
 class StepFailed(dist.DistError):
@@ -248,7 +250,7 @@ class ElasticState:
         """End a step: count it, advance the sampler, and pause here if all ranks agree that
         the agent has news (persisting here if a snapshot is due).
 
-        Cost: one asynchronous six-integer all-reduce on a CPU gloo group per call, waited
+        Cost: one asynchronous seven-integer all-reduce on a CPU gloo group per call, waited
         at the next call (so it overlaps the step), and a walk of the user values; no copy
         and no GPU synchronisation.
         """
@@ -274,7 +276,7 @@ class ElasticState:
         if agreed is not None:
             pause = bool(agreed[_Flag.NEWS])
             if self._persists_here(agreed, pause):
-                self._persist()
+                self._persist(agreed[_Flag.ATTEMPT])
             if pause:
                 raise Rescale()
         if not (rt.elastic or self._persister is not None) or rt.side is None:
@@ -288,6 +290,8 @@ class ElasticState:
         if self._persister is not None:
             flags[_Flag.PERSIST] = int(dist.get_rank() == 0 and self._persister.due(self._step))
             flags[_Flag.BUSY] = int(self._persister.busy)
+            if dist.get_rank() == 0:
+                flags[_Flag.ATTEMPT] = secrets.randbits(62) | 1  # not the seeded random
         self._flags.copy_(torch.tensor(flags))
         self._agree_work = dist.all_reduce(
             self._flags, op=dist.ReduceOp.MAX, group=rt.side, async_op=True
@@ -357,8 +361,9 @@ class ElasticState:
         if self._persister is not None:
             self._persister.fence()
 
-    def _persist(self) -> None:
-        """Hand this commit's state to the background writer (see efdl.state.persist)."""
+    def _persist(self, attempt: int) -> None:
+        """Hand this commit's state to the background writer (see efdl.state.persist), as
+        ``attempt`` (the same on every rank: efdl.state.cache)."""
         p = self._persister
         assert p is not None
         epoch = object.__getattribute__(self, "_values").get("epoch")
@@ -372,6 +377,7 @@ class ElasticState:
             buffers,
             {"rng": rng_state()},
             functools.partial(_published, time.monotonic()),
+            attempt,
         )
 
     def flush(self, timeout_s: float) -> bool:

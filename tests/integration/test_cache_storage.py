@@ -53,14 +53,17 @@ def tree_at(step: int) -> dict[str, Any]:
     }
 
 
-def persist(url: str, step: int, world: int = 2, part_bytes: int = 8192) -> Manifest:
+def persist(
+    url: str, step: int, world: int = 2, part_bytes: int = 8192, attempt: int = 1
+) -> Manifest:
     """Snapshot ``step`` as ``world`` ranks write it (one Persister per rank: their reports
     meet on storage, as the ranks' do); the manifest rank 0 wrote."""
     done: list[Manifest] = []
     writers = [Persister(CacheSettings(url), part_bytes) for _ in range(world)]
     for rank in range(world - 1, -1, -1):  # rank 0 last: it waits for the others' reports
         own = {"rng": rng_state()}
-        writers[rank].start(step, step // 10, rank, world, tree_at(step), set(), own, done.append)
+        tree = tree_at(step)
+        writers[rank].start(step, step // 10, rank, world, tree, set(), own, done.append, attempt)
     for w in writers:
         assert w.flush(60)
     assert len(done) == 1
@@ -122,6 +125,36 @@ def test_rank_0_writes_no_manifest_while_a_rank_has_not_reported(
         assert writer.flush(30)
     assert not published and SnapshotStorage(url).newest() is None
     assert "rank(s) 1 did not report" in caplog.text
+
+
+def test_a_crashed_attempts_leftovers_are_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run crashed while persisting steps 30 and 40: rank 1 had written and reported its
+    parts (of a state unlike the resumed run's), rank 0 no manifest. The resumed run reaches
+    step 30 again: its rank 0 does not take the old report for its rank 1's (that would make a
+    snapshot of two states), and once the snapshot is whole the leftovers are gone."""
+    monkeypatch.setattr("efdl.state.persist.REPORT_WAIT_S", 0.5)
+    url = str(tmp_path / "cache")
+    storage = SnapshotStorage(url)
+    own = {"rng": rng_state()}
+    for step in (30, 40):  # the crashed attempt: rank 1 only
+        crashed = Persister(CacheSettings(url), 8192)
+        crashed.start(step, 3, 1, 2, tree_at(999), set(), own, lambda m: None, 111)
+        assert crashed.flush(30)
+    assert storage.reporters(30) == {1} and storage.reported(30, 1, 111) is not None
+    assert storage.reported(30, 1, 222) is None  # another attempt's: not there
+    rank0 = Persister(CacheSettings(url), 8192)
+    published: list[Manifest] = []
+    with caplog.at_level(logging.WARNING):  # the new attempt's rank 1 has not written yet
+        rank0.start(30, 3, 0, 2, tree_at(30), set(), own, published.append, 222)
+        assert rank0.flush(30)
+    assert not published and "rank(s) 1 did not report" in caplog.text
+    m = persist(url, 30, attempt=333)  # both ranks of the resumed run
+    found = storage.newest()
+    assert found is not None and found[0] == m
+    assert torch.equal(found[1]["model"]["w"], tree_at(30)["model"]["w"])
+    assert storage.steps() == [30]  # the crashed attempt's step 40 went
 
 
 @pytest.mark.parametrize(
