@@ -130,16 +130,26 @@ class Runtime:
     def destroy_group(self, abort: bool = False) -> None:
         """Leave the current groups. ``abort``: they broke (a peer died); an operation may
         still wait on the dead peer until the collective timeout, and a plain destroy would
-        wait for it, so abort them (NCCL: abort the communicators) and keep the broken group
-        objects alive until then: gloo's destructor joins its worker threads, which are the
-        ones waiting (found with a 3-rank job where a node died: 15 s in the destructor)."""
+        wait for it, so abort them. A gloo group (the CPU side group too) is kept alive until
+        then: its destructor joins its worker threads, which are the ones waiting (found with
+        a 3-rank job where a node died: 15 s in the destructor); its memory is the CPU's and
+        small. An NCCL group is dropped at once: the abort has ended its kernels, and its
+        communicators' GPU memory must not be held beside the next generation's.
+
+        torch documents ``_abort_process_group()`` for ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``,
+        because the watchdog may abort the communicators itself; efdl keeps ``2`` (the
+        watchdog aborts on an error or timeout and the process lives), so that a collective
+        of the script's own on a dead peer raises instead of hanging, and an abort of
+        communicators the watchdog already aborted does nothing more
+        (tests/gpu/test_gpu.py aborts from a side thread, then here)."""
         if self.hang is not None:
             self.hang.left()
         if not dist.is_initialized():
             return
         try:
             if abort:
-                _drop_later(list(dist.distributed_c10d._world.pg_names), self.timeout)
+                groups = list(dist.distributed_c10d._world.pg_names)
+                _drop_later([g for g in groups if _backend_of(g) != "nccl"], self.timeout)
                 dist.distributed_c10d._abort_process_group()
             else:
                 dist.destroy_process_group()
@@ -230,6 +240,13 @@ class Runtime:
 
 
 runtime = Runtime()
+
+
+def _backend_of(group: Any) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # not a group torch knows any more
+        return "?"
 
 
 def _drop_later(groups: list[Any], timeout: datetime.timedelta) -> None:
