@@ -151,3 +151,17 @@ def test_cuda_state_in_cache_snapshots_is_restored_on_resume(
         assert all(e["device"] == "cuda:0" for e in new)
     finally:
         job.stop()
+
+
+def test_the_replica_digest_on_the_gpu_is_the_cpus() -> None:
+    """The sync compares digests computed on each tensor's own device: a CUDA replica and a
+    CPU one of the same tensors must agree, and a changed element must show."""
+    import torch
+
+    from efdl.state.digest import digest
+
+    cpu = [torch.randn(3_000_001), torch.randn(64, 33, dtype=torch.bfloat16), torch.arange(7)]
+    gpu = [t.cuda() for t in cpu]
+    assert digest(gpu) == digest(cpu)
+    gpu[0][1_234_567] += 1e-3
+    assert digest(gpu) != digest(cpu)
