@@ -40,7 +40,7 @@ from efdl.rendezvous.embedded import EmbeddedEtcd
 HERE = Path(__file__).resolve().parent
 PLAIN, ELASTIC = HERE / "mlp_torchrun.py", HERE / "mlp_efdl.py"
 # millions of parameters -> (width, layers, steps measured in steady state)
-SIZES = {4: (1024, 4, 150), 25: (2048, 6, 60), 100: (4096, 6, 30), 300: (4096, 18, 16)}
+SIZES = {4: (1024, 4, 600), 25: (2048, 6, 150), 100: (4096, 6, 30), 300: (4096, 18, 16)}
 BATCH = 16
 LEASE_TTL = 3
 

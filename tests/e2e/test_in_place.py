@@ -243,3 +243,29 @@ def test_the_job_finishes_while_a_newcomer_is_still_starting(job: Job) -> None:
     assert "SIGABRT" not in logs and "terminate called" not in logs and "restarting" not in logs
     steps = sorted(int(r["step"]) for r in job.events() if r["rank"] == 0)  # type: ignore[call-overload]
     assert steps == list(range(1, steps[-1] + 1))  # one pass, nothing trained twice
+
+
+def test_a_replica_corrupted_mid_run_is_repaired_at_the_next_sync(job: Job) -> None:
+    """Rank 1 changes one parameter element after step 3's update: DDP trains on with two
+    replicas that differ (it averages gradients, never parameters). When a third node joins,
+    the sync compares the holders' digests, takes rank 1 as torn and sends it rank 0's state:
+    from that generation on every rank holds the same parameters at every step."""
+    job.env["CORRUPT_AT"] = "1:3"
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+
+    def diverged(rows: list[dict[str, object]]) -> bool:
+        seen: dict[object, set[object]] = defaultdict(set)
+        for r in rows:
+            if r["world"] == 2 and int(r["step"]) > 4:  # type: ignore[call-overload]
+                seen[(r["gen"], r["step"])].add(r["digest"])
+        return any(len(d) == 2 for d in seen.values())
+
+    rows = job.wait_for("the replicas to differ", diverged)
+    g2 = latest_gen(rows)
+    job.start("c", script="elastic_steps.py")
+    rows = job.wait_for("three workers", steps_at_world(3, g2))
+    g3 = min(int(r["gen"]) for r in rows if r["world"] == 3)  # type: ignore[call-overload]
+    check_consistent([r for r in rows if int(r["gen"]) >= g3])  # type: ignore[call-overload]
+    logs = job.agents["a"].output() + job.agents["b"].output()
+    assert "differ: rank(s) [1] hold tensors unlike those of rank(s) [0]" in logs

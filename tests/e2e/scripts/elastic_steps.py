@@ -18,6 +18,8 @@ PAUSE_SKEW="rank:s" makes the agent's news reach that rank s seconds late, the f
 rank has news (once per job); each row says whether this rank itself had seen news at the
 commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
+CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
+step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
 that step (its process and its agent live on: a hang, not a crash).
 Errors that are not communication: OOM_AT="rank:step" (once per job) raises CUDA's
@@ -177,6 +179,9 @@ def train(state: efdl.ElasticState) -> None:
             before = params_digest() if digests else 0.0
             optimizer.step()
             kill_here("after_step")
+            if here == os.environ.get("CORRUPT_AT") and once(f"corrupt-{here}"):
+                with torch.no_grad():  # a replica goes its own way; DDP cannot see it
+                    first_param.view(-1)[0] += 1e-3
             # Logged before commit(): the commit where all ranks pause leaves train() at once.
             row = {
                 "node": os.environ["EFDL_NODE_ID"],
