@@ -74,3 +74,21 @@ def test_a_replica_that_differs_is_found_and_repaired(tmp_path: Path, corrupt: i
     assert ranks[corrupt]["received"] == size  # repaired: it received every tensor
     assert ranks[corrupt]["sent"] == 0  # and spread nothing
     assert ranks[3]["received"] == size
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_step_communication_failed_never_holds_the_step(tmp_path: Path) -> None:
+    """NCCL's asynchronous step on gloo with stand-in CUDA events: rank 1's group reports an
+    error before its step 3 is known complete (its update ran on torn gradients). The verdict
+    rides the commit agreement: both ranks leave at the same commit; rank 1 takes itself as
+    torn, rank 0 holds its step, and the sync makes rank 1 hold rank 0's tensors."""
+    script = Path(__file__).parent / "scripts" / "verdict_vote.py"
+    args = [[str(r), str(tmp_path / "store"), str(tmp_path / f"rank{r}.json")] for r in range(2)]
+    run_ranks(script, args)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["left_at"] == r1["left_at"] == 4  # flagged at commit 3, agreed at commit 4
+    assert (r0["held"], r0["torn"]) == (4, False)
+    assert (r1["held"], r1["torn"]) == (None, True), r1
+    assert r1["action"].startswith("the update was torn")
+    assert r1["params"] == r0["params"] and r1["step"] == r0["step"] == 4
+    assert r1["received"] > 0 and r0["received"] == 0
