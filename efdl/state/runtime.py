@@ -60,6 +60,7 @@ class Runtime:
         # local rank 0 last reported progress.
         self._last_commit: tuple[float, int] | None = None
         self._reported_at = 0.0
+        self._no_error_state = False  # ProcessGroupNCCL.get_error() failed once: not asked again
 
     @property
     def elastic(self) -> bool:
@@ -168,7 +169,18 @@ class Runtime:
             return False
         backend = dist.distributed_c10d._get_default_group()._get_backend(device())
         get_error = getattr(backend, "get_error", None)  # torch >= 2.7
-        return get_error is not None and get_error() != ErrorType.SUCCESS
+        if get_error is None or self._no_error_state:
+            return False
+        try:
+            return bool(get_error() != ErrorType.SUCCESS)
+        except Exception as exc:  # never let the check itself break training
+            self._no_error_state = True
+            log.warning(
+                "ProcessGroupNCCL.get_error() failed (%s): step verdicts see only efdl's own "
+                "cuts from now on.",
+                exc,
+            )
+            return False
 
     def step_event(self) -> Any:
         """A CUDA event after the work enqueued so far (NCCL: a step's collectives may still
