@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from efdl.errors import RendezvousTimeoutError
 from efdl.state.channel import GRACE_ENV
-from efdl.state.failure import Failure, classify
+from efdl.state.failure import Failure
 from efdl.state.runtime import init_process_group, runtime
 from efdl.state.state import ElasticState, Rescale, elastic_state
 
@@ -154,7 +154,7 @@ def _left_generation(exc: BaseException) -> bool:
     rt = runtime
     if rt.channel is None:
         return False
-    kind = classify(exc, rt.placement is not None and rt.breaker.was_cut(rt.placement.generation))
+    kind = rt.classify(exc)
     if kind is Failure.TIMEOUT and rt.placement is not None:
         return rt.channel.superseded(rt.placement.generation)
     return kind is Failure.PEER

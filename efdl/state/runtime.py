@@ -159,11 +159,20 @@ class Runtime:
         self.breaker.forget()
         self.side = None
 
+    def _cut(self) -> bool:
+        """Whether efdl cut this rank's current generation itself (efdl.state.breaker)."""
+        p = self.placement
+        return p is not None and self.breaker.was_cut(p.generation)
+
+    def classify(self, exc: BaseException) -> Failure:
+        """What ``exc``, raised in this rank's step, means (efdl.state.failure), with efdl's
+        own record of a cut."""
+        return classify(exc, self._cut())
+
     def errored(self) -> bool:
         """Whether this rank's training group reported a communication error: efdl cut it,
         or (NCCL) ``ProcessGroupNCCL.get_error()`` is not SUCCESS (efdl.state.verdict)."""
-        p = self.placement
-        if p is not None and self.breaker.was_cut(p.generation):
+        if self._cut():
             return True
         if self.backend != "nccl" or not dist.is_initialized():
             return False
@@ -225,7 +234,7 @@ class Runtime:
         p, channel = self.placement, self.channel
         if channel is None or p is None:
             return
-        if classify(exc, self.breaker.was_cut(p.generation)) is Failure.PEER:
+        if self.classify(exc) is Failure.PEER:
             channel.notify({"type": "peer_failed", "generation": p.generation})
             # And end this generation's connections now: a rank whose neighbours in the
             # collective still live would otherwise wait on them (until the breaker cuts it,

@@ -318,19 +318,20 @@ class ElasticState:
     def recover(self) -> Recovery:
         """After a failure inside a step or a sync: make this rank's state a committed one
         again (efdl.state.transaction), and drop the step's partial gradients."""
-        action = recovery(self._phase, self._copy is not None)
         self._verdicts.settle_within(runtime.timeout.total_seconds())
-        kept = int(self._copy["step"]) if action is Recovery.RESTORE_COPY and self._copy else None
-        stepped = self._step + int(action is Recovery.ROLL_FORWARD)
-        if not self._verdicts.holds(kept if kept is not None else stepped):
+        if self._copy is not None:
+            target = int(self._copy["step"])
+        else:
+            target = self._step + int(self._phase is Phase.STEPPED)
+        trusted = self._verdicts.holds(target)
+        action = recovery(self._phase, self._copy is not None, trusted)
+        if not trusted:
             log.warning(
                 "This rank's communication failed after step %d was verified: its tensors "
-                "(step %d) may have been updated from torn gradients; it takes the state "
-                "from a peer.",
+                "(step %d) may come from torn gradients; it takes the state from a peer.",
                 self._verdicts.verified,
-                stepped,
+                target,
             )
-            action = Recovery.DISCARD
         if action is Recovery.RESTORE_COPY:
             assert self._copy is not None
             tree = dict(self._copy)
@@ -367,14 +368,13 @@ class ElasticState:
         p = self._persister
         assert p is not None
         epoch = object.__getattribute__(self, "_values").get("epoch")
-        buffers = {_key("model", name) for name, _ in self._model.named_buffers()}
         p.start(
             self._step,
             epoch if isinstance(epoch, int) else None,
             dist.get_rank(),
             dist.get_world_size(),
             self._state_dict(),
-            buffers,
+            self._buffer_keys(),
             {"rng": rng_state()},
             functools.partial(_published, time.monotonic()),
             attempt,
@@ -417,6 +417,11 @@ class ElasticState:
             self._sampler.load_state_dict(tree["sampler"])
         self._step = int(tree["step"])
         object.__getattribute__(self, "_values").update(tree["values"])
+
+    def _buffer_keys(self) -> set[str]:
+        """The key paths of the model's buffers (what the next forward changes, and DDP
+        broadcasts from rank 0)."""
+        return {_key("model", name) for name, _ in self._model.named_buffers()}
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's tensors by key path: what a received tensor may land in."""
@@ -511,7 +516,7 @@ class ElasticState:
         the next forward (batch-norm statistics differ between replicas until then)."""
         if not self._holds or self._sharding is not None:
             return 0
-        buffers = {_key("model", name) for name, _ in self._model.named_buffers()}
+        buffers = self._buffer_keys()
         return digest(
             t
             for k, t in self._own_tensors().items()
@@ -535,11 +540,11 @@ class ElasticState:
             )
         if loss is Loss.TORN:
             return (
-                "The job's state is lost: the ranks that held it failed inside "
-                "optimizer.step(), which tore their update (an optimizer that communicates "
-                f"inside step()), and {cache}. Keep rollback copies "
-                "(efdl.elastic_state(..., snapshot_every=1)) or a remote cache (--cache-url) "
-                "with such an optimizer."
+                "The job's state is lost: every rank that held it was torn, by a failure "
+                "inside optimizer.step() (an optimizer that communicates inside step()) or, on "
+                "NCCL, by an update enqueued behind a step's communication that failed before "
+                f"it was known complete, and {cache}. Keep rollback copies "
+                "(efdl.elastic_state(..., snapshot_every=1)) or a remote cache (--cache-url)."
             )
         return (
             f"The job's state is lost: it had committed step {job_step}, but no rank of this "

@@ -46,8 +46,13 @@ class Recovery(enum.StrEnum):
     DISCARD = "the update was torn inside optimizer.step(): the state comes from a peer"
 
 
-def recovery(phase: Phase, has_copy: bool) -> Recovery:
-    """What to do after a failure in ``phase``; a rollback copy, where kept, wins."""
+def recovery(phase: Phase, has_copy: bool, trusted: bool = True) -> Recovery:
+    """What to do after a failure in ``phase``; a rollback copy, where kept, wins.
+    ``trusted``: the step the rank would hold after it (the copy's, or the one
+    ``optimizer.step()`` applied) had its communication verified (efdl.state.verdict); if
+    not, its tensors may come from torn gradients: it holds nothing."""
+    if not trusted:
+        return Recovery.DISCARD
     if has_copy:
         return Recovery.RESTORE_COPY
     return {

@@ -58,9 +58,8 @@ class Verdicts:
     def committed(self, step: int) -> None:
         """``commit()`` counted ``step``: record it, and settle what has completed since."""
         event = self._event()
-        if event is None:
-            if not self.failed:
-                self.verified = step
+        if event is None:  # nothing can fail after a blocking collective returned
+            self.verified = step
             return
         self._pending.append((step, event))
         self.settle()

@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "failures.py"
     [
         ("kill", 0, Failure.PEER),  # its peer's connections closed
         ("timeout", 0, Failure.TIMEOUT),  # connections up, nobody came
-        ("store", 1, Failure.PEER),  # DistNetworkError
+        ("store", 1, Failure.PEER),  # DistNetworkError, not the wait's timeout
         ("cut", 0, Failure.PEER),  # efdl's record, whatever gloo says of the cut
     ],
 )
@@ -29,3 +29,4 @@ def test_a_real_failure_is_classified(tmp_path: Path, mode: str, rank: int, kind
     run_ranks(SCRIPT, [[str(r), mode, str(tmp_path)] for r in range(2)])
     seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
     assert seen["verdict"] == kind, seen
+    assert seen["cut"] == (mode == "cut"), seen  # efdl's own record, not gloo's words

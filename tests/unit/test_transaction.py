@@ -30,6 +30,14 @@ def test_a_rollback_copy_wins_where_one_is_kept(phase: Phase) -> None:
     assert recovery(phase, has_copy=True) is Recovery.RESTORE_COPY
 
 
+@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("has_copy", [False, True])
+def test_an_unverified_step_is_torn_whatever_the_phase(phase: Phase, has_copy: bool) -> None:
+    """The step the rank would hold was not verified (NCCL: its communication failed before
+    it was known complete): neither keeping, rolling forward nor a copy of it may stand."""
+    assert recovery(phase, has_copy, trusted=False) is Recovery.DISCARD
+
+
 def test_standings_order_by_step_then_settled() -> None:
     standings = [Standing(None), Standing(4, False), Standing(4), Standing(5, False)]
     keys = [s.key() for s in standings]
