@@ -318,7 +318,7 @@ class ElasticState:
     def recover(self) -> Recovery:
         """After a failure inside a step or a sync: make this rank's state a committed one
         again (efdl.state.transaction), and drop the step's partial gradients."""
-        self._verdicts.settle_within(runtime.timeout.total_seconds())
+        self._verdicts.after_failure(runtime.timeout.total_seconds())
         if self._copy is not None:
             target = int(self._copy["step"])
         else:

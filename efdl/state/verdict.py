@@ -21,7 +21,8 @@ What a verdict changes:
   (efdl.state.digest).
 
 Cost: nothing on gloo; on NCCL one event record and a few ``query()`` calls per step, and one
-bounded wait on the unverified events after a failure (the abort has ended their kernels).
+wait of about two steps' time after a failure for the work still running (work that waits
+on a dead peer never ends by itself: its steps are then suspect, not waited for).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
+
+# The least time given a failed step's work to end (a step's time may be unknown).
+_MIN_WAIT_S = 1.0
 
 
 class Event(Protocol):
@@ -54,9 +58,15 @@ class Verdicts:
         self._pending: deque[tuple[int, Event]] = deque()  # (step, its event), oldest first
         self.verified = 0  # the newest step known to have succeeded here
         self.failed = False  # the group reported an error while steps were unverified
+        self._last_commit: float | None = None
+        self._gap = 0.0  # seconds between the last two commits: about one step's work
 
     def committed(self, step: int) -> None:
         """``commit()`` counted ``step``: record it, and settle what has completed since."""
+        now = time.monotonic()
+        if self._last_commit is not None:
+            self._gap = now - self._last_commit
+        self._last_commit = now
         event = self._event()
         if event is None:  # nothing can fail after a blocking collective returned
             self.verified = step
@@ -75,13 +85,20 @@ class Verdicts:
         while self._pending and self._pending[0][1].query():
             self.verified = self._pending.popleft()[0]
 
-    def settle_within(self, timeout_s: float) -> None:
-        """After a failure: give the unverified steps' work up to ``timeout_s`` to end (an
-        aborted communicator ends its kernels), then settle."""
-        deadline = time.monotonic() + timeout_s
-        while self._pending and not self._pending[-1][1].query() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    def after_failure(self, timeout_s: float) -> None:
+        """A collective failed: settle once the steps' work has ended, waiting about two
+        steps' time (at most ``timeout_s``) for it. Work still running then waits on a dead
+        or hung peer; the abort that follows ends it early, on torn data, so its steps are
+        suspect (``failed``). Waiting longer would only delay the rebuild."""
+        limit = min(timeout_s, _MIN_WAIT_S + 2 * self._gap)
+        deadline = time.monotonic() + limit
+        while self._pending and not self.failed and time.monotonic() < deadline:
+            self.settle()
+            if self._pending:
+                time.sleep(0.005)
         self.settle()
+        if self._pending:
+            self.failed = True
 
     def holds(self, step: int) -> bool:
         """Whether this rank's tensors at ``step`` may be trusted: nothing failed here, or
@@ -92,3 +109,4 @@ class Verdicts:
         """A sync made this rank hold ``step`` (received, or found whole): a fresh start."""
         self._pending.clear()
         self.verified, self.failed = step, False
+        self._last_commit = None

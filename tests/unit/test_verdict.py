@@ -59,7 +59,7 @@ def test_an_error_makes_the_unverified_steps_torn() -> None:
     v.settle()
     g.error = True
     g.events[2].done = True  # ended by the abort
-    v.settle_within(1.0)
+    v.after_failure(1.0)
     assert (v.verified, v.failed) == (2, True)
     assert v.holds(2) and not v.holds(3)
     v.committed(4)  # a later step can never be verified once the group failed
@@ -73,5 +73,39 @@ def test_the_wait_for_unfinished_work_is_bounded() -> None:
     v = Verdicts(lambda: g.error, g.event)
     v.committed(1)
     g.error = True
-    v.settle_within(0.05)  # its event never completes: the wait ends at its deadline
+    v.after_failure(0.05)  # its event never completes: the wait ends at its deadline
     assert v.failed and not v.holds(1)
+
+
+def test_work_stuck_on_a_dead_peer_is_not_waited_for_and_its_step_is_suspect() -> None:
+    """The side group saw the peer die while step 2's all-reduce waits on it: NCCL reports
+    no error yet, and the abort that follows will end the kernel early, on torn data."""
+    g = Group()
+    v = Verdicts(lambda: g.error, g.event)
+    v.committed(1)
+    g.events[0].done = True
+    v.committed(2)
+    v.after_failure(30.0)  # bounded by about two steps' time, not by the 30 s
+    assert (v.verified, v.failed) == (1, True)
+    assert v.holds(1) and not v.holds(2)
+
+
+@dataclass
+class SlowEvent(FakeEvent):
+    """Work that ends after a few more queries (the GPU was a little behind)."""
+
+    queries_left: int = 3
+
+    def query(self) -> bool:
+        self.queries_left -= 1
+        return self.queries_left <= 0
+
+
+def test_work_that_ends_in_the_wait_without_an_error_is_verified() -> None:
+    """The peer died after its part of step 2 was done: the survivor's step ends normally."""
+    events: list[FakeEvent] = [FakeEvent(done=True), SlowEvent()]
+    v = Verdicts(lambda: False, lambda: events.pop(0))
+    v.committed(1)
+    v.committed(2)
+    v.after_failure(30.0)
+    assert (v.verified, v.failed, v.holds(2)) == (2, False, True)

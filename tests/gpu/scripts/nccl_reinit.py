@@ -49,12 +49,14 @@ aborter = threading.Thread(target=nccl_aborter(dist.distributed_c10d._get_defaul
 aborter.start()
 aborter.join(timeout=60)
 error = ""
+exc_type = ""
 try:
     dist.all_reduce(x)
     torch.cuda.synchronize()
 except Exception as exc:
     error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    kind = classify(exc).value
+    kind = classify(exc).value  # from what torch says alone, without efdl's record of a cut
+    exc_type = type(exc).__mro__[0].__module__ + "." + type(exc).__qualname__
 else:
     kind = "none"
 # A step enqueued after the failure counts nowhere: the group is cut (efdl's record) and the
@@ -63,7 +65,7 @@ backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("
 get_error = str(getattr(backend, "get_error", lambda: "n/a")())
 _runtime.breaker.cut(below=2)
 verdicts.committed(3)
-verdicts.settle_within(30)
+verdicts.after_failure(30)
 torn_after = not verdicts.holds(3) and verdicts.holds(2)
 _runtime.destroy_group(abort=True)
 _runtime.init_group(placement(2))
@@ -80,6 +82,7 @@ print(
             "abort_to_first_step_s": reinit_s,
             "after_abort": error,
             "kind": kind,
+            "exc_type": exc_type,
             "value": float(y[0]),
             "aborter_done": not aborter.is_alive(),
             "verified_before": verified_before,
