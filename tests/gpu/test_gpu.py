@@ -56,6 +56,8 @@ def test_nccl_world_size_1_init_abort_and_reinit_in_place() -> None:
     assert report["value"] == 2.0  # the new generation's group works
     assert report["verified_before"] == 2  # completed, no error: both steps count
     assert report["torn_after"], report  # enqueued after the failure: counted nowhere
+    assert report["stuck_suspect"], report  # still running after the wait: not trusted
+    assert report["stuck_wait_s"] < 10, report  # about two steps' time, not the 30 s timeout
 
 
 def test_plain_torchrun_script_sets_its_device_from_local_rank(tmp_path: Path) -> None:

@@ -43,6 +43,19 @@ torch.cuda.synchronize()
 verdicts.settle()
 verified_before = verdicts.verified
 
+# Work that waits on a dead peer (a long kernel stands in, no error reported): after a failure
+# its step is suspect once about two steps' time has passed, not the collective timeout.
+stuck = Verdicts(lambda: False, _runtime.step_event)
+stuck.committed(1)
+torch.cuda.synchronize()
+torch.cuda._sleep(6_000_000_000)  # type: ignore[no-untyped-call]  # about 3 s of GPU time
+stuck.committed(2)
+t_stuck = time.perf_counter()
+stuck.after_failure(30)
+stuck_wait_s = time.perf_counter() - t_stuck
+stuck_suspect = stuck.failed and stuck.verified == 1 and stuck.holds(1) and not stuck.holds(2)
+torch.cuda.synchronize()
+
 # The breaker's abort runs on a side thread while the main thread trains.
 t1 = time.perf_counter()
 aborter = threading.Thread(target=nccl_aborter(dist.distributed_c10d._get_default_group()))
@@ -88,6 +101,8 @@ print(
             "verified_before": verified_before,
             "get_error_after_abort": get_error,
             "torn_after": torn_after,
+            "stuck_suspect": stuck_suspect,
+            "stuck_wait_s": stuck_wait_s,
         }
     ),
     flush=True,

@@ -6,7 +6,8 @@ is timed from a synchronised start to a synchronised end. Prints one JSON line p
 
 Variants: ``plain`` (no verdict), ``ring`` (efdl's: a ring of re-recorded events,
 Runtime.step_event), ``fresh`` (a new event per step, as before the ring), and the pieces
-alone: ``record`` (the ring's event record) and ``record_errored`` (and get_error()). It first times
+alone: ``record`` (the ring's event record) and ``record_errored`` (and get_error()), and
+``plain_again`` (plain once more: the spread of the method itself). It first times
 the pieces alone (microseconds per call).
 
 Usage: python tests/gpu/scripts/verdict_cost.py [--sizes 4,25,100] [--blocks 10] [--steps 40]
@@ -122,6 +123,7 @@ def main() -> None:
             "fresh": fresh.committed,
             "record": lambda _: _runtime.step_event(),
             "record_errored": lambda _: (_runtime.step_event(), _runtime.errored()),
+            "plain_again": None,  # the same as plain: how far the method alone scatters
         }
         block(model, opt, x, args.steps, None, 0)  # warm-up
         times: dict[str, list[float]] = {name: [] for name in variants}
