@@ -353,6 +353,157 @@ def timeline(
     click.echo(f"job {job_id}: {len(found)} events drawn to {out}.")
 
 
+def _fleet_option(fn: F) -> F:
+    return click.option(
+        "--fleet",
+        help="The fleet (its keys: /efdl-fleet/<fleet>/); or EFDL_FLEET; default 'default'.",
+    )(fn)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@etcd_options
+@_fleet_option
+@click.option("--job-id", required=True, help="The job's id (its keys: /efdl/<job-id>/).")
+@click.option("--min", "min_workers", type=int, required=True, help="Fewest workers to train with.")
+@click.option("--max", "max_workers", type=int, help="Most workers (default: --min).")
+@click.option(
+    "--priority", type=int, default=0, show_default=True, help="-1000..1000; higher first."
+)
+@click.option("--cache-url", help="The remote cache; a job without one is never suspended.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    help="Directory holding the code on every host (default: this one).",
+)
+@click.option("--env", multiple=True, help="NAME=VALUE for the workers (repeatable).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@handle_errors
+def submit(
+    fleet: str | None,
+    job_id: str,
+    min_workers: int,
+    max_workers: int | None,
+    priority: int,
+    cache_url: str | None,
+    workdir: Path | None,
+    env: tuple[str, ...],
+    command: tuple[str, ...],
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Put a job into the fleet: efdl submit --job-id X --min 2 --max 8 -- train.py ARGS."""
+    from efdl.fleet.commands import fleet_keys, spec_from_flags
+    from efdl.fleet.registry import submit as submit_job
+
+    keys = fleet_keys(fleet)
+    spec = spec_from_flags(
+        check_id(job_id), command, workdir, min_workers, max_workers, priority, cache_url, env
+    )
+    cfg = _etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        submit_job(store, keys, spec)
+    click.echo(
+        f"job {spec.job_id}: queued in fleet {keys.fleet} ({spec.min_workers}-"
+        f"{spec.max_workers} workers, priority {spec.priority}); see efdl jobs."
+    )
+
+
+@main.command()
+@etcd_options
+@_fleet_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@handle_errors
+def jobs(fleet: str | None, as_json: bool, config_file: Path | None, **flags: Any) -> None:
+    """Show the fleet's jobs (priority, phase, GPUs, where or why) and hosts."""
+    from efdl.fleet.commands import fleet_keys, format_jobs, jobs_json
+    from efdl.fleet.registry import read_fleet
+
+    keys = fleet_keys(fleet)
+    cfg = _etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        view = read_fleet(store, keys)
+    click.echo(jobs_json(view) if as_json else format_jobs(view, time.time()))
+
+
+@main.command()
+@etcd_options
+@_fleet_option
+@click.argument("job_id")
+@click.option("--reason", default="cancelled by efdl cancel", help="Recorded with the job.")
+@handle_errors
+def cancel(
+    fleet: str | None, job_id: str, reason: str, config_file: Path | None, **flags: Any
+) -> None:
+    """Cancel a fleet job: its hosts stop its agents (a graceful leave)."""
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.registry import cancel as cancel_job
+
+    keys = fleet_keys(fleet)
+    cfg = _etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        st = cancel_job(store, keys, check_id(job_id), reason)
+    click.echo(f"job {job_id}: {st.phase.value} ({st.reason}).")
+
+
+@main.command()
+@etcd_options
+@_fleet_option
+@click.option("--id", "candidate_id", help="This candidate's id (default: host name + suffix).")
+@click.option(
+    "--resize-interval",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Least seconds between two resizes of one job.",
+)
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Seconds until a dead allocator is replaced.",
+)
+@handle_errors
+def allocator(
+    fleet: str | None,
+    candidate_id: str | None,
+    resize_interval: float,
+    lease_ttl_s: int,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Stand for the fleet's allocator and allocate while leading (until SIGTERM/Ctrl-C)."""
+    import contextlib
+    import signal
+    import socket
+    import threading
+
+    from efdl.fleet.allocate import Policy as FleetPolicy
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.leader import Allocator
+
+    if resize_interval < 0:
+        raise ConfigError(
+            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
+        )
+    keys = fleet_keys(fleet)
+    host = socket.gethostname().split(".")[0] or "allocator"
+    name = check_id(candidate_id or f"{host}-{uuid.uuid4().hex[:6]}", "candidate id")
+    cfg = _etcd_config(config_file, flags)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with (
+        EtcdStore(cfg.etcd_settings()) as store,
+        LeaseSession(store, lease_ttl_s, on_expired=lambda why: stop.set()) as session,
+    ):
+        click.echo(f"allocator {name}: standing for fleet {keys.fleet}.", err=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            Allocator(store, keys, name, session.lease_id, FleetPolicy(resize_interval)).run(stop)
+    if session.expired:
+        raise EfdlError(f"allocator {name}: its lease ended ({session.why_expired}); exiting.")
+
+
 _RDZV_ETCD = ("etcd", "etcd-v2", "etcd-v3", "efdl")
 _IGNORED = {
     "node_rank": "ranks are assigned by the rendezvous",

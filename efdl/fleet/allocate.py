@@ -1,0 +1,320 @@
+"""The fleet's one decision: which job holds which GPUs. Pure: hosts, jobs and the clock in,
+each job's status and the reasons out; no I/O (the elected loop reads etcd and writes this).
+
+The rules, in the order they apply:
+
+1. A GPU that a process not of efdl's holds (inference at peak), or whose host is gone, is
+   nobody's: a job that held it loses it at once (that is not the allocator's choice and
+   waits for nothing).
+2. Jobs are served by priority (higher first), then in the order they were submitted.
+3. A job gets at least its ``min`` workers or nothing. What its min needs comes from free
+   GPUs first; then from lower-priority jobs, shrunk in place (never below their own min),
+   lowest priority first; then from equal-priority jobs' GPUs above their min; then by
+   suspending whole lower-priority jobs that have a remote cache (they persist, stop, and
+   resume later at whatever size is free). If all that cannot make its min, nothing is taken
+   from anyone and the job waits. A running job that fell below its min and cannot get it
+   back is suspended when it has a cache (its GPUs would idle), else it waits as it is.
+4. GPUs left over go to running elastic jobs up to their ``max``: higher priority first,
+   and within a priority one GPU at a time to the job that holds the fewest (fair share).
+5. Placement prefers fewer hosts per job: a job grows first on hosts it is on, then on the
+   host that fits what it needs most tightly, else on the hosts with the most free GPUs;
+   fragments are used (one free GPU on each of two hosts makes a 2-worker job). A shrink
+   gives back GPUs on the hosts where the job has the fewest.
+6. No thrashing: the allocator changes a running job's GPUs at most once per
+   ``resize_interval_s``, except to give it back its min. Everything one decision changes is
+   one resize per job (its agents rebuild once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from efdl.fleet.model import Gpus, Host, JobSpec, JobStatus, Phase, describe, gpu_count
+
+# A job's GPUs while deciding: host id -> GPU indices.
+Held = dict[str, set[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The allocator's settings.
+
+    Attributes:
+        resize_interval_s: the least time between two of the allocator's changes to a running
+            job's GPUs (a job that lost GPUs gets its min back at once).
+    """
+
+    resize_interval_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A job as the allocator sees it: what was asked (spec) and where it stands (status)."""
+
+    spec: JobSpec
+    status: JobStatus
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    """Why one job's status changed: one sentence, recorded as a fleet event."""
+
+    job_id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Each job's new status (only the jobs whose status changed) and why."""
+
+    statuses: dict[str, JobStatus]
+    reasons: tuple[Reason, ...]
+
+
+@dataclass(slots=True)
+class _Work:
+    """One job while deciding."""
+
+    job: Job
+    held: Held = field(default_factory=dict)
+    phase: Phase = Phase.QUEUED
+    notes: list[str] = field(default_factory=list)
+    frozen: bool = False  # resized less than the interval ago: the allocator leaves it be
+    waiting: str = ""  # why it lacks its min, if it does
+
+    @property
+    def id(self) -> str:
+        return self.job.spec.job_id
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.job.spec
+
+    @property
+    def size(self) -> int:
+        return sum(len(ix) for ix in self.held.values())
+
+    @property
+    def excess(self) -> int:
+        """GPUs above its min (what a shrink may take)."""
+        return max(0, self.size - self.spec.min_workers)
+
+
+def allocate(
+    hosts: Sequence[Host], jobs: Sequence[Job], now: float, policy: Policy = Policy()
+) -> Decision:
+    """Decide every unfinished job's GPUs (the rules in this module's docstring)."""
+    usable = {h.host_id: set(h.usable()) for h in hosts}
+    work = [
+        _Work(j, phase=j.status.phase)
+        for j in sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.submitted, j.spec.job_id))
+        if not j.status.phase.final
+    ]
+    free = {h: set(ix) for h, ix in usable.items()}
+    for w in work:  # rule 1: what each running job still holds (the first claim wins)
+        if w.phase is not Phase.RUNNING:
+            continue
+        lost: list[str] = []
+        for host, indices in w.job.status.gpus:
+            for i in indices:
+                if i in free.get(host, ()):
+                    free[host].discard(i)
+                    w.held.setdefault(host, set()).add(i)
+                else:
+                    lost.append(f"{host}:{i}")
+        if lost:
+            w.notes.append(
+                f"lost {_gpus_word(len(lost))} ({' '.join(lost)}: {_why_lost(lost, usable)})"
+            )
+        if w.size > w.spec.max_workers:  # a record from before a change of its spec
+            _give_back(w, free, w.size - w.spec.max_workers)
+            w.notes.append(f"shrunk to its max of {w.spec.max_workers}")
+        w.frozen = now - w.job.status.changed < policy.resize_interval_s
+    for _ in range(len(work) + 1):  # rules 2-3: each job's min, by priority; again while a
+        # job that could not keep its min was suspended (its GPUs may make another's)
+        if not any([_serve_min(w, work, free) for w in work]):
+            break
+    _grow(work, free)  # rule 4
+    return _decision(work, now)
+
+
+def _serve_min(w: _Work, work: list[_Work], free: Held) -> bool:
+    """Give ``w`` its min if it lacks it (rule 3); True if that freed GPUs for others."""
+    need = w.spec.min_workers - w.size
+    suspended_now = w.phase is Phase.SUSPENDED and w.job.status.phase is Phase.RUNNING
+    if need <= 0 or suspended_now:  # (it resumes in a later decision, not this one)
+        return False
+    short = need - _count(free)
+    plan, found = _reclaim_plan(w, work, short)
+    if found < short:
+        if w.phase is Phase.RUNNING and w.spec.cache_url:
+            _give_back(w, free, w.size)
+            w.phase = Phase.SUSPENDED
+            w.notes.append(
+                f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up"
+            )
+            return True
+        if w.phase is Phase.RUNNING:
+            w.waiting = (
+                f"runs below its min of {w.spec.min_workers} (no cache to suspend to); "
+                "waits for GPUs"
+            )
+        else:
+            w.waiting = (
+                f"waits: its min of {w.spec.min_workers} needs {_gpus_word(need)}; at most "
+                f"{_count(free) + found} could be freed for it"
+            )
+        return False
+    w.waiting = ""
+    for victim, take in plan:
+        if take >= victim.size:
+            _give_back(victim, free, victim.size)
+            victim.phase = Phase.SUSPENDED
+            victim.notes.append(f"suspended to make room for {w.id} (priority {w.spec.priority})")
+        else:
+            _give_back(victim, free, take)
+            victim.notes.append(
+                f"shrunk by {_gpus_word(take)} for {w.id} (priority {w.spec.priority})"
+            )
+    _place(w, free, need)
+    if w.phase is not Phase.RUNNING:
+        w.notes.append("resumed" if w.phase is Phase.SUSPENDED else "started")
+        w.phase = Phase.RUNNING
+    return _count(free) > 0
+
+
+def _reclaim_plan(w: _Work, work: list[_Work], short: int) -> tuple[list[tuple[_Work, int]], int]:
+    """What to take from whom so that ``short`` more GPUs are free for ``w``'s min, and how
+    many it found (fewer than ``short``: it cannot be done)."""
+    plan: dict[str, tuple[_Work, int]] = {}
+    found = 0
+    if short <= 0:
+        return [], 0
+    others = [
+        v for v in work if v is not w and v.phase is Phase.RUNNING and v.size and not v.frozen
+    ]
+    lowest_first = sorted(others, key=lambda v: (v.spec.priority, -v.spec.submitted, v.id))
+    shrinks = [v for v in lowest_first if v.spec.priority < w.spec.priority]
+    shrinks += [v for v in lowest_first if v.spec.priority == w.spec.priority]
+    for v in shrinks:  # shrink in place, never below their min
+        take = min(v.excess, short - found)
+        if take:
+            plan[v.id] = (v, take)
+            found += take
+        if found >= short:
+            return list(plan.values()), found
+    for v in lowest_first:  # then suspend whole lower-priority jobs that can resume
+        if v.spec.priority >= w.spec.priority or not v.spec.cache_url:
+            continue
+        found += v.size - plan.get(v.id, (v, 0))[1]
+        plan[v.id] = (v, v.size)
+        if found >= short:
+            break
+    return list(plan.values()), found
+
+
+def _grow(work: list[_Work], free: Held) -> None:
+    """Rule 4: the free GPUs to running elastic jobs up to their max, by priority, then one
+    at a time to the one holding the fewest."""
+    grown: dict[str, int] = {}
+    while _count(free):
+        wanting = [
+            w
+            for w in work
+            if w.phase is Phase.RUNNING and w.size < w.spec.max_workers and not w.frozen
+        ]
+        if not wanting:
+            break
+        top = max(w.spec.priority for w in wanting)
+        w = min((w for w in wanting if w.spec.priority == top), key=lambda w: w.size)
+        grown[w.id] = grown.get(w.id, 0) + 1
+        _place(w, free, 1)
+    for w in work:
+        if w.id in grown and not any(n in ("started", "resumed") for n in w.notes):
+            w.notes.append(f"grew by {_gpus_word(grown[w.id])} onto free GPUs")
+
+
+# ---------------------------------------------------------------- placement
+
+
+def _place(w: _Work, free: Held, n: int) -> None:
+    """Give ``w`` ``n`` free GPUs: on its own hosts first (most free first), then on the
+    host that fits the rest most tightly, else on the hosts with the most free."""
+    while n > 0:
+        own = [h for h in w.held if free.get(h)]
+        if own:
+            host = max(own, key=lambda h: (len(free[h]), _neg(h)))
+        else:
+            fits = [h for h in free if len(free[h]) >= n]
+            if fits:
+                host = min(fits, key=lambda h: (len(free[h]), h))
+            else:
+                host = max((h for h in free if free[h]), key=lambda h: (len(free[h]), _neg(h)))
+        chosen = sorted(free[host])[:n]
+        free[host].difference_update(chosen)
+        w.held.setdefault(host, set()).update(chosen)
+        n -= len(chosen)
+
+
+def _give_back(w: _Work, free: Held, n: int) -> None:
+    """Take ``n`` GPUs from ``w``, from the hosts where it has the fewest (highest indices
+    first), back to ``free``."""
+    while n > 0 and w.held:
+        host = min(w.held, key=lambda h: (len(w.held[h]), h))
+        for i in sorted(w.held[host], reverse=True)[:n]:
+            w.held[host].discard(i)
+            free.setdefault(host, set()).add(i)
+            n -= 1
+        if not w.held[host]:
+            del w.held[host]
+
+
+def _neg(host: str) -> tuple[int, ...]:
+    """A key that sorts host ids backwards (so ``max`` picks the first by name on ties)."""
+    return tuple(-ord(c) for c in host)
+
+
+def _count(held: Held) -> int:
+    return sum(len(ix) for ix in held.values())
+
+
+# ---------------------------------------------------------------- the result
+
+
+def _decision(work: list[_Work], now: float) -> Decision:
+    statuses: dict[str, JobStatus] = {}
+    reasons: list[Reason] = []
+    for w in work:
+        old = w.job.status
+        gpus = _gpus(w.held) if w.phase is Phase.RUNNING else ()
+        text = "; ".join([*w.notes, w.waiting] if w.waiting else w.notes)
+        if gpus != old.gpus or w.phase is not old.phase:
+            text = text or "placed"
+            if w.phase is Phase.RUNNING:
+                size = f"{w.spec.min_workers}-{w.spec.max_workers}"
+                text += f": {gpu_count(gpus)} of {size} workers on {describe(gpus)}"
+            statuses[w.id] = JobStatus(w.phase, gpus, now, text)
+        elif text and text != old.reason:  # the same place, a new reason (a waiting job)
+            statuses[w.id] = JobStatus(old.phase, old.gpus, old.changed, text)
+        else:
+            continue
+        reasons.append(Reason(w.id, text))
+    return Decision(statuses, tuple(reasons))
+
+
+def _gpus(held: Held) -> Gpus:
+    return tuple((h, tuple(sorted(ix))) for h, ix in sorted(held.items()) if ix)
+
+
+def _gpus_word(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def _why_lost(lost: Iterable[str], usable: dict[str, set[int]]) -> str:
+    gone = {g.split(":")[0] for g in lost if g.split(":")[0] not in usable}
+    if gone:
+        return (
+            f"host {', '.join(sorted(gone))} is gone" if len(gone) == 1 else "their hosts are gone"
+        )
+    return "taken by a process that is not efdl's, or by a higher-priority claim"

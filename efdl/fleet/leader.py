@@ -1,0 +1,139 @@
+"""The fleet's one allocator: elected among candidates (every ``efdl node`` daemon, or
+``efdl allocator``), it reads the fleet, decides (efdl.fleet.allocate) and writes the decision
+with compare-and-swap (efdl.fleet.registry).
+
+The election is the rendezvous's: each candidate puts ``leader/<id>`` under its lease; the
+one whose key was created first leads, and each other watches the key created just before
+its own, so a leader's death (its lease expires) hands over to exactly one successor without
+a herd. The leader decides when a host or a job record changes, and at least every
+``period_s`` (a job's resize interval ends with no record changing).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from efdl.errors import StoreError
+from efdl.fleet.allocate import Decision, Policy, allocate
+from efdl.fleet.model import FleetKeys
+from efdl.fleet.registry import read_fleet, write_decision
+from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, WatchSink
+
+log = logging.getLogger(__name__)
+
+
+class Allocator:
+    """One candidate for the fleet's allocator; :meth:`run` until ``stop`` is set.
+
+    Args:
+        store: the fleet's etcd.
+        keys: the fleet.
+        candidate_id: this candidate's id (a host id), unique in the fleet.
+        lease: the candidate's lease id (its daemon's): the election key goes with it.
+        policy: the allocator's settings.
+        period_s: decide at least this often while leading.
+        clock: wall-clock seconds (the records' times); an argument for tests.
+        on_decision: called after each decision written (tests, metrics).
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        keys: FleetKeys,
+        candidate_id: str,
+        lease: int,
+        policy: Policy | None = None,
+        period_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        on_decision: Callable[[Decision], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._key = keys.leader + candidate_id
+        self._lease = lease
+        self._policy = policy or Policy()
+        self._period_s = period_s
+        self._clock = clock
+        self._on_decision = on_decision
+        self._inbox: queue.Queue[WatchBatch | StoreError] = queue.Queue()
+        self.leading = threading.Event()
+
+    def run(self, stop: threading.Event) -> None:
+        """Stand for election, and allocate while leading, until ``stop``."""
+        self._store.put(self._key, b"{}", lease=self._lease)
+        mine = self._store.get(self._key)
+        if mine is None:
+            raise StoreError(f"The election key {self._key} went at once: the lease has ended.")
+        try:
+            while not stop.is_set():
+                before = self._store.last_created(self._keys.leader, mine.create_revision)
+                if before.kvs:
+                    self.leading.clear()
+                    self._follow(before.kvs[0].key, before.revision, stop)
+                else:
+                    self._lead(Compare.create_revision_is(self._key, mine.create_revision), stop)
+        finally:
+            self.leading.clear()
+
+    def _sink(self) -> WatchSink:
+        return self._inbox.put
+
+    def _follow(self, key: str, revision: int, stop: threading.Event) -> None:
+        """Wait until the candidate before this one is gone (or ``stop``)."""
+        log.info("Fleet %s: %s follows %s.", self._keys.fleet, self._key, key)
+        with self._store.watch(key, start_revision=revision + 1) as watch:
+            while not stop.is_set():
+                batch = watch.get(timeout_s=1.0)
+                if batch is not None and (
+                    batch.reset or any(ev.type is EventType.DELETE for ev in batch.events)
+                ):
+                    return
+
+    def _lead(self, leading: Compare, stop: threading.Event) -> None:
+        log.info("Fleet %s: %s leads the allocator.", self._keys.fleet, self._key)
+        self.leading.set()
+        watches: list[Watch] = []
+        try:
+            start = self._store.get_prefix(self._keys.hosts).revision + 1
+            for prefix in (self._keys.hosts, self._keys.jobs):
+                watches.append(
+                    self._store.watch(prefix, prefix=True, start_revision=start, sink=self._sink())
+                )
+            while not stop.is_set():
+                if not self._decide(leading):
+                    return  # no longer leading
+                try:
+                    item = self._inbox.get(timeout=self._period_s)
+                except queue.Empty:
+                    continue
+                if isinstance(item, StoreError):
+                    raise item
+                while not self._inbox.empty():  # one decision for what came together
+                    self._inbox.get_nowait()
+        finally:
+            for w in watches:
+                w.cancel()
+            self.leading.clear()
+
+    def _decide(self, leading: Compare) -> bool:
+        """One decision; False if this candidate no longer leads."""
+        for _ in range(5):
+            view = read_fleet(self._store, self._keys)
+            now = self._clock()
+            decision = allocate(view.hosts, view.jobs, now, self._policy)
+            for reason in decision.reasons:
+                log.info("Fleet %s: job %s: %s", self._keys.fleet, reason.job_id, reason.text)
+            if not decision.statuses:
+                return True
+            if write_decision(self._store, self._keys, view, decision, leading, now):
+                if self._on_decision is not None:
+                    self._on_decision(decision)
+                return True
+            mine = self._store.get(leading.key)
+            if mine is None or mine.create_revision != leading.revision:
+                return False
+        return True

@@ -1,0 +1,166 @@
+"""The fleet's records in etcd (efdl.fleet.model): what ``efdl submit``, ``efdl jobs`` and
+``efdl cancel`` do, what the allocator reads, and how it writes a decision.
+
+A decision is written with compare-and-swap: only while its writer leads (its election key
+still stands), and only if no job's status changed since it was read (a cancel, a daemon
+marking a job finished); otherwise nothing is written and the allocator decides again from
+a fresh read. etcd caps a transaction at 128 operations, so a large decision goes in
+several: every status that gives GPUs up is written before any that takes GPUs, so a
+transaction that fails leaves GPUs idle until the next decision, never two jobs on one GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from efdl.errors import ConfigError
+from efdl.fleet.allocate import Decision, Job
+from efdl.fleet.model import FleetEvent, FleetKeys, Host, JobSpec, JobStatus, Phase
+from efdl.rendezvous.api import Compare, KVStore, Put
+from efdl.rendezvous.model import JobKeys, RecordError
+
+log = logging.getLogger(__name__)
+
+_TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """The fleet as read at one revision.
+
+    Attributes:
+        hosts: the live hosts.
+        jobs: every job with a valid spec (its status QUEUED if it has none yet).
+        status_revisions: each job's status key's mod revision (0: none), the tokens a
+            decision's compare-and-swap uses.
+        revision: the etcd revision it was read at.
+        problems: the records that did not parse (skipped; each names its key and field).
+    """
+
+    hosts: tuple[Host, ...]
+    jobs: tuple[Job, ...]
+    status_revisions: dict[str, int]
+    revision: int
+    problems: tuple[str, ...] = ()
+
+
+def read_fleet(store: KVStore, keys: FleetKeys) -> FleetView:
+    """Every host and job of the fleet, in one read."""
+    snap = store.get_prefix(keys.prefix)
+    hosts: list[Host] = []
+    specs: dict[str, JobSpec] = {}
+    statuses: dict[str, tuple[JobStatus, int]] = {}
+    problems: list[str] = []
+    for kv in snap.kvs:
+        try:
+            if kv.key.startswith(keys.hosts):
+                hosts.append(Host.from_json(kv.value, kv.key))
+            elif kv.key.startswith(keys.jobs) and kv.key.endswith("/spec"):
+                specs[FleetKeys.job_of(kv.key)] = JobSpec.from_json(kv.value, kv.key)
+            elif kv.key.startswith(keys.jobs) and kv.key.endswith("/status"):
+                status = JobStatus.from_json(kv.value, kv.key)
+                statuses[FleetKeys.job_of(kv.key)] = (status, kv.mod_revision)
+        except RecordError as exc:
+            problems.append(str(exc))
+            log.error("Fleet %s: skipping a bad record: %s", keys.fleet, exc)
+    jobs = tuple(Job(s, statuses.get(j, (JobStatus(), 0))[0]) for j, s in sorted(specs.items()))
+    revisions = {j: statuses.get(j, (JobStatus(), 0))[1] for j in specs}
+    return FleetView(tuple(hosts), jobs, revisions, snap.revision, tuple(problems))
+
+
+def submit(store: KVStore, keys: FleetKeys, spec: JobSpec) -> JobStatus:
+    """Put ``spec`` into the fleet, queued. A job id that the fleet already runs, or that a
+    job started by hand uses (its agents are registered), is refused; a finished, failed or
+    cancelled job of that id is replaced.
+
+    Raises:
+        ConfigError: the id is taken (the message says by what).
+    """
+    if store.get_prefix(JobKeys(spec.job_id).nodes).kvs:
+        raise ConfigError(
+            f"Job id {spec.job_id!r} is in use by a job started with efdl-run (its agents are "
+            "registered in etcd); choose another id, or stop that job first (efdl stop)."
+        )
+    status = JobStatus(Phase.QUEUED, (), time.time(), "submitted")
+    writes = [
+        Put(keys.spec(spec.job_id), spec.to_json()),
+        Put(keys.status(spec.job_id), status.to_json()),
+    ]
+    existing = store.get(keys.status(spec.job_id))
+    if existing is not None:
+        old = JobStatus.from_json(existing.value, existing.key)
+        if not old.phase.final:
+            raise ConfigError(
+                f"Job {spec.job_id!r} is already in fleet {keys.fleet!r} ({old.phase.value}); "
+                "cancel it first (efdl cancel), or choose another id."
+            )
+        compare = [Compare.mod_revision_is(keys.status(spec.job_id), existing.mod_revision)]
+    else:
+        compare = [Compare.absent(keys.spec(spec.job_id)), Compare.absent(keys.status(spec.job_id))]
+    if not store.txn(compare, writes).succeeded:
+        raise ConfigError(
+            f"Job {spec.job_id!r} was submitted or changed by someone else at the same moment; "
+            "see efdl jobs, and submit again if it is not there."
+        )
+    return status
+
+
+def cancel(store: KVStore, keys: FleetKeys, job_id: str, reason: str = "cancelled") -> JobStatus:
+    """Mark ``job_id`` cancelled: its hosts stop its agents (a graceful leave: the workers
+    finish their step; with a cache, the state is persisted). Cancelling a job that has
+    ended already changes nothing.
+
+    Raises:
+        ConfigError: the fleet has no such job.
+    """
+    for _ in range(10):
+        kv = store.get(keys.status(job_id))
+        if kv is None:
+            raise ConfigError(f"Fleet {keys.fleet!r} has no job {job_id!r} (see efdl jobs).")
+        old = JobStatus.from_json(kv.value, kv.key)
+        if old.phase.final:
+            return old
+        new = JobStatus(Phase.CANCELLED, (), time.time(), reason)
+        compare = [Compare.mod_revision_is(keys.status(job_id), kv.mod_revision)]
+        if store.txn(compare, [Put(keys.status(job_id), new.to_json())]).succeeded:
+            return new
+    raise ConfigError(
+        f"Job {job_id!r}'s status kept changing while it was being cancelled; try again."
+    )
+
+
+def write_decision(
+    store: KVStore,
+    keys: FleetKeys,
+    view: FleetView,
+    decision: Decision,
+    leading: Compare,
+    now: float,
+) -> bool:
+    """Write ``decision`` (made from ``view``) while ``leading`` holds; False when it was not
+    written because the leadership or a job's status changed (decide again). Each status goes
+    with its fleet event; statuses that give GPUs up go first (this module's docstring)."""
+    before = {j.spec.job_id: j.status for j in view.jobs}
+    order = sorted(
+        decision.statuses.items(),
+        key=lambda item: (item[1].size > before[item[0]].size, item[0]),
+    )
+    per_txn = _TXN_OPS // 2 - 1
+    for start in range(0, len(order), per_txn):
+        chunk = order[start : start + per_txn]
+        compare = [leading]
+        compare += [
+            Compare.mod_revision_is(keys.status(j), view.status_revisions[j]) for j, _ in chunk
+        ]
+        puts = [Put(keys.status(j), s.to_json()) for j, s in chunk]
+        puts += [Put(e.key(keys), e.to_json()) for e in (FleetEvent(now, j, s) for j, s in chunk)]
+        if not store.txn(compare, puts).succeeded:
+            log.info(
+                "Fleet %s: a decision was not written (the leadership or a job's status "
+                "changed since the read); deciding again.",
+                keys.fleet,
+            )
+            return False
+    return True

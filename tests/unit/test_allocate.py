@@ -1,0 +1,364 @@
+"""The fleet allocator (efdl.fleet.allocate): one test per rule, and invariants over random
+fleets. Host ids look like cloud host names; the clock is an argument."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from efdl.fleet.allocate import Decision, Job, Policy, allocate
+from efdl.fleet.model import FleetGpu, Gpus, Host, JobSpec, JobStatus, Phase, gpu_count
+
+NOW = 1_000_000.0
+LONG_AGO = NOW - 3600
+
+
+def host(name: str, gpus: int = 8, foreign: Iterable[int] = ()) -> Host:
+    busy = set(foreign)
+    return Host(
+        name,
+        f"{name}.internal",
+        tuple(FleetGpu(i, f"GPU-{name}-{i}", i in busy) for i in range(gpus)),
+    )
+
+
+def fleet(n: int, gpus: int = 8) -> list[Host]:
+    return [host(f"ip-10-0-{i}-17.ec2.internal", gpus) for i in range(n)]
+
+
+def spec(
+    job_id: str, lo: int, hi: int, priority: int = 0, cache: bool = True, at: float = 0.0
+) -> JobSpec:
+    return JobSpec(
+        job_id,
+        ("train.py", "--lr", "0.1"),
+        "/srv/code",
+        lo,
+        hi,
+        priority,
+        "s3://ckpt/" + job_id if cache else "",
+        submitted=at,
+    )
+
+
+def queued(s: JobSpec) -> Job:
+    return Job(s, JobStatus())
+
+
+def running(s: JobSpec, gpus: Gpus, changed: float = LONG_AGO) -> Job:
+    return Job(s, JobStatus(Phase.RUNNING, gpus, changed, "placed"))
+
+
+def after(decision: Decision, jobs: list[Job]) -> list[Job]:
+    """The jobs with the decision applied."""
+    return [Job(j.spec, decision.statuses.get(j.spec.job_id, j.status)) for j in jobs]
+
+
+def size(decision: Decision, job_id: str) -> int:
+    return gpu_count(decision.statuses[job_id].gpus)
+
+
+def test_a_job_starts_at_once_and_grows_up_to_its_max_on_free_gpus() -> None:
+    d = allocate(fleet(2), [queued(spec("resnet", 2, 12))], NOW)
+    status = d.statuses["resnet"]
+    assert status.phase is Phase.RUNNING and status.size == 12 and status.changed == NOW
+    assert "started" in status.reason and "12 of 2-12 workers" in status.reason
+
+
+def test_higher_priority_is_served_first_and_a_job_gets_its_min_or_nothing() -> None:
+    jobs = [queued(spec("low", 6, 8, 0, at=1)), queued(spec("high", 6, 8, 5, at=2))]
+    d = allocate(fleet(1), jobs, NOW)
+    assert d.statuses["high"].phase is Phase.RUNNING and size(d, "high") == 8
+    low = d.statuses["low"]
+    assert low.phase is Phase.QUEUED and low.gpus == ()
+    assert "waits: its min of 6 needs 6 GPUs; at most 2 could be freed for it" in low.reason
+
+
+def test_within_a_priority_the_first_submitted_goes_first() -> None:
+    jobs = [queued(spec("second", 5, 5, at=2)), queued(spec("first", 5, 5, at=1))]
+    d = allocate(fleet(1), jobs, NOW)
+    assert d.statuses["first"].phase is Phase.RUNNING
+    assert d.statuses["second"].phase is Phase.QUEUED
+
+
+def test_a_min_that_cannot_be_met_takes_nothing_from_anyone() -> None:
+    hosts = fleet(1)
+    low = running(spec("low", 6, 8, 0, cache=False), ((hosts[0].host_id, tuple(range(8))),))
+    d = allocate(hosts, [low, queued(spec("big", 16, 16, 9))], NOW)
+    assert "low" not in d.statuses  # untouched: 2 GPUs it could give do not make 16
+    assert d.statuses["big"].phase is Phase.QUEUED
+
+
+def test_free_gpus_are_shared_by_priority_then_one_at_a_time_to_the_smallest() -> None:
+    jobs = [
+        queued(spec("a", 1, 8, 1, at=1)),
+        queued(spec("b", 1, 8, 1, at=2)),
+        queued(spec("c", 3, 8, 1, at=3)),
+        queued(spec("low", 1, 8, 0, at=0)),
+    ]
+    d = allocate(fleet(1, 12), jobs, NOW)
+    # mins first (1 + 1 + 3 + 1 = 6), then the other 6 to priority 1, fewest first
+    assert [size(d, j) for j in ("a", "b", "c")] == [4, 4, 3]
+    assert size(d, "low") == 1
+
+
+def test_a_higher_priority_job_shrinks_the_lowest_priority_elastic_job_first() -> None:
+    hosts = fleet(2)
+    h0, h1 = (h.host_id for h in hosts)
+    jobs = [
+        running(spec("mid", 2, 8, 3), ((h0, tuple(range(8))),)),
+        running(spec("low", 2, 8, 1), ((h1, tuple(range(8))),)),
+        queued(spec("urgent", 4, 4, 9)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert "mid" not in d.statuses  # the lowest priority gives first
+    assert (
+        size(d, "low") == 4
+        and "shrunk by 4 GPUs for urgent (priority 9)" in d.statuses["low"].reason
+    )
+    assert d.statuses["urgent"].gpus == ((h1, (4, 5, 6, 7)),)
+
+
+def test_shrinking_never_goes_below_a_jobs_min_then_suspends_lower_jobs_with_a_cache() -> None:
+    hosts = fleet(2)
+    h0, h1 = (h.host_id for h in hosts)
+    jobs = [
+        running(spec("keep", 6, 8, 1, cache=False), ((h0, tuple(range(8))),)),
+        running(spec("pausable", 6, 8, 2), ((h1, tuple(range(8))),)),
+        queued(spec("urgent", 10, 10, 9)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    # shrinks give 2 + 2 = 4; 6 more only by suspending: "pausable" has a cache, "keep" not
+    assert d.statuses["pausable"].phase is Phase.SUSPENDED and d.statuses["pausable"].gpus == ()
+    assert "suspended to make room for urgent" in d.statuses["pausable"].reason
+    assert d.statuses["keep"].phase is Phase.RUNNING and size(d, "keep") == 6
+    assert size(d, "urgent") == 10
+
+
+def test_an_equal_priority_job_takes_only_what_another_holds_above_its_min() -> None:
+    hosts = fleet(1)
+    h0 = hosts[0].host_id
+    jobs = [
+        running(spec("first", 2, 8, at=1), ((h0, tuple(range(8))),)),
+        queued(spec("next", 2, 8, at=2)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert size(d, "first") == 6 and size(d, "next") == 2
+    # and never suspends it
+    jobs = [
+        running(spec("first", 8, 8, at=1), ((h0, tuple(range(8))),)),
+        queued(spec("next", 2, 8, at=2)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert "first" not in d.statuses and d.statuses["next"].phase is Phase.QUEUED
+
+
+def test_a_foreign_process_takes_its_gpu_at_once_and_the_job_shrinks_in_place() -> None:
+    name = "gpu-node-a.us-east1-b.c.proj.internal"
+    job = running(spec("llm", 4, 8), ((name, tuple(range(8))),), changed=NOW - 5)  # just resized
+    d = allocate([host(name, 8, foreign={3})], [job], NOW)
+    status = d.statuses["llm"]
+    assert status.gpus == ((name, (0, 1, 2, 4, 5, 6, 7)),)
+    assert f"lost 1 GPU ({name}:3: taken by a process that is not efdl's" in status.reason
+
+
+def test_a_job_below_its_min_gets_it_back_at_once_even_within_its_interval() -> None:
+    hosts = [host("a", 4, foreign={0, 1}), host("b", 4)]
+    job = running(spec("j", 4, 4), (("a", (0, 1, 2, 3)),), changed=NOW - 1)
+    d = allocate(hosts, [job], NOW)
+    assert d.statuses["j"].gpus == (("a", (2, 3)), ("b", (0, 1)))
+
+
+def test_a_job_below_its_min_with_nowhere_to_go_is_suspended_if_it_has_a_cache() -> None:
+    hosts = [host("a", 4, foreign={0, 1})]
+    cached = running(spec("cached", 4, 4), (("a", (0, 1, 2, 3)),))
+    d = allocate(hosts, [cached], NOW)
+    assert d.statuses["cached"].phase is Phase.SUSPENDED
+    bare = running(spec("bare", 4, 4, cache=False), (("a", (0, 1, 2, 3)),))
+    d = allocate(hosts, [bare], NOW)
+    assert d.statuses["bare"].phase is Phase.RUNNING and d.statuses["bare"].gpus == (("a", (2, 3)),)
+    assert "runs below its min of 4" in d.statuses["bare"].reason
+
+
+def test_a_host_that_is_gone_takes_its_gpus_from_every_job() -> None:
+    job = running(spec("j", 1, 8), (("spot-7", (0, 1)), ("here", (0,))), changed=NOW - 1)
+    d = allocate([host("here", 1)], [job], NOW)
+    assert d.statuses["j"].gpus == (("here", (0,)),)
+    assert "lost 2 GPUs (spot-7:0 spot-7:1: host spot-7 is gone)" in d.statuses["j"].reason
+
+
+def test_fragmented_gpus_make_a_job() -> None:
+    hosts = [host("a", 8, foreign=range(7)), host("b", 8, foreign=range(1, 8))]
+    d = allocate(hosts, [queued(spec("pair", 2, 2))], NOW)
+    assert d.statuses["pair"].gpus == (("a", (7,)), ("b", (0,)))
+
+
+def test_placement_prefers_the_host_that_fits_tightest_then_the_fewest_hosts() -> None:
+    hosts = [host("a", 8), host("b", 8, foreign=range(4)), host("c", 8, foreign=range(6))]
+    d = allocate(hosts, [queued(spec("four", 4, 4))], NOW)
+    assert d.statuses["four"].gpus == (("b", (4, 5, 6, 7)),)  # fits, and leaves a whole
+    d = allocate(hosts, [queued(spec("ten", 10, 10))], NOW)
+    assert d.statuses["ten"].gpus == (("a", tuple(range(8))), ("c", (6, 7)))
+
+
+def test_a_job_grows_on_hosts_it_already_uses_first() -> None:
+    hosts = [host("a", 8), host("b", 8)]
+    job = running(spec("j", 2, 4), (("b", (0, 1)),))
+    d = allocate(hosts, [job], NOW)
+    assert d.statuses["j"].gpus == (("b", (0, 1, 2, 3)),)
+    assert "grew by 2 GPUs onto free GPUs" in d.statuses["j"].reason
+
+
+def test_a_shrink_gives_back_the_gpus_on_the_hosts_where_the_job_has_fewest() -> None:
+    hosts = [host("a", 8), host("b", 2)]
+    jobs = [
+        running(spec("low", 2, 10), (("a", tuple(range(8))), ("b", (0, 1)))),
+        queued(spec("high", 2, 2, 5)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert d.statuses["low"].gpus == (("a", tuple(range(8))),)
+    assert d.statuses["high"].gpus == (("b", (0, 1)),)
+
+
+def test_no_job_is_resized_more_than_once_per_interval() -> None:
+    hosts = [host("a", 8)]
+    job = running(spec("j", 2, 8), (("a", (0, 1)),), changed=NOW - 30)
+    assert allocate(hosts, [job], NOW, Policy(resize_interval_s=60)).statuses == {}
+    d = allocate(hosts, [job], NOW + 31, Policy(resize_interval_s=60))
+    assert size(d, "j") == 8
+    # nor shrunk for another job inside it
+    jobs = [
+        running(spec("j", 2, 8), (("a", tuple(range(8))),), changed=NOW - 30),
+        queued(spec("urgent", 2, 2, 9)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert "j" not in d.statuses and d.statuses["urgent"].phase is Phase.QUEUED
+
+
+def test_a_suspended_job_resumes_at_whatever_size_is_free() -> None:
+    hosts = [host("a", 8, foreign=range(5))]
+    s = spec("j", 2, 8)
+    d = allocate(hosts, [Job(s, JobStatus(Phase.SUSPENDED, (), LONG_AGO, "suspended"))], NOW)
+    assert d.statuses["j"].phase is Phase.RUNNING and size(d, "j") == 3
+    assert d.statuses["j"].reason.startswith("resumed")
+
+
+def test_finished_jobs_are_ignored_and_a_waiting_jobs_reason_is_written_once() -> None:
+    hosts = [host("a", 2)]
+    done = Job(spec("done", 1, 1), JobStatus(Phase.FINISHED, (), LONG_AGO, "finished"))
+    wait = queued(spec("wait", 4, 4))
+    d = allocate(hosts, [done, wait], NOW)
+    assert set(d.statuses) == {"wait"} and d.statuses["wait"].changed == 0.0
+    assert allocate(hosts, after(d, [done, wait]), NOW + 1).statuses == {}
+
+
+def test_a_gpu_claimed_twice_goes_to_the_higher_priority_job() -> None:
+    hosts = [host("a", 2)]
+    jobs = [
+        running(spec("lo", 1, 2, 0), (("a", (0, 1)),)),
+        running(spec("hi", 1, 1, 5), (("a", (1,)),)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert "hi" not in d.statuses and d.statuses["lo"].gpus == (("a", (0,)),)
+
+
+# ---------------------------------------------------------------- invariants
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[list[Host], list[Job], float]:
+    hosts = [
+        host(f"h{i}", draw(st.integers(1, 8)), draw(st.sets(st.integers(0, 7), max_size=3)))
+        for i in range(draw(st.integers(1, 6)))
+    ]
+    jobs: list[Job] = []
+    taken: set[tuple[str, int]] = set()
+    for k in range(draw(st.integers(0, 8))):
+        lo = draw(st.integers(1, 6))
+        s = spec(
+            f"j{k}",
+            lo,
+            lo + draw(st.integers(0, 8)),
+            draw(st.integers(0, 3)),
+            draw(st.booleans()),
+            k,
+        )
+        phase = draw(
+            st.sampled_from([Phase.QUEUED, Phase.RUNNING, Phase.SUSPENDED, Phase.FINISHED])
+        )
+        gpus: dict[str, list[int]] = {}
+        if phase is Phase.RUNNING:
+            for h in hosts:
+                for g in h.gpus:
+                    if (h.host_id, g.index) not in taken and draw(st.integers(0, 3)) == 0:
+                        taken.add((h.host_id, g.index))
+                        gpus.setdefault(h.host_id, []).append(g.index)
+        status = JobStatus(
+            phase,
+            tuple((h, tuple(ix)) for h, ix in sorted(gpus.items())),
+            draw(st.sampled_from([LONG_AGO, NOW - 10])),
+        )
+        jobs.append(Job(s, status))
+    return hosts, jobs, NOW
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
+    case: tuple[list[Host], list[Job], float],
+) -> None:
+    hosts, jobs, now = case
+    d = allocate(hosts, jobs, now)
+    final = after(d, jobs)
+    usable = {(h.host_id, i) for h in hosts for i in h.usable()}
+    seen: set[tuple[str, int]] = set()
+    for j in final:
+        st_ = j.status
+        for h, indices in st_.gpus:
+            for i in indices:
+                assert (h, i) in usable, (j.spec.job_id, h, i)  # never a foreign or gone GPU
+                assert (h, i) not in seen  # never two jobs on one GPU
+                seen.add((h, i))
+        if st_.phase is Phase.RUNNING:
+            assert st_.size <= j.spec.max_workers
+            assert st_.size >= j.spec.min_workers or not j.spec.cache_url
+        else:
+            assert st_.gpus == ()
+        if j.status.phase is Phase.QUEUED:  # a waiting job never holds anything
+            assert st_.gpus == ()
+    # a free GPU is left only when no running job could take it (all at max or inside their
+    # interval) and no waiting job's min fits
+    free = len(usable) - len(seen)
+    if free:
+        before = {j.spec.job_id: j.status for j in jobs}
+        for j in final:
+            if j.status.phase is Phase.RUNNING and j.status.size < j.spec.max_workers:
+                old = before[j.spec.job_id]
+                assert old.phase is Phase.RUNNING and now - old.changed < 60, j
+    # a job waits for its min only when nothing could make it: free GPUs, what unfrozen
+    # lower- or equal-priority jobs hold above their min, lower-priority jobs with a cache
+    before = {j.spec.job_id: j.status for j in jobs}
+    for w in final:
+        waiting = w.status.phase in (Phase.QUEUED, Phase.SUSPENDED)
+        if not waiting or before[w.spec.job_id].phase is Phase.RUNNING:
+            continue
+        could = free
+        for v in final:
+            old = before[v.spec.job_id]
+            frozen = old.phase is Phase.RUNNING and now - old.changed < 60
+            if v is w or v.status.phase is not Phase.RUNNING or frozen:
+                continue
+            if v.spec.priority <= w.spec.priority:
+                could += max(0, v.status.size - v.spec.min_workers)
+            if v.spec.priority < w.spec.priority and v.spec.cache_url:
+                could += min(v.status.size, v.spec.min_workers)
+        assert could < w.spec.min_workers, (w, could)
+    # deciding again at once changes nothing
+    again = allocate(hosts, final, now)
+    assert {k: (v.phase, v.gpus) for k, v in again.statuses.items()} == {
+        k: (v.status.phase, v.status.gpus)
+        for k, v in ((j.spec.job_id, j) for j in final)
+        if k in again.statuses
+    }
