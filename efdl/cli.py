@@ -504,6 +504,85 @@ def allocator(
         raise EfdlError(f"allocator {name}: its lease ended ({session.why_expired}); exiting.")
 
 
+@main.command()
+@etcd_options
+@_fleet_option
+@click.option("--host-id", help="This host's id in the fleet (default: its host name).")
+@click.option(
+    "--host", "address", help="The address peers reach this host at (default: the route to etcd)."
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="Where the daemon keeps its agents' PIDs and logs (default: /var/lib/efdl-node/<fleet>).",
+)
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Seconds until a host whose daemon is away is given up.",
+)
+@click.option(
+    "--resize-interval",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Least seconds between two resizes of one job (when this host allocates).",
+)
+@click.option("--no-allocator", is_flag=True, help="Never stand for the fleet's allocator.")
+@handle_errors
+def node(
+    fleet: str | None,
+    host_id: str | None,
+    address: str | None,
+    state_dir: Path | None,
+    lease_ttl_s: int,
+    resize_interval: float,
+    no_allocator: bool,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Run this GPU host in a fleet: register its GPUs, run the agents placed on it."""
+    import signal
+    import socket
+    import threading
+
+    from efdl.fleet.allocate import Policy as FleetPolicy
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.node import HostDaemon
+
+    if resize_interval < 0:
+        raise ConfigError(
+            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
+        )
+    keys = fleet_keys(fleet)
+    name = check_id(host_id or socket.gethostname(), "host id")
+    cfg = _etcd_config(config_file, flags)
+    settings = cfg.etcd_settings()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    state = state_dir or Path("/var/lib/efdl-node") / keys.fleet
+    with EtcdStore(settings) as store:
+        daemon = HostDaemon(
+            store,
+            keys,
+            name,
+            address or default_host(settings.endpoints),
+            settings.endpoint_list,
+            state,
+            lease_ttl_s=lease_ttl_s,
+            allocator=not no_allocator,
+            policy=FleetPolicy(resize_interval),
+        )
+        click.echo(f"efdl node {name}: in fleet {keys.fleet} (state in {state}).", err=True)
+        try:
+            daemon.run(stop)
+        except KeyboardInterrupt:
+            stop.set()
+
+
 _RDZV_ETCD = ("etcd", "etcd-v2", "etcd-v3", "efdl")
 _IGNORED = {
     "node_rank": "ranks are assigned by the rendezvous",

@@ -1,18 +1,22 @@
 """What a host daemon (``efdl node``) does to make its agents match the allocator's word. Pure:
 the GPUs each job should hold on this host and the agents running in, the actions out.
 
-A job on a host runs as one or more ``efdl-run`` agents, each on a fixed set of GPUs
-(``--gpus``): an agent's GPUs cannot change while it runs, but a job can gain an agent or
-lose one in place. So:
+A job runs on a host as one ``efdl-run`` agent per GPU (``--gpus <index>``), each a node of
+the job's rendezvous with one worker. An agent's GPUs cannot change while it runs, but a job
+can gain or lose agents in place; with one GPU each, every grow and every shrink is whole
+agents joining or leaving, and the workers that stay never restart (an agent on several
+GPUs would have to leave whole, all its workers with it, to give one GPU back: for a job
+with one such agent, its whole state). So:
 
-- an agent whose GPUs the job still holds keeps running;
-- an agent with a GPU the job no longer holds here is stopped (SIGTERM: a graceful leave; its
-  workers finish their step, and the job goes on without them, in place);
-- the GPUs the job holds that no kept agent has get one new agent (it joins in place), once
-  no exiting agent (of any job) still holds one of them.
+- an agent whose GPU the job still holds keeps running;
+- an agent whose GPU the job no longer holds here is stopped (SIGTERM: a graceful leave; its
+  worker finishes its step, and the job goes on without it, in place);
+- each GPU the job holds that no agent has gets a new agent (it joins in place), once no
+  exiting agent (of any job) still holds it.
 
-A shrink that takes part of an agent's GPUs therefore costs two in-place rescales (the agent
-leaves; a smaller one joins); one that takes whole agents, one.
+The cost: a worker sees only its own GPU (``CUDA_VISIBLE_DEVICES``), which NCCL's
+peer-to-peer path between GPUs of one host may need to see both of (measured where a
+multi-GPU host is lent; docs/fleet.md).
 
 Which GPUs a process that is not efdl's holds (:func:`foreign`) is pure too: NVML's compute
 processes on each GPU, less this daemon's own agents and workers.
@@ -63,8 +67,9 @@ Action = Start | Stop
 
 def reconcile(desired: Mapping[str, Iterable[int]], agents: Sequence[Agent]) -> list[Action]:
     """The actions that bring ``agents`` to ``desired`` (job id -> its GPUs on this host),
-    stops first. A GPU still held by an exiting agent is not given to a new one yet: the
-    daemon calls this again when an agent exits."""
+    stops first, then one new agent per GPU. A GPU still held by an exiting agent is not
+    given to a new one yet: the daemon calls this again when an agent exits. (Agents on
+    several GPUs, from an older daemon, are kept while all their GPUs are.)"""
     want = {job: frozenset(gpus) for job, gpus in desired.items() if gpus}
     actions: list[Action] = []
     kept: dict[str, frozenset[int]] = {}
@@ -84,9 +89,8 @@ def reconcile(desired: Mapping[str, Iterable[int]], agents: Sequence[Agent]) -> 
         actions.append(Stop(a.pid, a.job_id, reason))
         held |= a.gpus
     for job, gpus in sorted(want.items()):
-        missing = gpus - kept.get(job, frozenset())
-        if missing and not missing & held:
-            actions.append(Start(job, tuple(sorted(missing))))
+        missing = gpus - kept.get(job, frozenset()) - held
+        actions += [Start(job, (gpu,)) for gpu in sorted(missing)]
     return actions
 
 

@@ -35,7 +35,7 @@ class FleetView:
         jobs: every job with a valid spec (its status QUEUED if it has none yet).
         status_revisions: each job's status key's mod revision (0: none), the tokens a
             decision's compare-and-swap uses.
-        revision: the etcd revision it was read at.
+        revision: the etcd revision the jobs were read at.
         problems: the records that did not parse (skipped; each names its key and field).
     """
 
@@ -47,13 +47,14 @@ class FleetView:
 
 
 def read_fleet(store: KVStore, keys: FleetKeys) -> FleetView:
-    """Every host and job of the fleet, in one read."""
-    snap = store.get_prefix(keys.prefix)
+    """Every host and job of the fleet (two reads: the events and the election stay out)."""
+    jobs_snap = store.get_prefix(keys.jobs)
+    kvs = (*store.get_prefix(keys.hosts).kvs, *jobs_snap.kvs)
     hosts: list[Host] = []
     specs: dict[str, JobSpec] = {}
     statuses: dict[str, tuple[JobStatus, int]] = {}
     problems: list[str] = []
-    for kv in snap.kvs:
+    for kv in kvs:
         try:
             if kv.key.startswith(keys.hosts):
                 hosts.append(Host.from_json(kv.value, kv.key))
@@ -67,7 +68,7 @@ def read_fleet(store: KVStore, keys: FleetKeys) -> FleetView:
             log.error("Fleet %s: skipping a bad record: %s", keys.fleet, exc)
     jobs = tuple(Job(s, statuses.get(j, (JobStatus(), 0))[0]) for j, s in sorted(specs.items()))
     revisions = {j: statuses.get(j, (JobStatus(), 0))[1] for j in specs}
-    return FleetView(tuple(hosts), jobs, revisions, snap.revision, tuple(problems))
+    return FleetView(tuple(hosts), jobs, revisions, jobs_snap.revision, tuple(problems))
 
 
 def submit(store: KVStore, keys: FleetKeys, spec: JobSpec) -> JobStatus:

@@ -1,6 +1,8 @@
 """A stand-in for nvidia-ml-py's ``pynvml`` on hosts without GPUs: the GPUs it reports come
 from ``EFDL_FAKE_NVML``, a JSON list of ``{"uuid", "name", "memory_mb", "processes", "mig"}``
-(``mig``: a list of instances, each ``{"uuid", "memory_mb", "processes"}``). Without that
+(``processes``: how many compute processes, or their PIDs; ``mig``: a list of instances, each
+``{"uuid", "memory_mb", "processes"}``), or from the file ``EFDL_FAKE_NVML_FILE`` names, read
+at every ``nvmlInit()`` (a test changes it to start a foreign process on a GPU). Without that
 variable it behaves as NVML does with no driver. Put this directory first on PYTHONPATH to
 make an ``efdl-run`` process see those GPUs; only the calls efdl makes exist here.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,7 +33,8 @@ class NVMLError_NotSupported(NVMLError):
 
 
 def nvmlInit() -> None:
-    text = os.environ.get("EFDL_FAKE_NVML")
+    path = os.environ.get("EFDL_FAKE_NVML_FILE")
+    text = Path(path).read_text() if path else os.environ.get("EFDL_FAKE_NVML")
     if text is None:
         raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
     _gpus[:] = json.loads(text)
@@ -61,7 +65,9 @@ def nvmlDeviceGetMemoryInfo(handle: dict[str, Any]) -> SimpleNamespace:
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle: dict[str, Any]) -> list[SimpleNamespace]:
-    return [SimpleNamespace(pid=1000 + i) for i in range(int(handle.get("processes", 0)))]
+    procs = handle.get("processes", 0)
+    pids = procs if isinstance(procs, list) else [1000 + i for i in range(int(procs))]
+    return [SimpleNamespace(pid=int(p)) for p in pids]
 
 
 def nvmlDeviceGetMigMode(handle: dict[str, Any]) -> tuple[int, int]:

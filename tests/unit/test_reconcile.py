@@ -10,18 +10,23 @@ def agent(job: str, gpus: set[int], pid: int, stopping: bool = False) -> Agent:
     return Agent(job, frozenset(gpus), pid, stopping)
 
 
-def test_a_job_placed_here_gets_one_agent_on_its_gpus() -> None:
-    assert reconcile({"llama": {3, 1, 2}}, []) == [Start("llama", (1, 2, 3))]
+def test_a_job_placed_here_gets_one_agent_per_gpu() -> None:
+    assert reconcile({"llama": {3, 1, 2}}, []) == [
+        Start("llama", (1,)),
+        Start("llama", (2,)),
+        Start("llama", (3,)),
+    ]
     assert reconcile({"llama": []}, []) == []
 
 
 def test_nothing_changes_when_the_agents_match() -> None:
-    agents = [agent("a", {0, 1}, 100), agent("a", {2}, 101), agent("b", {5}, 102)]
-    assert reconcile({"a": {0, 1, 2}, "b": {5}}, agents) == []
+    agents = [agent("a", {0}, 100), agent("a", {1}, 101), agent("b", {5}, 102)]
+    assert reconcile({"a": {0, 1}, "b": {5}}, agents) == []
 
 
-def test_a_job_that_grows_here_gets_another_agent_for_the_new_gpus_only() -> None:
-    assert reconcile({"a": {0, 1, 2, 3}}, [agent("a", {0, 1}, 100)]) == [Start("a", (2, 3))]
+def test_a_job_that_grows_here_gets_agents_for_the_new_gpus_only() -> None:
+    agents = [agent("a", {0}, 100), agent("a", {1}, 101)]
+    assert reconcile({"a": {0, 1, 2, 3}}, agents) == [Start("a", (2,)), Start("a", (3,))]
 
 
 def test_a_job_that_loses_a_whole_agent_stops_just_that_one() -> None:
@@ -29,21 +34,29 @@ def test_a_job_that_loses_a_whole_agent_stops_just_that_one() -> None:
     assert reconcile({"a": {0, 1}}, agents) == [Stop(101, "a", "job a gave up GPU(s) 2,3 here")]
 
 
-def test_a_partial_shrink_stops_the_agent_and_restarts_the_rest_once_it_has_exited() -> None:
+def test_a_shrink_stops_only_the_agents_of_the_gpus_given_up() -> None:
+    agents = [agent("a", {g}, 100 + g) for g in range(4)]
+    assert reconcile({"a": {0, 1}}, agents) == [
+        Stop(102, "a", "job a gave up GPU(s) 2 here"),
+        Stop(103, "a", "job a gave up GPU(s) 3 here"),
+    ]
+
+
+def test_an_agent_on_several_gpus_leaves_whole_and_its_kept_gpus_come_back_one_by_one() -> None:
     agents = [agent("a", {0, 1, 2, 3}, 100)]
     assert reconcile({"a": {0, 1}}, agents) == [Stop(100, "a", "job a gave up GPU(s) 2,3 here")]
     exiting = [agent("a", {0, 1, 2, 3}, 100, stopping=True)]
     assert reconcile({"a": {0, 1}}, exiting) == []  # its GPUs are still held
-    assert reconcile({"a": {0, 1}}, []) == [Start("a", (0, 1))]
+    assert reconcile({"a": {0, 1}}, []) == [Start("a", (0,)), Start("a", (1,))]
 
 
 def test_a_gpu_moves_to_another_job_only_after_its_agent_has_exited() -> None:
-    agents = [agent("low", {0, 1}, 100)]
+    agents = [agent("low", {0}, 100), agent("low", {1}, 101)]
     actions = reconcile({"low": {0}, "high": {1}}, agents)
-    assert actions == [Stop(100, "low", "job low gave up GPU(s) 1 here")]
-    exiting = [agent("low", {0, 1}, 100, stopping=True)]
+    assert actions == [Stop(101, "low", "job low gave up GPU(s) 1 here")]
+    exiting = [agent("low", {0}, 100), agent("low", {1}, 101, stopping=True)]
     assert reconcile({"low": {0}, "high": {1}}, exiting) == []
-    assert reconcile({"low": {0}, "high": {1}}, []) == [Start("high", (1,)), Start("low", (0,))]
+    assert reconcile({"low": {0}, "high": {1}}, exiting[:1]) == [Start("high", (1,))]
 
 
 def test_a_job_gone_from_this_host_has_its_agents_stopped() -> None:
