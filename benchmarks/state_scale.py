@@ -75,10 +75,10 @@ def step_rows(rows: Rows) -> Rows:
 # ---------------------------------------------------------------- steady state
 
 
-def steady(launcher: str, size: int, tmp: Path) -> tuple[float, int]:
+def steady(launcher: str, size: int, tmp: Path, steps: int | None = None) -> tuple[float, int]:
     """(median step time of rank 0 in s, peak RSS of the larger worker in bytes)."""
     out = Path(tempfile.mkdtemp(dir=tmp))
-    env = {**os.environ, "OUT_DIR": str(out), **env_for(size)}
+    env = {**os.environ, "OUT_DIR": str(out), **env_for(size, steps)}
     if launcher == "efdl":
         job = f"scale-{uuid.uuid4().hex[:6]}"
         argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
@@ -213,6 +213,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,25,100,300")
     parser.add_argument("--repeat", type=int, default=3, help="steady-state runs per launcher")
+    parser.add_argument(
+        "--steps", type=int, help="steps per steady-state run (default: 600 at 4M, 150 at 25M...)"
+    )
     parser.add_argument("--event-repeat", type=int, default=2)
     parser.add_argument("--events", default="join,leave,kill,node")
     parser.add_argument("--no-cache", action="store_true")
@@ -244,13 +247,11 @@ def main() -> None:
     step_ratios, mem_ratios = [], []
     for size in sizes:
         t_steps, e_steps, t_mem, e_mem = [], [], [], []
-        for _ in range(args.repeat):
-            s, m = steady("torchrun", size, tmp)
-            t_steps.append(s)
-            t_mem.append(m)
-            s, m = steady("efdl", size, tmp)
-            e_steps.append(s)
-            e_mem.append(m)
+        for i in range(args.repeat):  # each launcher first in every other pair
+            for launcher in ("torchrun", "efdl") if i % 2 == 0 else ("efdl", "torchrun"):
+                s, m = steady(launcher, size, tmp, args.steps)
+                (t_steps if launcher == "torchrun" else e_steps).append(s)
+                (t_mem if launcher == "torchrun" else e_mem).append(m)
         step_ratio = statistics.median(e_steps) / statistics.median(t_steps)
         mem_ratio = statistics.median(e_mem) / statistics.median(t_mem)
         step_ratios.append(step_ratio)
