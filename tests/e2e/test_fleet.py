@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -80,7 +80,8 @@ class Fleet:
         out = self.tmp / name
         out.mkdir()
         env = {"OUT_DIR": str(out), "STEP_SECONDS": "0.2", "EFDL_SETTLE": "0.5",
-               "EFDL_LEASE_TTL": "3", "EFDL_GRACE_PERIOD": "15", "DIGEST": "0"}  # fmt: skip
+               "EFDL_LEASE_TTL": "3", "EFDL_GRACE_PERIOD": "15", "DIGEST": "0",
+               "EFDL_WARM_WORKERS": "0"}  # fmt: skip
         spec = JobSpec(
             job_id, ("elastic_steps.py",), str(SCRIPTS), lo, hi, priority, "",
             tuple(sorted(env.items())), submitted=time.time(),
@@ -102,6 +103,17 @@ class Fleet:
         return pids
 
     def logs(self) -> str:
+        """What the daemons and agents said, the jobs' statuses and their newest steps."""
+        parts = [f"--- {self.job_ids.get(n, n)}: {newest(self.tmp / n)}" for n in self.job_ids]
+        try:
+            parts += [
+                f"--- {j.spec.job_id}: {j.status}" for j in read_fleet(self.store, self.keys).jobs
+            ]
+        except Exception as exc:  # the logs must come out whatever etcd says
+            parts.append(f"--- the fleet could not be read: {exc}")
+        return "\n".join([*parts, self._files()])
+
+    def _files(self) -> str:
         parts = [
             f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
             for p in self.tmp.glob("node-*.log")
@@ -111,6 +123,13 @@ class Fleet:
             for p in self.tmp.glob("state-*/logs/*.log")
         ]
         return "\n".join(parts)
+
+    def wait(self, what: str, pred: Callable[[], object], timeout_s: float = 240) -> None:
+        """wait_until, with the daemons' and agents' logs in the failure."""
+        try:
+            wait_until(what, pred, timeout_s)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs()}") from None
 
     def close(self) -> None:
         for p in self.daemons.values():
@@ -178,11 +197,11 @@ def test_a_job_fills_free_gpus_then_shrinks_in_place_for_priority_and_for_a_fore
     fleet.host("gpu-a.us-central1-a.c.proj.internal")
     fleet.host("gpu-b.us-central1-a.c.proj.internal")
     low = fleet.submit("low", 1, 4, 0)
-    wait_until(f"job low on all 4 GPUs\n{fleet.logs()}", lambda: trains_at(low, 4), 240)
+    fleet.wait("job low on all 4 GPUs", lambda: trains_at(low, 4), 240)
     before = newest(low)
     high = fleet.submit("high", 2, 2, 5)
-    wait_until(f"job high to train\n{fleet.logs()}", lambda: trains_at(high, 2), 240)
-    wait_until(f"job low on 2 GPUs\n{fleet.logs()}", lambda: trains_at(low, 2), 240)
+    fleet.wait("job high to train", lambda: trains_at(high, 2), 240)
+    fleet.wait("job low on 2 GPUs", lambda: trains_at(low, 2), 240)
     after = newest(low)
     assert after["pids"] <= before["pids"]  # type: ignore[operator]  # survivors, in place
     assert (
@@ -191,7 +210,7 @@ def test_a_job_fills_free_gpus_then_shrinks_in_place_for_priority_and_for_a_fore
     # inference takes one of low's GPUs: low goes on, in place, on the other
     host, indices = fleet.status("low").gpus[0]
     fleet.foreign(host, indices[0])
-    wait_until(f"job low on 1 GPU\n{fleet.logs()}", lambda: trains_at(low, 1), 240)
+    fleet.wait("job low on 1 GPU", lambda: trains_at(low, 1), 240)
     assert newest(low)["pids"] <= after["pids"]  # type: ignore[operator]
     assert "taken by a process that is not efdl's" in fleet.status("low").reason
     assert fleet.status("high").phase is Phase.RUNNING
@@ -201,15 +220,15 @@ def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet)
     name = "gpu-c.us-central1-a.c.proj.internal"
     fleet.host(name)
     job = fleet.submit("steady", 2, 2, 0)
-    wait_until(f"job steady to train\n{fleet.logs()}", lambda: trains_at(job, 2), 240)
+    fleet.wait("job steady to train", lambda: trains_at(job, 2), 240)
     gen = newest(job)["gen"]
     fleet.daemons[name].send_signal(signal.SIGKILL)
     fleet.daemons[name].wait(timeout=30)
     steps = len(rows(job))
     wait_until("steps while the daemon is away", lambda: len(rows(job)) > steps + 5, 120)
     fleet.start(name)
-    wait_until(
-        f"the new daemon to adopt the agent\n{fleet.logs()}",
+    fleet.wait(
+        "the new daemon to adopt the agent",
         lambda: "adopted agent" in (fleet.tmp / f"node-{name}.log").read_text(),
         120,
     )
