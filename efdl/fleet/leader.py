@@ -25,6 +25,8 @@ from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, 
 
 log = logging.getLogger(__name__)
 
+RETRY_S = 1.0  # how long to wait before trying etcd again after a failure
+
 
 class Allocator:
     """One candidate for the fleet's allocator; :meth:`run` until ``stop`` is set.
@@ -63,21 +65,37 @@ class Allocator:
         self.leading = threading.Event()
 
     def run(self, stop: threading.Event) -> None:
-        """Stand for election, and allocate while leading, until ``stop``."""
+        """Stand for election, and allocate while leading, until ``stop``. etcd failing is
+        waited out (every second), standing again on the same lease."""
+        try:
+            while not stop.is_set():
+                try:
+                    self._stand(stop)
+                except StoreError as exc:
+                    self.leading.clear()
+                    log.warning(
+                        "Fleet %s: %s: etcd failed (%s); standing again in %.0f s.",
+                        self._keys.fleet, self._key, exc, RETRY_S,
+                    )  # fmt: skip
+                    stop.wait(RETRY_S)
+        finally:
+            self.leading.clear()
+
+    def _stand(self, stop: threading.Event) -> None:
         self._store.put(self._key, b"{}", lease=self._lease)
         mine = self._store.get(self._key)
         if mine is None:
             raise StoreError(f"The election key {self._key} went at once: the lease has ended.")
-        try:
-            while not stop.is_set():
-                before = self._store.last_created(self._keys.leader, mine.create_revision)
-                if before.kvs:
-                    self.leading.clear()
-                    self._follow(before.kvs[0].key, before.revision, stop)
-                else:
-                    self._lead(Compare.create_revision_is(self._key, mine.create_revision), stop)
-        finally:
-            self.leading.clear()
+        while not stop.is_set():
+            before = self._store.last_created(self._keys.leader, mine.create_revision)
+            if before.kvs:
+                self.leading.clear()
+                self._follow(before.kvs[0].key, before.revision, stop)
+            else:
+                self._lead(Compare.create_revision_is(self._key, mine.create_revision), stop)
+                mine = self._store.get(self._key)  # no longer leading: still standing?
+                if mine is None:
+                    return
 
     def _sink(self) -> WatchSink:
         return self._inbox.put

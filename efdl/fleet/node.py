@@ -38,7 +38,7 @@ import psutil
 from efdl import __version__
 from efdl.errors import StoreError
 from efdl.fleet.allocate import Policy
-from efdl.fleet.leader import Allocator
+from efdl.fleet.leader import RETRY_S, Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.reconcile import Agent, Start, Stop, foreign, reconcile
 from efdl.fleet.registry import read_fleet
@@ -153,13 +153,14 @@ class HostDaemon:
     # ---------------------------------------------------------------- the loop
 
     def run(self, stop: threading.Event) -> None:
+        """Serve this host until ``stop`` (or its lease ends). etcd failing is waited out:
+        the agents train on meanwhile (etcd is not on their training path either)."""
         self._state.mkdir(parents=True, exist_ok=True)
         (self._state / "logs").mkdir(exist_ok=True)
         self._adopt()
         session = LeaseSession(self._store, self._ttl, on_expired=lambda why: stop.set())
         threads: list[threading.Thread] = []
         try:
-            self._register(session.lease_id)
             if self._allocator:
                 alloc = Allocator(
                     self._store, self._keys, self.host_id, session.lease_id, self._policy
@@ -167,29 +168,42 @@ class HostDaemon:
                 t = threading.Thread(target=alloc.run, args=(stop,), daemon=True, name="allocator")
                 t.start()
                 threads.append(t)
-            snap = self._store.get_prefix(self._keys.jobs)
-            with self._store.watch(
-                self._keys.jobs, prefix=True, start_revision=snap.revision + 1, sink=self._inbox.put
-            ):
-                changed, synced = True, time.monotonic()
-                while not stop.is_set():
-                    self._register(session.lease_id)  # a GPU a foreign process took, at once
-                    changed |= self._reap() or time.monotonic() - synced > _RESYNC_S
-                    if changed:
-                        self._step()
-                        changed, synced = False, time.monotonic()
-                    with contextlib.suppress(queue.Empty):
-                        item = self._inbox.get(timeout=self._poll_s)
-                        if isinstance(item, StoreError):
-                            raise item
-                        changed = True
-                        while not self._inbox.empty():
-                            self._inbox.get_nowait()
+            while not stop.is_set():
+                try:
+                    self._serve(session.lease_id, stop)
+                except StoreError as exc:
+                    log.warning(
+                        "Host %s: etcd failed (%s); trying again in %.0f s (the agents train on).",
+                        self.host_id, exc, RETRY_S,
+                    )  # fmt: skip
+                    self._host = None  # register again
+                    stop.wait(RETRY_S)
         finally:
             session.close(revoke=False)  # a restart within the TTL keeps this host's record
             for t in threads:
                 t.join(timeout=30)
             self._save()
+
+    def _serve(self, lease: int, stop: threading.Event) -> None:
+        """Watch the jobs and NVML, and reconcile, until ``stop`` or an etcd failure."""
+        snap = self._store.get_prefix(self._keys.jobs)
+        with self._store.watch(
+            self._keys.jobs, prefix=True, start_revision=snap.revision + 1, sink=self._inbox.put
+        ):
+            changed, synced = True, time.monotonic()
+            while not stop.is_set():
+                self._register(lease)  # a GPU a foreign process took, at once
+                changed |= self._reap() or time.monotonic() - synced > _RESYNC_S
+                if changed:
+                    self._step()
+                    changed, synced = False, time.monotonic()
+                with contextlib.suppress(queue.Empty):
+                    item = self._inbox.get(timeout=self._poll_s)
+                    if isinstance(item, StoreError):
+                        raise item
+                    changed = True
+                    while not self._inbox.empty():
+                        self._inbox.get_nowait()
 
     def _step(self) -> None:
         """Read the fleet; start and stop agents to match it."""

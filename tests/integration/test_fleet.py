@@ -325,3 +325,27 @@ def test_allocator_processes_a_killed_leader_is_replaced(
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+def test_the_allocator_waits_out_an_etcd_crash_and_allocates_again(
+    own_etcd: EmbeddedEtcd, keys: FleetKeys
+) -> None:
+    c = Candidates(own_etcd, keys)
+    try:
+        with EtcdStore(own_etcd.settings(request_timeout_s=2)) as store:
+            add_host(store, keys, "ip-10-4-0-1.ec2.internal", 2)
+            c.start("only")
+            alloc = c.allocators["only"]
+            wait_until("the candidate to lead", alloc.leading.is_set, 30)
+            own_etcd.kill()
+            wait_until("the allocator to see etcd fail", lambda: not alloc.leading.is_set(), 60)
+            own_etcd.start()
+            submit(store, keys, spec("after", 2, 2))
+            wait_until(
+                "job after placed by the same allocator",
+                lambda: statuses(store, keys)["after"].phase is Phase.RUNNING,
+                60,
+            )
+            assert c.threads["only"].is_alive()
+    finally:
+        c.close()
