@@ -5,7 +5,9 @@ The rules, in the order they apply:
 
 1. A GPU that a process not of efdl's holds (inference at peak), or whose host is gone, is
    nobody's: a job that held it loses it at once (that is not the allocator's choice and
-   waits for nothing).
+   waits for nothing). A host whose record went only lately (``lingering``: its daemon may be
+   restarting while its agents train on) keeps its GPUs with the jobs that hold them, and
+   nothing new is placed there, for ``Policy.host_grace_s``.
 2. Jobs are served by priority (higher first), then in the order they were submitted.
 3. A job gets at least its ``min`` workers or nothing. What its min needs comes from free
    GPUs first; then from lower-priority jobs, shrunk in place (never below their own min),
@@ -43,9 +45,12 @@ class Policy:
     Attributes:
         resize_interval_s: the least time between two of the allocator's changes to a running
             job's GPUs (a job that lost GPUs gets its min back at once).
+        host_grace_s: how long a host whose record went keeps its GPUs with its jobs (its
+            daemon restarting, or away from etcd, while its agents train on).
     """
 
     resize_interval_s: float = 60.0
+    host_grace_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +107,16 @@ class _Work:
 
 
 def allocate(
-    hosts: Sequence[Host], jobs: Sequence[Job], now: float, policy: Policy = Policy()
+    hosts: Sequence[Host],
+    jobs: Sequence[Job],
+    now: float,
+    policy: Policy = Policy(),
+    lingering: Iterable[str] = (),
 ) -> Decision:
-    """Decide every unfinished job's GPUs (the rules in this module's docstring)."""
+    """Decide every unfinished job's GPUs (the rules in this module's docstring).
+    ``lingering``: hosts whose record went less than ``policy.host_grace_s`` ago."""
     usable = {h.host_id: set(h.usable()) for h in hosts}
+    staying = set(lingering) - set(usable)
     work = [
         _Work(j, phase=j.status.phase)
         for j in sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.submitted, j.spec.job_id))
@@ -117,6 +128,9 @@ def allocate(
             continue
         lost: list[str] = []
         for host, indices in w.job.status.gpus:
+            if host in staying:  # kept, and placed nowhere else: the host is not usable
+                w.held.setdefault(host, set()).update(indices)
+                continue
             for i in indices:
                 if i in free.get(host, ()):
                     free[host].discard(i)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from efdl.errors import StoreError
 from efdl.fleet.allocate import Decision, Policy, allocate
 from efdl.fleet.model import FleetKeys
-from efdl.fleet.registry import read_fleet, write_decision
+from efdl.fleet.registry import FleetView, read_fleet, write_decision
 from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, WatchSink
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Allocator:
         self._on_decision = on_decision
         self._inbox: queue.Queue[WatchBatch | StoreError] = queue.Queue()
         self.leading = threading.Event()
+        self._missing: dict[str, float] = {}  # host id -> when this leader saw its record gone
 
     def run(self, stop: threading.Event) -> None:
         """Stand for election, and allocate while leading, until ``stop``. etcd failing is
@@ -137,12 +138,22 @@ class Allocator:
                 w.cancel()
             self.leading.clear()
 
+    def _lingering(self, view: FleetView, now: float) -> set[str]:
+        """The hosts that jobs hold GPUs on whose record went less than the grace ago (as
+        this leader saw it go; a new leader starts the grace again)."""
+        present = {h.host_id for h in view.hosts}
+        held = {h for j in view.jobs for h, _ in j.status.gpus} - present
+        self._missing = {h: self._missing.get(h, now) for h in held}
+        return {h for h, since in self._missing.items() if now - since < self._policy.host_grace_s}
+
     def _decide(self, leading: Compare) -> bool:
         """One decision; False if this candidate no longer leads."""
         for _ in range(5):
             view = read_fleet(self._store, self._keys)
             now = self._clock()
-            decision = allocate(view.hosts, view.jobs, now, self._policy)
+            decision = allocate(
+                view.hosts, view.jobs, now, self._policy, self._lingering(view, now)
+            )
             for reason in decision.reasons:
                 log.info("Fleet %s: job %s: %s", self._keys.fleet, reason.job_id, reason.text)
             if not decision.statuses:

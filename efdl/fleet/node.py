@@ -161,6 +161,8 @@ class HostDaemon:
         session = LeaseSession(self._store, self._ttl, on_expired=lambda why: stop.set())
         threads: list[threading.Thread] = []
         try:
+            with contextlib.suppress(StoreError):  # before the allocator: this host is here
+                self._register(session.lease_id)
             if self._allocator:
                 alloc = Allocator(
                     self._store, self._keys, self.host_id, session.lease_id, self._policy

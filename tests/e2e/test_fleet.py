@@ -217,6 +217,8 @@ def test_a_job_fills_free_gpus_then_shrinks_in_place_for_priority_and_for_a_fore
 
 
 def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet) -> None:
+    """Even when it comes back after its lease expired (under load, a restart can take
+    longer than the TTL): it registers its host before it allocates, and adopts its agents."""
     name = "gpu-c.us-central1-a.c.proj.internal"
     fleet.host(name)
     job = fleet.submit("steady", 2, 2, 0)
@@ -226,6 +228,8 @@ def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet)
     fleet.daemons[name].wait(timeout=30)
     steps = len(rows(job))
     wait_until("steps while the daemon is away", lambda: len(rows(job)) > steps + 5, 120)
+    # Away longer than its lease: its host record is gone when it comes back.
+    fleet.wait("the host record to expire", lambda: fleet.store.get(fleet.keys.host(name)) is None)
     fleet.start(name)
     fleet.wait(
         "the new daemon to adopt the agent",

@@ -362,3 +362,16 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
         for k, v in ((j.spec.job_id, j) for j in final)
         if k in again.statuses
     }
+
+
+def test_a_host_whose_record_went_lately_keeps_its_gpus_with_its_jobs() -> None:
+    """Its daemon restarts (or lost etcd) while its agents train on: nothing is taken from
+    the job there, and nothing new is placed there, until the grace has passed."""
+    job = running(spec("j", 1, 4), (("here", (0,)), ("restarting", (0, 1))), changed=NOW - 1)
+    waiting = queued(spec("new", 1, 1, 9))
+    d = allocate([host("here", 1)], [job, waiting], NOW, lingering={"restarting"})
+    assert "j" not in d.statuses  # untouched
+    assert d.statuses["new"].phase is Phase.QUEUED  # "here" is full, "restarting" not usable
+    d = allocate([host("here", 1)], [job], NOW)  # the grace has passed
+    assert d.statuses["j"].gpus == (("here", (0,)),)
+    assert "host restarting is gone" in d.statuses["j"].reason
