@@ -11,13 +11,15 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -38,6 +40,9 @@ from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus, check_id
 from efdl.rendezvous.participant import Participant, close_job, start_job
 from efdl.rendezvous.status import format_status, read_status, status_json
+
+if TYPE_CHECKING:  # the fleet's modules are imported by its commands alone
+    from efdl.fleet.allocate import Policy as FleetPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -353,6 +358,24 @@ def timeline(
     click.echo(f"job {job_id}: {len(found)} events drawn to {out}.")
 
 
+def _fleet_policy(resize_interval: float) -> FleetPolicy:
+    """The allocator's settings from --resize-interval (efdl.fleet.allocate.Policy)."""
+    from efdl.fleet.allocate import Policy as FleetPolicy
+
+    if resize_interval < 0:
+        raise ConfigError(
+            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
+        )
+    return FleetPolicy(resize_interval)
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """An event that SIGTERM sets: a daemon's graceful end."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
 def _fleet_option(fn: F) -> F:
     return click.option(
         "--fleet",
@@ -475,31 +498,24 @@ def allocator(
 ) -> None:
     """Stand for the fleet's allocator and allocate while leading (until SIGTERM/Ctrl-C)."""
     import contextlib
-    import signal
     import socket
-    import threading
 
-    from efdl.fleet.allocate import Policy as FleetPolicy
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.leader import Allocator
 
-    if resize_interval < 0:
-        raise ConfigError(
-            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
-        )
+    policy = _fleet_policy(resize_interval)
     keys = fleet_keys(fleet)
     host = socket.gethostname().split(".")[0] or "allocator"
     name = check_id(candidate_id or f"{host}-{uuid.uuid4().hex[:6]}", "candidate id")
     cfg = _etcd_config(config_file, flags)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = _stop_on_sigterm()
     with (
         EtcdStore(cfg.etcd_settings()) as store,
         LeaseSession(store, lease_ttl_s, on_expired=lambda why: stop.set()) as session,
     ):
         click.echo(f"allocator {name}: standing for fleet {keys.fleet}.", err=True)
         with contextlib.suppress(KeyboardInterrupt):
-            Allocator(store, keys, name, session.lease_id, FleetPolicy(resize_interval)).run(stop)
+            Allocator(store, keys, name, session.lease_id, policy).run(stop)
     if session.expired:
         raise EfdlError(f"allocator {name}: its lease ended ({session.why_expired}); exiting.")
 
@@ -545,24 +561,17 @@ def node(
     **flags: Any,
 ) -> None:
     """Run this GPU host in a fleet: register its GPUs, run the agents placed on it."""
-    import signal
     import socket
-    import threading
 
-    from efdl.fleet.allocate import Policy as FleetPolicy
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.node import HostDaemon
 
-    if resize_interval < 0:
-        raise ConfigError(
-            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
-        )
+    policy = _fleet_policy(resize_interval)
     keys = fleet_keys(fleet)
     name = check_id(host_id or socket.gethostname(), "host id")
     cfg = _etcd_config(config_file, flags)
     settings = cfg.etcd_settings()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = _stop_on_sigterm()
     state = state_dir or Path("/var/lib/efdl-node") / keys.fleet
     with EtcdStore(settings) as store:
         daemon = HostDaemon(
@@ -574,7 +583,7 @@ def node(
             state,
             lease_ttl_s=lease_ttl_s,
             allocator=not no_allocator,
-            policy=FleetPolicy(resize_interval),
+            policy=policy,
         )
         click.echo(f"efdl node {name}: in fleet {keys.fleet} (state in {state}).", err=True)
         try:

@@ -245,7 +245,7 @@ def _grow(work: list[_Work], free: Held) -> None:
         grown[w.id] = grown.get(w.id, 0) + 1
         _place(w, free, 1)
     for w in work:
-        if w.id in grown and not any(n in ("started", "resumed") for n in w.notes):
+        if w.id in grown and w.job.status.phase is Phase.RUNNING:  # else it started now
             w.notes.append(f"grew by {_gpus_word(grown[w.id])} onto free GPUs")
 
 
@@ -258,13 +258,13 @@ def _place(w: _Work, free: Held, n: int) -> None:
     while n > 0:
         own = [h for h in w.held if free.get(h)]
         if own:
-            host = max(own, key=lambda h: (len(free[h]), _neg(h)))
+            host = min(own, key=lambda h: (-len(free[h]), h))
         else:
             fits = [h for h in free if len(free[h]) >= n]
             if fits:
                 host = min(fits, key=lambda h: (len(free[h]), h))
             else:
-                host = max((h for h in free if free[h]), key=lambda h: (len(free[h]), _neg(h)))
+                host = min((h for h in free if free[h]), key=lambda h: (-len(free[h]), h))
         chosen = sorted(free[host])[:n]
         free[host].difference_update(chosen)
         w.held.setdefault(host, set()).update(chosen)
@@ -282,11 +282,6 @@ def _give_back(w: _Work, free: Held, n: int) -> None:
             n -= 1
         if not w.held[host]:
             del w.held[host]
-
-
-def _neg(host: str) -> tuple[int, ...]:
-    """A key that sorts host ids backwards (so ``max`` picks the first by name on ties)."""
-    return tuple(-ord(c) for c in host)
 
 
 def _count(held: Held) -> int:

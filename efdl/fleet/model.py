@@ -16,7 +16,6 @@ Everything read from etcd is untrusted input: a record that does not parse raise
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -24,7 +23,14 @@ from typing import Any
 
 from efdl.errors import ConfigError
 from efdl.fields import Fields
-from efdl.rendezvous.model import HOST_RE, ID_RE, RECORD_LIMIT, RecordError, check_id
+from efdl.rendezvous.model import (
+    HOST_RE,
+    ID_RE,
+    RecordError,
+    check_id,
+    dump_record,
+    load_record,
+)
 
 FLEET_ROOT = "/efdl-fleet"
 PRIORITY_RANGE = (-1000, 1000)
@@ -90,16 +96,6 @@ class FleetKeys:
         return key.rstrip("/").rsplit("/", 2)[-2]
 
 
-def _load(raw: bytes, where: str) -> Fields:
-    if len(raw) > RECORD_LIMIT:
-        raise RecordError(f"{where} is larger than etcd's request limit (1.5 MiB).")
-    return Fields.parse(raw, where, RecordError)
-
-
-def _dump(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
-
-
 def _key_id(f: Fields, name: str, key_id: str, what: str) -> str:
     value = f.text(name, 128)
     if not ID_RE.match(value) or value != key_id:
@@ -134,12 +130,12 @@ class Host:
         return frozenset(g.index for g in self.gpus if not g.foreign)
 
     def to_json(self) -> bytes:
-        return _dump(asdict(self))
+        return dump_record(asdict(self))
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> Host:
         where = f"The host record at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         gpus = []
         for i, item in enumerate(f.value("gpus", list)):
             g = Fields(item, f"{where} (gpus[{i}])", RecordError)
@@ -222,12 +218,12 @@ class JobSpec:
         return self.max_workers > self.min_workers
 
     def to_json(self) -> bytes:
-        return _dump({**asdict(self), "env": dict(self.env)})
+        return dump_record({**asdict(self), "env": dict(self.env)})
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> JobSpec:
         where = f"The job spec at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         argv = f.value("argv", list)
         if not all(isinstance(a, str) for a in argv):
             raise f.fail("field 'argv' must be a list of strings.")
@@ -296,20 +292,22 @@ class JobStatus:
     def size(self) -> int:
         return gpu_count(self.gpus)
 
+    def fields(self) -> dict[str, Any]:
+        """The record's fields (a fleet event carries them too)."""
+        return {
+            "phase": self.phase.value,
+            "gpus": {h: list(ix) for h, ix in self.gpus},
+            "changed": self.changed,
+            "reason": self.reason,
+        }
+
     def to_json(self) -> bytes:
-        return _dump(
-            {
-                "phase": self.phase.value,
-                "gpus": {h: list(ix) for h, ix in self.gpus},
-                "changed": self.changed,
-                "reason": self.reason,
-            }
-        )
+        return dump_record(self.fields())
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> JobStatus:
         where = f"The job status at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         phase_text = f.text("phase", 16)
         try:
             phase = Phase(phase_text)
@@ -350,13 +348,11 @@ class FleetEvent:
         return f"{keys.events}{int(self.time * 1e9):020d}-{self.job_id}"
 
     def to_json(self) -> bytes:
-        return _dump(
-            {"time": self.time, "job_id": self.job_id, **json.loads(self.status.to_json())}
-        )
+        return dump_record({"time": self.time, "job_id": self.job_id, **self.status.fields()})
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> FleetEvent:
-        f = _load(raw, f"The fleet event at {key}")
+        f = load_record(raw, f"The fleet event at {key}")
         job_id = f.text("job_id", 128)
         if not ID_RE.match(job_id):
             raise f.fail(f"field 'job_id' is {job_id[:64]!r}, not a job id.")

@@ -17,7 +17,6 @@ itself ends its job (exit 0: finished; else failed, with the agent's log named).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -31,7 +30,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -42,6 +40,7 @@ from efdl.fleet.leader import RETRY_S, Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.reconcile import Agent, Start, Stop, foreign, reconcile
 from efdl.fleet.registry import read_fleet
+from efdl.launcher.gpus import discover
 from efdl.rendezvous.api import Compare, KVStore, Put
 from efdl.rendezvous.lease import LeaseSession
 
@@ -55,32 +54,15 @@ _RESYNC_S = 30.0
 EFDL_RUN = (sys.executable, "-c", "from efdl.cli import run_main; run_main()")
 
 
-def nvml_gpus(nvml: Any = None) -> dict[int, tuple[str, tuple[int, ...]]]:
-    """This host's GPUs: index -> (UUID, PIDs of the compute processes on it); {} where there
-    is no NVIDIA driver (or no nvidia-ml-py)."""
-    if nvml is None:
-        try:
-            nvml = importlib.import_module("pynvml")
-        except ImportError:
-            return {}
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError:
-        return {}
-    try:
-        out = {}
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid_ = nvml.nvmlDeviceGetUUID(handle)
-            try:
-                pids = tuple(int(p.pid) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle))
-            except nvml.NVMLError:
-                pids = ()
-            out[index] = (uuid_.decode() if isinstance(uuid_, bytes) else str(uuid_), pids)
-        return out
-    finally:
-        with contextlib.suppress(nvml.NVMLError):
-            nvml.nvmlShutdown()
+def nvml_gpus() -> dict[int, tuple[str, tuple[int, ...]]]:
+    """This host's GPUs (efdl.launcher.gpus.discover): index -> (UUID, PIDs of the compute
+    processes on it); {} where there is no NVIDIA driver. A GPU in MIG mode is offered
+    whole: its instances' processes count as its own."""
+    found: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for g in discover():
+        uuid_, pids = found.get(g.index, ("", ()))
+        found[g.index] = (uuid_ or g.uuid, pids + g.pids)
+    return found
 
 
 @dataclass(slots=True)

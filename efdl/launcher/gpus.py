@@ -39,6 +39,8 @@ class Gpu:
         model: the product name.
         memory_mb: total memory.
         busy: some compute process runs on it.
+        pids: the compute processes on it (which the fleet's host daemon tells apart from
+            its own workers).
     """
 
     index: int
@@ -46,6 +48,7 @@ class Gpu:
     model: str = ""
     memory_mb: int = 0
     busy: bool = False
+    pids: tuple[int, ...] = ()
 
     @property
     def mig(self) -> bool:
@@ -119,15 +122,16 @@ def _mig_instances(nvml: Any, handle: Any) -> list[Any]:
 
 def _describe(nvml: Any, handle: Any, index: int, model: str) -> Gpu:
     try:
-        busy = bool(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+        pids = tuple(int(p.pid) for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle))
     except nvml.NVMLError:
-        busy = False
+        pids = ()
     return Gpu(
         index=index,
         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
         model=model,
         memory_mb=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // (1 << 20),
-        busy=busy,
+        busy=bool(pids),
+        pids=pids,
     )
 
 

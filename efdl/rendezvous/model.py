@@ -109,13 +109,16 @@ class JobKeys:
 RECORD_LIMIT = 3 << 19
 
 
-def _load(raw: bytes, where: str) -> Fields:
+def load_record(raw: bytes, where: str) -> Fields:
+    """The fields of a JSON record read from etcd at ``where`` (a RecordError if it is not
+    one)."""
     if len(raw) > RECORD_LIMIT:
         raise RecordError(f"{where} is larger than etcd's request limit (1.5 MiB).")
     return Fields.parse(raw, where, RecordError)
 
 
-def _dump(obj: Any) -> bytes:
+def dump_record(obj: Any) -> bytes:
+    """A record as etcd keeps it: compact JSON with sorted keys."""
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
@@ -177,12 +180,12 @@ class NodeRecord:
         return self.slots - self.down
 
     def to_json(self) -> bytes:
-        return _dump(asdict(self))
+        return dump_record(asdict(self))
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> NodeRecord:
         where = f"The node record at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         gpus = []
         for i, item in enumerate(f.value("gpus", list)):
             g = Fields(item, f"{where} (gpus[{i}])", RecordError)
@@ -237,12 +240,12 @@ class CacheRecord:
     time: float
 
     def to_json(self) -> bytes:
-        return _dump(asdict(self))
+        return dump_record(asdict(self))
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> CacheRecord:
         where = f"The cache record at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         return CacheRecord(
             step=f.count("step", 0, 1 << 62),
             epoch=f.optional_count("epoch", 0, 1 << 40),
@@ -266,11 +269,11 @@ class Progress:
     time: float
 
     def to_json(self) -> bytes:
-        return _dump(asdict(self))
+        return dump_record(asdict(self))
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> Progress:
-        f = _load(raw, f"The progress record at {key}")
+        f = load_record(raw, f"The progress record at {key}")
         return Progress(
             f.count("step", 0, 1 << 62), f.count("generation", 0, 1 << 40), f.number("time")
         )
@@ -323,12 +326,12 @@ class Member:
     probe_port: int = 0
 
     def to_json(self) -> bytes:
-        return _dump(asdict(self))
+        return dump_record(asdict(self))
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> Member:
         where = f"The member record at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         member = Member(
             f.text("node_id", 128),
             f.count("workers", 1, 4096),
@@ -400,12 +403,12 @@ class Round:
         data = asdict(self)
         del data["member"]
         data["status"] = self.status.value
-        return _dump(data)
+        return dump_record(data)
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> Round:
         where = f"The round at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         status_text = f.text("status", 16)
         try:
             status = RoundStatus(status_text)
@@ -499,12 +502,12 @@ class Event:
             return None
 
     def to_json(self) -> bytes:
-        return _dump(asdict(self))
+        return dump_record(asdict(self))
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> Event:
         where = f"The event at {key}"
-        f = _load(raw, where)
+        f = load_record(raw, where)
         kind = f.text("kind")
         if kind not in EventKind.__members__.values():
             raise RecordError(f"{where} has kind {kind!r}; expected one of {', '.join(EventKind)}.")

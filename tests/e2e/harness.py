@@ -121,6 +121,20 @@ class Agent:
         self._file.close()
 
 
+def read_rows(out_dir: Path) -> list[dict[str, object]]:
+    """The rows the workers wrote to ``out_dir/events.jsonl`` so far."""
+    path = out_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return rows
+
+
 class Job:
     """Agents of one job and the events their workers wrote."""
 
@@ -165,16 +179,7 @@ class Job:
         return agent
 
     def events(self) -> list[dict[str, object]]:
-        path = self.out / "events.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written
-        return rows
+        return read_rows(self.out)
 
     def wait_for(
         self, what: str, pred: Callable[[list[dict[str, object]]], bool], timeout_s: float = 90

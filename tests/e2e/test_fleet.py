@@ -24,7 +24,7 @@ from efdl.fleet.model import FleetKeys, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import read_fleet, submit
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from tests.e2e.harness import SCRIPTS
+from tests.e2e.harness import SCRIPTS, latest_gen, read_rows
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(420)
@@ -165,23 +165,12 @@ def fleet(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Fleet]:
         f.close()
 
 
-def rows(out: Path) -> list[dict[str, object]]:
-    path = out / "events.jsonl"
-    found = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            found.append(json.loads(line))
-        except ValueError:
-            continue
-    return found
-
-
 def newest(out: Path) -> dict[str, object]:
     """The newest step row's world size and generation, and the PIDs that trained in it."""
-    steps = [r for r in rows(out) if "step" in r and "world" in r]
+    steps = [r for r in read_rows(out) if "step" in r and "world" in r]
     if not steps:
         return {"world": 0, "gen": -1, "pids": set()}
-    gen = max(int(r["gen"]) for r in steps)  # type: ignore[call-overload]
+    gen = latest_gen(steps)
     at = [r for r in steps if r["gen"] == gen]
     return {"world": at[-1]["world"], "gen": gen, "pids": {r["pid"] for r in at}}
 
@@ -226,8 +215,8 @@ def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet)
     gen = newest(job)["gen"]
     fleet.daemons[name].send_signal(signal.SIGKILL)
     fleet.daemons[name].wait(timeout=30)
-    steps = len(rows(job))
-    wait_until("steps while the daemon is away", lambda: len(rows(job)) > steps + 5, 120)
+    steps = len(read_rows(job))
+    wait_until("steps while the daemon is away", lambda: len(read_rows(job)) > steps + 5, 120)
     # Away longer than its lease: its host record is gone when it comes back.
     fleet.wait("the host record to expire", lambda: fleet.store.get(fleet.keys.host(name)) is None)
     fleet.start(name)
@@ -236,7 +225,7 @@ def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet)
         lambda: "adopted agent" in (fleet.tmp / f"node-{name}.log").read_text(),
         120,
     )
-    steps = len(rows(job))
-    wait_until("steps after the restart", lambda: len(rows(job)) > steps + 10, 120)
+    steps = len(read_rows(job))
+    wait_until("steps after the restart", lambda: len(read_rows(job)) > steps + 10, 120)
     assert newest(job)["gen"] == gen  # no rescale, no restart: the same generation trains
     assert fleet.status("steady").phase is Phase.RUNNING
