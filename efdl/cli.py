@@ -340,18 +340,43 @@ def stop(job_id: str | None, reason: str, config_file: Path | None, **flags: Any
 @etcd_options
 @_job_option
 @click.option(
+    "--fleet",
+    "fleet",
+    help="Draw this fleet instead of one job: which job held which GPU when.",
+)
+@click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="The PNG file to write."
 )
 @click.option("--since", help="Only events since: a duration (10m, 2h) or a time.")
 @handle_errors
 def timeline(
-    job_id: str | None, out: Path, since: str | None, config_file: Path | None, **flags: Any
+    job_id: str | None,
+    fleet: str | None,
+    out: Path,
+    since: str | None,
+    config_file: Path | None,
+    **flags: Any,
 ) -> None:
-    """Draw a job's world size over time, its events marked, its stood-still time shaded."""
-    from efdl.timeline import draw  # matplotlib: an optional extra
+    """Draw a job's world size over time, its events marked, its stood-still time shaded;
+    or, with --fleet, which job held which GPU when."""
+    from efdl.timeline import draw, draw_fleet  # matplotlib: an optional extra
 
-    job_id, cfg = _job_config(job_id, config_file, flags)
     start = _since(since)
+    if fleet is not None:
+        from efdl.fleet.commands import fleet_keys
+        from efdl.fleet.history import holdings
+        from efdl.fleet.registry import read_events as read_fleet_events
+
+        if job_id is not None:
+            raise ConfigError("--fleet and --job-id draw different things; give one of them.")
+        keys = fleet_keys(fleet)
+        with EtcdStore(_etcd_config(config_file, flags).etcd_settings()) as store:
+            events, _ = read_fleet_events(store, keys, since=start or None)
+        held = holdings(events, time.time())
+        draw_fleet(held, out, f"fleet {keys.fleet}")
+        click.echo(f"fleet {keys.fleet}: {len(held)} stretches on GPUs drawn to {out}.")
+        return
+    job_id, cfg = _job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         found, _ = read_events(store, job_id, since=start)
     draw(found, out, f"job {job_id}")
@@ -435,15 +460,38 @@ def submit(
 @etcd_options
 @_fleet_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--history", is_flag=True, help="Each job's GPUs over time (every status change) instead."
+)
+@click.option("--job-id", help="With --history: only this job.")
+@click.option("--since", help="With --history: only since a duration (10m, 2h) or a time.")
 @handle_errors
-def jobs(fleet: str | None, as_json: bool, config_file: Path | None, **flags: Any) -> None:
+def jobs(
+    fleet: str | None,
+    as_json: bool,
+    history: bool,
+    job_id: str | None,
+    since: str | None,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
     """Show the fleet's jobs (priority, phase, GPUs, where or why) and hosts."""
     from efdl.fleet.commands import fleet_keys, format_jobs, jobs_json
+    from efdl.fleet.history import format_history
+    from efdl.fleet.registry import read_events as read_fleet_events
     from efdl.fleet.registry import read_fleet
 
+    if not history and (job_id is not None or since is not None):
+        raise ConfigError("--job-id and --since go with --history.")
     keys = fleet_keys(fleet)
     cfg = _etcd_config(config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
+        if history:
+            events, problems = read_fleet_events(store, keys, since=_since(since) or None)
+            click.echo(format_history(events, job_id))
+            for p in problems:
+                click.echo(f"bad record skipped: {p}")
+            return
         view = read_fleet(store, keys)
     click.echo(jobs_json(view) if as_json else format_jobs(view, time.time()))
 

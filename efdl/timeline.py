@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from efdl.errors import ConfigError
+from efdl.fleet.history import Holding
 from efdl.history import still_intervals
 from efdl.rendezvous.model import Event, EventKind, RoundStatus
 
@@ -43,23 +45,34 @@ def world_steps(events: list[Event]) -> list[tuple[float, int]]:
     return sorted(steps)
 
 
-def draw(events: list[Event], out: Path, title: str, now: float | None = None) -> Path:
-    """Draw ``events`` to the PNG ``out``; returns it.
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files.
 
     Raises:
-        ConfigError: matplotlib is not installed, or there is nothing to draw.
+        ConfigError: matplotlib is not installed.
     """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ConfigError(
             "efdl timeline draws with matplotlib, which is not installed: "
             "pip install 'efdl[timeline]' (or matplotlib)."
         ) from None
+    return plt
+
+
+def draw(events: list[Event], out: Path, title: str, now: float | None = None) -> Path:
+    """Draw ``events`` to the PNG ``out``; returns it.
+
+    Raises:
+        ConfigError: matplotlib is not installed, or there is nothing to draw.
+    """
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     steps = world_steps(events)
     if not steps:
         raise ConfigError(f"{title}: no rounds in its history to draw.")
@@ -111,6 +124,54 @@ def draw(events: list[Event], out: Path, title: str, now: float | None = None) -
     ax.set_ylabel("workers")
     ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8, ncol=4)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def draw_fleet(
+    held: Sequence[Holding],
+    out: Path,
+    title: str,
+    marks: Sequence[tuple[float, str]] = (),
+) -> Path:
+    """Draw which job held which GPU when (one row per GPU, one colour per job) to the PNG
+    ``out``, with ``marks`` (time, label) as vertical lines; returns it.
+
+    Raises:
+        ConfigError: matplotlib is not installed, or nothing was held.
+    """
+    plt = _pyplot()
+    if not held:
+        raise ConfigError(f"{title}: no job held a GPU in its history; nothing to draw.")
+    t0 = min(h.start for h in held)
+    rows = sorted({(h.host, h.index) for h in held})
+    first: dict[str, float] = {}
+    for h in held:
+        first[h.job_id] = min(first.get(h.job_id, h.start), h.start)
+    jobs = sorted(first, key=first.__getitem__)
+    cmap = plt.get_cmap("tab10" if len(jobs) <= 10 else "tab20")
+    colour = {j: cmap(i % cmap.N) for i, j in enumerate(jobs)}
+    fig: Any
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.28 * len(rows)), dpi=110)
+    for h in held:
+        y = rows.index((h.host, h.index))
+        ax.broken_barh(
+            [(h.start - t0, max(h.end - h.start, 0.05))], (y - 0.4, 0.8), color=colour[h.job_id]
+        )
+    for j in jobs:
+        ax.bar(0, 0, color=colour[j], label=j)  # legend entries
+    for at, label in marks:
+        ax.axvline(at - t0, color="black", linestyle=":", linewidth=1)
+        ax.annotate(label, (at - t0, -0.5), rotation=90, fontsize=7, ha="right", va="top")
+    ax.set_yticks(range(len(rows)), [f"{host}:{i}" for host, i in rows], fontsize=7)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"seconds since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))}")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)

@@ -32,7 +32,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from efdl.fleet.model import Gpus, Host, JobSpec, JobStatus, Phase, describe, gpu_count
+from efdl.fleet.model import (
+    Gpus,
+    Host,
+    JobSpec,
+    JobStatus,
+    Phase,
+    bounded,
+    describe,
+    gpu_count,
+)
 
 # A job's GPUs while deciding: host id -> GPU indices.
 Held = dict[str, set[int]]
@@ -138,9 +147,8 @@ def allocate(
                 else:
                     lost.append(f"{host}:{i}")
         if lost:
-            w.notes.append(
-                f"lost {_gpus_word(len(lost))} ({' '.join(lost)}: {_why_lost(lost, usable)})"
-            )
+            named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+            w.notes.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
         if w.size > w.spec.max_workers:  # a record from before a change of its spec
             _give_back(w, free, w.size - w.spec.max_workers)
             w.notes.append(f"shrunk to its max of {w.spec.max_workers}")
@@ -298,14 +306,16 @@ def _decision(work: list[_Work], now: float) -> Decision:
         old = w.job.status
         gpus = _gpus(w.held) if w.phase is Phase.RUNNING else ()
         text = "; ".join([*w.notes, w.waiting] if w.waiting else w.notes)
-        if gpus != old.gpus or w.phase is not old.phase:
+        if gpus != old.gpus or w.phase is not old.phase:  # (the GPUs are in the record:
+            # a reason names them while they are few)
             text = text or "placed"
             if w.phase is Phase.RUNNING:
                 size = f"{w.spec.min_workers}-{w.spec.max_workers}"
-                text += f": {gpu_count(gpus)} of {size} workers on {describe(gpus)}"
-            statuses[w.id] = JobStatus(w.phase, gpus, now, text)
+                where = describe(gpus) if len(gpus) <= 4 else f"{len(gpus)} hosts"
+                text += f": {gpu_count(gpus)} of {size} workers on {where}"
+            statuses[w.id] = JobStatus(w.phase, gpus, now, bounded(text))
         elif text and text != old.reason:  # the same place, a new reason (a waiting job)
-            statuses[w.id] = JobStatus(old.phase, old.gpus, old.changed, text)
+            statuses[w.id] = JobStatus(old.phase, old.gpus, old.changed, bounded(text))
         else:
             continue
         reasons.append(Reason(w.id, text))

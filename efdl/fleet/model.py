@@ -263,6 +263,14 @@ class Phase(StrEnum):
 Gpus = tuple[tuple[str, tuple[int, ...]], ...]
 
 
+REASON_MAX = 1024  # characters of a status's reason
+
+
+def bounded(reason: str) -> str:
+    """``reason`` within REASON_MAX (a long one is cut, and says so)."""
+    return reason if len(reason) <= REASON_MAX else reason[: REASON_MAX - 3] + "..."
+
+
 def gpu_count(gpus: Gpus) -> int:
     return sum(len(indices) for _, indices in gpus)
 
@@ -298,7 +306,7 @@ class JobStatus:
             "phase": self.phase.value,
             "gpus": {h: list(ix) for h, ix in self.gpus},
             "changed": self.changed,
-            "reason": self.reason,
+            "reason": bounded(self.reason),
         }
 
     def to_json(self) -> bytes:
@@ -331,7 +339,7 @@ class JobStatus:
                     "GPU indices."
                 )
             gpus.append((host, tuple(sorted(set(indices)))))
-        return JobStatus(phase, tuple(gpus), f.number("changed"), f.text("reason", 1024))
+        return JobStatus(phase, tuple(gpus), f.number("changed"), f.text("reason", REASON_MAX))
 
 
 @dataclass(frozen=True, slots=True)

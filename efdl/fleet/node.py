@@ -39,9 +39,9 @@ from efdl.fleet.allocate import Policy
 from efdl.fleet.leader import RETRY_S, Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.reconcile import Agent, Start, Stop, foreign, reconcile
-from efdl.fleet.registry import read_fleet
+from efdl.fleet.registry import read_fleet, status_writes
 from efdl.launcher.gpus import discover
-from efdl.rendezvous.api import Compare, KVStore, Put
+from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.lease import LeaseSession
 
 log = logging.getLogger(__name__)
@@ -328,7 +328,8 @@ class HostDaemon:
         log.info("Host %s: job %s %s: %s.", self.host_id, job_id, phase.value, reason)
         status = JobStatus(phase, (), time.time(), reason)
         self._store.txn(
-            [Compare.mod_revision_is(key, kv.mod_revision)], [Put(key, status.to_json())]
+            [Compare.mod_revision_is(key, kv.mod_revision)],
+            status_writes(self._keys, job_id, status),
         )
 
     # ---------------------------------------------------------------- surviving a restart

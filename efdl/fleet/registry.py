@@ -71,6 +71,34 @@ def read_fleet(store: KVStore, keys: FleetKeys) -> FleetView:
     return FleetView(tuple(hosts), jobs, revisions, jobs_snap.revision, tuple(problems))
 
 
+def status_writes(
+    keys: FleetKeys, job_id: str, status: JobStatus, now: float | None = None
+) -> list[Put]:
+    """A job's new status and its fleet event (every status change is one: the history that
+    ``efdl jobs --history`` and ``efdl timeline --fleet`` read)."""
+    event = FleetEvent(status.changed if now is None else now, job_id, status)
+    return [Put(keys.status(job_id), status.to_json()), Put(event.key(keys), event.to_json())]
+
+
+def read_events(
+    store: KVStore, keys: FleetKeys, since: float | None = None
+) -> tuple[list[FleetEvent], list[str]]:
+    """The fleet's events in time order (since ``since``), and the records that did not
+    parse (skipped; each names its key and field)."""
+    start = keys.events if since is None else f"{keys.events}{int(since * 1e9):020d}"
+    events: list[FleetEvent] = []
+    problems: list[str] = []
+    for kv in store.get_prefix(keys.events).kvs:
+        if kv.key < start:
+            continue
+        try:
+            events.append(FleetEvent.from_json(kv.value, kv.key))
+        except RecordError as exc:
+            problems.append(str(exc))
+    events.sort(key=lambda e: (e.time, e.job_id))
+    return events, problems
+
+
 def submit(store: KVStore, keys: FleetKeys, spec: JobSpec) -> JobStatus:
     """Put ``spec`` into the fleet, queued. A job id that the fleet already runs, or that a
     job started by hand uses (its agents are registered), is refused; a finished, failed or
@@ -85,10 +113,8 @@ def submit(store: KVStore, keys: FleetKeys, spec: JobSpec) -> JobStatus:
             "registered in etcd); choose another id, or stop that job first (efdl stop)."
         )
     status = JobStatus(Phase.QUEUED, (), time.time(), "submitted")
-    writes = [
-        Put(keys.spec(spec.job_id), spec.to_json()),
-        Put(keys.status(spec.job_id), status.to_json()),
-    ]
+    writes = [Put(keys.spec(spec.job_id), spec.to_json())]
+    writes += status_writes(keys, spec.job_id, status)
     existing = store.get(keys.status(spec.job_id))
     if existing is not None:
         old = JobStatus.from_json(existing.value, existing.key)
@@ -125,7 +151,7 @@ def cancel(store: KVStore, keys: FleetKeys, job_id: str, reason: str = "cancelle
             return old
         new = JobStatus(Phase.CANCELLED, (), time.time(), reason)
         compare = [Compare.mod_revision_is(keys.status(job_id), kv.mod_revision)]
-        if store.txn(compare, [Put(keys.status(job_id), new.to_json())]).succeeded:
+        if store.txn(compare, status_writes(keys, job_id, new)).succeeded:
             return new
     raise ConfigError(
         f"Job {job_id!r}'s status kept changing while it was being cancelled; try again."
@@ -155,8 +181,7 @@ def write_decision(
         compare += [
             Compare.mod_revision_is(keys.status(j), view.status_revisions[j]) for j, _ in chunk
         ]
-        puts = [Put(keys.status(j), s.to_json()) for j, s in chunk]
-        puts += [Put(e.key(keys), e.to_json()) for e in (FleetEvent(now, j, s) for j, s in chunk)]
+        puts = [p for j, s in chunk for p in status_writes(keys, j, s, now)]
         if not store.txn(compare, puts).succeeded:
             log.info(
                 "Fleet %s: a decision was not written (the leadership or a job's status "
