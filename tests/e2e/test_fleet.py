@@ -1,7 +1,9 @@
 """A fleet of real ``efdl node`` daemons (stand-in NVML: tests/fakes/pynvml.py, its GPUs read
 from a file the test changes) running real efdl-run agents and gloo workers, with a real
 etcd: a job grows onto free GPUs, shrinks in place for a higher-priority job, gives a GPU
-back to a foreign process, and trains on through its host daemon's SIGKILL and restart."""
+back to a foreign process and grows back when it ends, is suspended to its cache for a
+higher-priority job and resumes from it, and trains on through its host daemon's SIGKILL and
+restart."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import psutil
 import pytest
 
 from efdl.fleet.model import FleetKeys, JobSpec, JobStatus, Phase
-from efdl.fleet.registry import read_fleet, submit
+from efdl.fleet.registry import cancel, read_fleet, submit
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from tests.e2e.harness import SCRIPTS, latest_gen, read_rows
@@ -68,22 +70,23 @@ class Fleet:
         )  # fmt: skip
         log.close()
 
-    def foreign(self, name: str, gpu: int, pid: int = 4_000_000) -> None:
-        """A process that is not efdl's starts on ``gpu`` of host ``name``."""
-        self.gpus[name][gpu]["processes"] = [pid]
+    def foreign(self, name: str, gpu: int, pid: int | None = 4_000_000) -> None:
+        """A process that is not efdl's starts on ``gpu`` of host ``name`` (None: it ends)."""
+        self.gpus[name][gpu]["processes"] = [] if pid is None else [pid]
         tmp = self.nvml_file(name).with_suffix(".tmp")
         tmp.write_text(json.dumps(self.gpus[name]))
         os.replace(tmp, self.nvml_file(name))
 
-    def submit(self, name: str, lo: int, hi: int, priority: int) -> Path:
+    def submit(self, name: str, lo: int, hi: int, priority: int, cache: bool = False) -> Path:
         job_id = self.job_ids.setdefault(name, f"{name}-{uuid.uuid4().hex[:6]}")
         out = self.tmp / name
         out.mkdir()
         env = {"OUT_DIR": str(out), "STEP_SECONDS": "0.2", "EFDL_SETTLE": "0.5",
                "EFDL_LEASE_TTL": "3", "EFDL_GRACE_PERIOD": "15", "DIGEST": "0",
                "EFDL_WARM_WORKERS": "0"}  # fmt: skip
+        url = f"file://{self.tmp}/cache-{name}" if cache else ""
         spec = JobSpec(
-            job_id, ("elastic_steps.py",), str(SCRIPTS), lo, hi, priority, "",
+            job_id, ("elastic_steps.py",), str(SCRIPTS), lo, hi, priority, url,
             tuple(sorted(env.items())), submitted=time.time(),
         )  # fmt: skip
         submit(self.store, self.keys, spec)
@@ -93,14 +96,18 @@ class Fleet:
         jobs = {j.spec.job_id: j.status for j in read_fleet(self.store, self.keys).jobs}
         return jobs[self.job_ids[name]]
 
-    def agent_pids(self) -> list[int]:
-        pids = []
+    def agents(self) -> list[dict[str, object]]:
+        """Every daemon's agents, as its state file has them (pid, job_id, gpus...)."""
+        rows: list[dict[str, object]] = []
         for state in self.tmp.glob("state-*/agents.json"):
             try:
-                pids += [int(r["pid"]) for r in json.loads(state.read_text())]
+                rows += json.loads(state.read_text())
             except ValueError:
                 continue
-        return pids
+        return rows
+
+    def agent_pids(self) -> list[int]:
+        return [int(str(r["pid"])) for r in self.agents()]
 
     def logs(self) -> str:
         """What the daemons and agents said, the jobs' statuses and their newest steps."""
@@ -200,9 +207,42 @@ def test_a_job_fills_free_gpus_then_shrinks_in_place_for_priority_and_for_a_fore
     host, indices = fleet.status("low").gpus[0]
     fleet.foreign(host, indices[0])
     fleet.wait("job low on 1 GPU", lambda: trains_at(low, 1), 240)
-    assert newest(low)["pids"] <= after["pids"]  # type: ignore[operator]
+    one = newest(low)
+    assert one["pids"] <= after["pids"]  # type: ignore[operator]
     assert "taken by a process that is not efdl's" in fleet.status("low").reason
     assert fleet.status("high").phase is Phase.RUNNING
+    # inference ends: low grows back onto the freed GPU, in place
+    fleet.foreign(host, indices[0], pid=None)
+    fleet.wait("job low on 2 GPUs again", lambda: trains_at(low, 2), 240)
+    assert one["pids"] <= newest(low)["pids"]  # type: ignore[operator]
+    assert "grew by 1 GPU onto free GPUs" in fleet.status("low").reason
+
+
+def test_a_job_suspended_for_a_higher_priority_one_resumes_from_its_cache(
+    fleet: Fleet,
+) -> None:
+    """low cannot shrink below its min for high: it persists, stops, and resumes from its
+    cache when high ends, at the step it had committed, on all the GPUs again."""
+    fleet.host("gpu-d.us-central1-a.c.proj.internal")
+    low = fleet.submit("low", 2, 2, 0, cache=True)
+    fleet.wait("job low on 2 GPUs", lambda: trains_at(low, 2), 240)
+    fleet.wait("a few steps of low", lambda: len(read_rows(low)) > 10, 120)
+    high = fleet.submit("high", 2, 2, 5)
+    fleet.wait("job low suspended", lambda: fleet.status("low").phase is Phase.SUSPENDED, 120)
+    assert f"suspended to make room for {fleet.job_ids['high']}" in fleet.status("low").reason
+    fleet.wait("job high to train", lambda: trains_at(high, 2), 240)
+    fleet.wait("low's agents gone", lambda: not any(
+        a["job_id"] == fleet.job_ids["low"] for a in fleet.agents()), 120)  # fmt: skip
+    before = [r for r in read_rows(low) if "step" in r and "world" in r]
+    top = max(int(r["step"]) for r in before)
+    cancel(fleet.store, fleet.keys, fleet.job_ids["high"])
+    fleet.wait("job low back on 2 GPUs", lambda: trains_at(low, 2), 240)
+    assert fleet.status("low").phase is Phase.RUNNING and "resumed" in fleet.status("low").reason
+    resumed = [r for r in read_rows(low) if "step" in r and "world" in r][len(before) :]
+    first = min(int(r["step"]) for r in resumed)
+    # step N logged means N - 1 was committed; all of low's ranks persisted on leaving
+    assert top <= first <= top + 1, (top, first)  # no committed step lost, none skipped
+    assert not {r["pid"] for r in resumed} & {r["pid"] for r in before}  # new workers
 
 
 def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet) -> None:

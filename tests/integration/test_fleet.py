@@ -21,8 +21,8 @@ from efdl.cli import main
 from efdl.errors import ConfigError
 from efdl.fleet.allocate import Decision, Policy, allocate
 from efdl.fleet.leader import Allocator
-from efdl.fleet.model import FleetEvent, FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
-from efdl.fleet.registry import cancel, read_fleet, submit, write_decision
+from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
+from efdl.fleet.registry import cancel, read_events, read_fleet, submit, write_decision
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -110,8 +110,12 @@ def test_a_decision_is_written_only_while_nothing_changed_since_it_was_read(
     assert write_decision(store, keys, view, decision, lead, 100.0)
     b = {j.spec.job_id: j.status for j in read_fleet(store, keys).jobs}["b"]
     assert b.phase is Phase.RUNNING and b.size == 4
-    events = [FleetEvent.from_json(kv.value, kv.key) for kv in store.get_prefix(keys.events).kvs]
-    assert [(e.job_id, e.status.phase) for e in events] == [("b", Phase.RUNNING)]
+    events, problems = read_events(store, keys)  # every status change (the decision's
+    # clock here is 100 s after the epoch, the others' now: it comes first)
+    assert [(e.job_id, e.status.phase) for e in events] == [
+        ("b", Phase.RUNNING), ("a", Phase.QUEUED), ("a", Phase.CANCELLED), ("b", Phase.QUEUED)
+    ] and not problems  # fmt: skip
+    assert read_events(store, keys, since=events[-1].time)[0] == events[-1:]
 
 
 def test_a_decision_larger_than_one_etcd_transaction_gives_gpus_up_first(
@@ -284,6 +288,31 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
         assert code == 2 and message in out, (args, out)
     code, out = efdl_here(etcd_server, keys, "cancel", "gpt-small")
     assert code == 0 and "job gpt-small: cancelled" in out, out
+    code, out = efdl_here(etcd_server, keys, "jobs", "--history", "--job-id", "gpt-small")
+    assert code == 0 and "queued" in out and "cancelled by efdl cancel" in out, out
+    for args, message in [
+        (["jobs", "--job-id", "gpt-small"], "--job-id and --since go with --history"),
+        (["jobs", "--history", "--since", "yesterday"], "--since 'yesterday' is neither"),
+        (["timeline", "--fleet", keys.fleet, "--job-id", "x", "--out", "f.png"], "give one"),
+        (["timeline", "--fleet", keys.fleet, "--out", "f.png"], "no job held a GPU"),
+    ]:
+        code, out = efdl_here(etcd_server, keys, *args)
+        assert code == 2 and message in out, (args, out)
+
+
+def test_efdl_timeline_draws_which_job_held_which_gpu(
+    keys: FleetKeys, etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    with EtcdStore(etcd_server.settings()) as store:
+        add_host(store, keys, "ip-10-3-0-1.ec2.internal", 4)
+        submit(store, keys, spec("low", 1, 4, 0))
+        view = read_fleet(store, keys)
+        decision = allocate(view.hosts, view.jobs, 100.0)
+        assert write_decision(store, keys, view, decision, leading(store, keys), 100.0)
+    png = tmp_path / "f.png"
+    code, out = efdl_here(etcd_server, keys, "timeline", "--fleet", keys.fleet, "--out", str(png))
+    assert code == 0 and "4 stretches on GPUs drawn" in out, out
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_allocator_processes_a_killed_leader_is_replaced(

@@ -375,3 +375,17 @@ def test_a_host_whose_record_went_lately_keeps_its_gpus_with_its_jobs() -> None:
     d = allocate([host("here", 1)], [job], NOW)  # the grace has passed
     assert d.statuses["j"].gpus == (("here", (0,)),)
     assert "host restarting is gone" in d.statuses["j"].reason
+
+
+def test_a_large_jobs_reason_stays_within_the_record_and_reads_back() -> None:
+    """64 GPUs on 64 long-named hosts, all lost at once: the status names a few and says how
+    many more, and its record parses (a reason over 1024 characters made it unreadable)."""
+    hosts = [host(f"gpu-{i:03d}.us-central1-a.c.fleet-project.internal", 1) for i in range(64)]
+    job = running(spec("big", 64, 64), tuple((h.host_id, (0,)) for h in hosts))
+    taken = [host(h.host_id, 1, foreign=[0]) for h in hosts]
+    d = allocate(taken, [job], NOW)
+    st = d.statuses["big"]
+    assert "and 60 more" in st.reason
+    assert JobStatus.from_json(st.to_json(), "k").reason == st.reason
+    long = JobStatus(Phase.QUEUED, (), NOW, "x" * 5000)
+    assert len(JobStatus.from_json(long.to_json(), "k").reason) == 1024

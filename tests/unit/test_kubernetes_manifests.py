@@ -105,3 +105,19 @@ def test_the_statefulsets_fit_together() -> None:
     assert job["priorityClassName"] in classes
     etcd = docs[("StatefulSet", "etcd")]["spec"]
     assert etcd["replicas"] == 3 and etcd["template"]["spec"]["priorityClassName"] in classes
+
+
+def test_the_fleet_job_is_one_gpu_per_pod_at_its_max_under_the_fleets_priorities() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in _docs()}
+    value = {n: d["value"] for (k, n), d in docs.items() if k == "PriorityClass"}
+    assert value["efdl-fleet-low"] < value["efdl-fleet-normal"] < value["efdl-fleet-high"]
+    assert value["efdl-fleet-high"] < value["online-serving"] < value["efdl-control"]
+    assert docs[("PriorityClass", "efdl-fleet-low")]["preemptionPolicy"] == "Never"
+    job = docs[("StatefulSet", "llama-7b")]["spec"]
+    pod = job["template"]["spec"]
+    args = dict(a.split("=", 1) for a in pod["containers"][0]["command"][1:] if "=" in a)
+    assert job["replicas"] == int(args["--max"]) and job["podManagementPolicy"] == "Parallel"
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert args["--nproc-per-node"] == "1" and args["--cache-url"]
+    assert pod["terminationGracePeriodSeconds"] > int(args["--grace-period"])
+    assert pod["priorityClassName"] in value
