@@ -89,6 +89,12 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
         ["--sizes", "25,100,300", "--repeat", "2", "--event-sizes", "25,100"],
         ["--sizes", "25", "--repeat", "1", "--event-sizes", "25", "--churn-steps", "60"],
     ),
+    (
+        "fleet",
+        "The fleet: elastic jobs sharing GPUs with inference by priority, against gang scheduling",
+        ["--seeds", "2"],
+        ["--seeds", "1", "--no-matrix", "--no-real"],
+    ),
 ]
 
 

@@ -600,25 +600,30 @@ def real_run(figures: Path) -> list[str]:
         t_foreign = time.time()
         fleet.foreign(host, indices[0], 4_000_001)  # inference takes a GPU of the low job
         marks.append((t_foreign, "inference takes a GPU"))
-        _wait(
-            "the worker on the taken GPU to exit",
-            lambda: not any(p.is_running() for p in workers),
-            120,
-        )
+        _wait("the worker on the taken GPU to exit", lambda: not any(map(_alive, workers)), 120)
         back_s = time.time() - t_foreign
         _wait("its agent to exit", lambda: not agent.is_running(), 120)
         agent_s = time.time() - t_foreign
         status_s = _status_change(fleet, "low", t_foreign)
-        _wait("low training on at 7", lambda: _world(low) == 7, 300)
+        seen = len(_steps(low))
+        _wait("low training on at 7", lambda: len(_steps(low)) > seen and _world(low) == 7, 300)
         time.sleep(10)
         t_high = time.time()
         high = fleet.submit("high", 4, 4, 100, epochs=4)
         marks.append((t_high, "a high-priority job arrives"))
+        seen = len(_steps(low))
         _wait("the high job training", lambda: _world(high) == 4, 600)
         high_start = float(_steps(high)[0]["t"]) - t_high
+        _wait("low training on at 3", lambda: len(_steps(low)) > seen and _world(low) == 3, 300)
+        low_back = float(next(r["t"] for r in _steps(low)[seen:] if r["world"] == 3)) - t_high
         _wait("the high job finished", lambda: fleet.status("high").phase is Phase.FINISHED, 900)
         marks.append((time.time(), "it ends"))
-        _wait("low back on 7 GPUs", lambda: _world(low) == 7, 600)
+        seen = len(_steps(low))
+        _wait(
+            "low training on 7 GPUs again",
+            lambda: len(_steps(low)) > seen + 5 and _world(low) == 7,
+            600,
+        )
         time.sleep(10)
         events, _ = read_events(fleet.store, fleet.keys)
         held = holdings(events, time.time())
@@ -637,6 +642,7 @@ def real_run(figures: Path) -> list[str]:
         f"| ... -> the worker on that GPU gone (the GPU free) | {back_s:.1f} s |",
         f"| ... -> its agent gone | {agent_s:.1f} s |",
         f"| the high-priority job: arrival -> its first step at 4 workers | {high_start:.1f} s |",
+        f"| ... -> the low job's first step at 3 workers (shrunk in place) | {low_back:.1f} s |",
         "| world sizes trained at (low, normal, high) | "
         + ", ".join(" ".join(map(str, sizes[n])) for n in runs)
         + " |",
@@ -653,6 +659,14 @@ def _status_change(fleet: RealFleet, job_id: str, since: float) -> float:
     """Seconds from ``since`` to the job's first status change after it (its fleet event)."""
     events, _ = read_events(fleet.store, fleet.keys, since=since)
     return min(e.time for e in events if e.job_id == job_id) - since
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Running (a worker that exited but is not reaped yet is gone: its GPU is free)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _world(out: Path) -> int:
