@@ -6,12 +6,13 @@ random order, so that inference leaves fragments on every host); about 30 traini
 GPUs, min/max, three priorities, arrivals spread over the first 18 hours). The clock is
 simulated (one tick per simulated minute); the allocator is the real one: every tick the
 hosts' records (their GPUs inference holds, marked foreign) are written to a real etcd, the
-fleet is read back (efdl.fleet.registry.read_fleet), decided (efdl.fleet.allocate) and the
-decision written with its compare-and-swap (registry.write_decision), as the leader does.
+fleet is read back, decided and the decision written with its compare-and-swap by the
+leader's own step (efdl.fleet.leader.Allocator.decide), on the simulated clock.
 Jobs train at their GPU count times the tick (linear scaling), less what a change costs:
 ``--resize-s`` of the whole job per in-place resize, ``--start-s`` per start or resume from the
 cache. The same trace under gang scheduling (what torchrun or a non-elastic PyTorchJob gets:
-a job starts when all its GPUs are free, in priority order with backfill, and keeps them; a
+a job starts when all its GPUs are free, as pods of up to a host's GPUs each on one host, in
+priority order with backfill, and keeps them; a
 GPU that inference takes preempts the job on it, which goes back to its last checkpoint,
 every ``--ckpt-min`` minutes, and queues again), with each job asking for its max, and again
 with each asking for its min.
@@ -29,14 +30,11 @@ Usage: python -m benchmarks.fleet [--jobs 30] [--seed 1] [--no-real] [--figures 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,15 +47,17 @@ from pathlib import Path
 import psutil
 
 from benchmarks.report import FIGURES, pyplot, save, spread, verdict
-from efdl.fleet.allocate import Policy, allocate
+from efdl.fleet.allocate import Decision, Policy
 from efdl.fleet.history import holdings
+from efdl.fleet.leader import Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
-from efdl.fleet.registry import read_events, read_fleet, status_writes, submit, write_decision
+from efdl.fleet.registry import read_events, status_writes, submit
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.memory_store import MemoryStore
 from efdl.timeline import draw_fleet
+from tests.e2e.fleet_harness import Fleet, step_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 DAY_S = 86400.0
@@ -252,13 +252,18 @@ def simulate_efdl(trace: Trace, store: KVStore, args: argparse.Namespace) -> Out
     mine = store.get(leader_key)
     assert mine is not None
     leading = Compare.create_revision_is(leader_key, mine.create_revision)
-    policy = Policy(args.resize_interval, host_grace_s=60.0)
+    clock = [EPOCH]  # the simulated wall clock the allocator reads
+    decisions: list[Decision] = []
+    allocator = Allocator(
+        store, keys, "bench", 0, Policy(args.resize_interval), clock=lambda: clock[0],
+        on_decision=decisions.append,
+    )  # fmt: skip
     runs = {j.job_id: _Run(j) for j in trace.jobs}
     last_chosen: dict[str, float] = {}
     foreign_before: dict[str, frozenset[int]] = {}
     t = 0.0
     while len(out.finished) < len(runs) and t < args.horizon_h * 3600:
-        now = EPOCH + t
+        now = clock[0] = EPOCH + t
         taken = trace.inference(t)
         t0 = time.perf_counter()
         grew = False
@@ -274,20 +279,16 @@ def simulate_efdl(trace: Trace, store: KVStore, args: argparse.Namespace) -> Out
         for j in trace.jobs:
             if t <= j.arrive_s < t + TICK_S:
                 submit(store, keys, _spec(j, now))
-        view = read_fleet(store, keys)
-        decision = allocate(view.hosts, view.jobs, now, policy)
-        if decision.statuses:
-            assert write_decision(store, keys, view, decision, leading, now)
+        assert allocator.decide(leading)  # what the leader does: read, allocate, write
         ms = (time.perf_counter() - t0) * 1000
         out.decide_ms.append(ms)
         if grew:
             out.reclaim_ms.append(ms)
-        before = {j.spec.job_id: j.status for j in view.jobs}
-        for job_id, st in decision.statuses.items():
+        statuses = decisions.pop().statuses if decisions else {}
+        for job_id, st in statuses.items():
             r = runs[job_id]
-            old = before[job_id]
             gpus = frozenset((h, i) for h, ix in st.gpus for i in ix)
-            if st.phase is Phase.RUNNING and old.phase is not Phase.RUNNING:
+            if st.phase is Phase.RUNNING and not r.gpus:  # started, or resumed
                 r.pause_s += args.start_s
                 out.started.setdefault(job_id, t)
             elif st.phase is Phase.RUNNING and gpus != r.gpus:
@@ -435,139 +436,27 @@ def figure_sim(trace: Trace, outs: list[Outcome], figures: Path) -> str:
 
 
 DIGITS = ROOT / "benchmarks" / "digits_worker.py"
-FAKES = ROOT / "tests" / "fakes"
+KNOBS = {"STEP_SECONDS": "0.1", "EVAL_EVERY": "1000000", "EFDL_SETTLE": "0.5",
+         "EFDL_LEASE_TTL": "3", "EFDL_WARM_WORKERS": "0", "EFDL_CACHE_EVERY": "0"}  # fmt: skip
 
 
-class RealFleet:
-    """Three ``efdl node`` daemons with stand-in NVML on one etcd; every process they start is
-    stopped by PID at the end."""
-
-    def __init__(self, server: EmbeddedEtcd, tmp: Path) -> None:
-        self.tmp = tmp
-        self.keys = FleetKeys(f"bench-{uuid.uuid4().hex[:6]}")
-        self.store = EtcdStore(server.settings())
-        self.daemons: list[subprocess.Popen[bytes]] = []
-        self.gpus: dict[str, list[dict[str, object]]] = {}
-        base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        path = os.pathsep.join(p for p in (str(FAKES), str(ROOT), base.get("PYTHONPATH", "")) if p)
-        self.env = {
-            **base,
-            "PYTHONPATH": path,
-            "EFDL_ETCD": str(server.endpoint),
-            "EFDL_FLEET": self.keys.fleet,
-        }
-
-    def host(self, name: str, gpus: int) -> None:
-        self.gpus[name] = [{"uuid": f"GPU-{name}-{i}", "processes": []} for i in range(gpus)]
-        self._write(name)
-        log = open(self.tmp / f"node-{name}.log", "ab")  # noqa: SIM115
-        argv = [sys.executable, "-m", "efdl", "node", "--host-id", name, "--host", "127.0.0.1",
-                "--state-dir", str(self.tmp / f"state-{name}"), "--lease-ttl", "5",
-                "--resize-interval", "5"]  # fmt: skip
-        env = {**self.env, "EFDL_FAKE_NVML_FILE": str(self.tmp / f"{name}.json")}
-        self.daemons.append(
-            subprocess.Popen(
-                argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        )
-        log.close()
-
-    def _write(self, name: str) -> None:
-        path = self.tmp / f"{name}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(self.gpus[name]))
-        os.replace(path.with_suffix(".tmp"), path)
-
-    def foreign(self, name: str, gpu: int, pid: int) -> None:
-        self.gpus[name][gpu]["processes"] = [pid]
-        self._write(name)
-
-    def submit(self, name: str, lo: int, hi: int, priority: int, epochs: int) -> Path:
-        out = self.tmp / name
-        out.mkdir()
-        env = {"OUT_DIR": str(out), "EPOCHS": str(epochs), "STEP_SECONDS": "0.1",
-               "EVAL_EVERY": "1000000", "EFDL_SETTLE": "0.5", "EFDL_LEASE_TTL": "3",
-               "EFDL_WARM_WORKERS": "0", "EFDL_CACHE_EVERY": "0"}  # fmt: skip
-        spec = JobSpec(
-            name, (str(DIGITS),), str(ROOT), lo, hi, priority, f"file://{self.tmp}/cache-{name}",
-            tuple(sorted(env.items())), submitted=time.time(),
-        )  # fmt: skip
-        submit(self.store, self.keys, spec)
-        return out
-
-    def status(self, name: str) -> JobStatus:
-        return {j.spec.job_id: j.status for j in read_fleet(self.store, self.keys).jobs}[name]
-
-    def agents(self, host: str = "*") -> list[dict[str, object]]:
-        """The daemons' agents (their state files): pid, job_id, gpus, ..."""
-        rows: list[dict[str, object]] = []
-        for state in self.tmp.glob(f"state-{host}/agents.json"):
-            try:
-                rows += json.loads(state.read_text())
-            except ValueError:
-                continue
-        return rows
-
-    def agent_on(self, host: str, gpu: int) -> int:
-        """The PID of the agent on ``gpu`` of ``host``."""
-        for row in self.agents(host):
-            if gpu in row["gpus"] and not row["stopping"]:  # type: ignore[operator]
-                return int(str(row["pid"]))
-        raise LookupError(f"no agent on {host}:{gpu}")
-
-    def close(self) -> None:
-        for p in self.daemons:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                p.wait(timeout=30)
-        procs: list[psutil.Process] = []
-        for row in self.agents():
-            try:
-                shell = psutil.Process(int(row["pid"]))  # type: ignore[call-overload]
-                procs += [shell, *shell.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                continue
-        for proc in procs:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                continue
-        psutil.wait_procs(procs, timeout=30)
-        self.store.close()
-
-
-def _wait(what: str, pred: object, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
-
-
-def _steps(out: Path) -> list[dict[str, float]]:
-    path = out / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if '"step"' in line]
-
-
-def steps_lost(rows: list[dict[str, float]]) -> int:
+def steps_lost(rows: list[dict[str, object]]) -> int:
     """Committed steps trained again: a step logged while a later one had been (step N + 1
     logged means N was committed)."""
     lost, top = 0, 0
     for r in rows:
-        s = int(r["step"])
+        s = int(str(r["step"]))
         lost += max(0, top - s)
         top = max(top, s)
     return lost
 
 
 @contextmanager
-def _real_fleet() -> Iterator[RealFleet]:
+def _real_fleet() -> Iterator[Fleet]:
     tmp = Path(tempfile.mkdtemp(prefix="efdl-fleet-bench-"))
     server = EmbeddedEtcd()
     server.start()
-    fleet = RealFleet(server, tmp)
+    fleet = Fleet(server, tmp, resize_interval_s=5.0)
     try:
         yield fleet
     finally:
@@ -584,9 +473,9 @@ def real_run(figures: Path) -> list[str]:
         for c in "abc":
             fleet.host(f"gpu-{c}.us-central1-a.c.fleet.internal", 4)
         marks: list[tuple[float, str]] = []
-        low = fleet.submit("low", 2, 8, 0, epochs=500)
-        normal = fleet.submit("normal", 2, 4, 50, epochs=500)
-        _wait(
+        low = _digits(fleet, "low", 2, 8, 0, epochs=500)
+        normal = _digits(fleet, "normal", 2, 4, 50, epochs=500)
+        fleet.wait(
             "low at 8 and normal at 4 workers",
             lambda: _world(low) == 8 and _world(normal) == 4,
             600,
@@ -600,28 +489,38 @@ def real_run(figures: Path) -> list[str]:
         t_foreign = time.time()
         fleet.foreign(host, indices[0], 4_000_001)  # inference takes a GPU of the low job
         marks.append((t_foreign, "inference takes a GPU"))
-        _wait("the worker on the taken GPU to exit", lambda: not any(map(_alive, workers)), 120)
+        fleet.wait(
+            "the worker on the taken GPU to exit", lambda: not any(map(_alive, workers)), 120
+        )
         back_s = time.time() - t_foreign
-        _wait("its agent to exit", lambda: not agent.is_running(), 120)
+        fleet.wait("its agent to exit", lambda: not agent.is_running(), 120)
         agent_s = time.time() - t_foreign
         status_s = _status_change(fleet, "low", t_foreign)
-        seen = len(_steps(low))
-        _wait("low training on at 7", lambda: len(_steps(low)) > seen and _world(low) == 7, 300)
+        seen = len(step_rows(low))
+        fleet.wait(
+            "low training on at 7", lambda: len(step_rows(low)) > seen and _world(low) == 7, 300
+        )
         time.sleep(10)
         t_high = time.time()
-        high = fleet.submit("high", 4, 4, 100, epochs=4)
+        high = _digits(fleet, "high", 4, 4, 100, epochs=4)
         marks.append((t_high, "a high-priority job arrives"))
-        seen = len(_steps(low))
-        _wait("the high job training", lambda: _world(high) == 4, 600)
-        high_start = float(_steps(high)[0]["t"]) - t_high
-        _wait("low training on at 3", lambda: len(_steps(low)) > seen and _world(low) == 3, 300)
-        low_back = float(next(r["t"] for r in _steps(low)[seen:] if r["world"] == 3)) - t_high
-        _wait("the high job finished", lambda: fleet.status("high").phase is Phase.FINISHED, 900)
+        seen = len(step_rows(low))
+        fleet.wait("the high job training", lambda: _world(high) == 4, 600)
+        high_start = float(str(step_rows(high)[0]["t"])) - t_high
+        fleet.wait(
+            "low training on at 3", lambda: len(step_rows(low)) > seen and _world(low) == 3, 300
+        )
+        low_back = (
+            float(str(next(r["t"] for r in step_rows(low)[seen:] if r["world"] == 3))) - t_high
+        )
+        fleet.wait(
+            "the high job finished", lambda: fleet.status("high").phase is Phase.FINISHED, 900
+        )
         marks.append((time.time(), "it ends"))
-        seen = len(_steps(low))
-        _wait(
+        seen = len(step_rows(low))
+        fleet.wait(
             "low training on 7 GPUs again",
-            lambda: len(_steps(low)) > seen + 5 and _world(low) == 7,
+            lambda: len(step_rows(low)) > seen + 5 and _world(low) == 7,
             600,
         )
         time.sleep(10)
@@ -631,9 +530,9 @@ def real_run(figures: Path) -> list[str]:
             held, figures / "fleet-real.png", "three efdl node hosts x 4 stand-in GPUs", marks
         )
         runs = {"low": low, "normal": normal, "high": high}
-        lost = {n: steps_lost(_steps(o)) for n, o in runs.items()}
-        sizes = {n: sorted({int(r["world"]) for r in _steps(o)}) for n, o in runs.items()}
-        resizes = {n: sum(1 for e in events if e.job_id == n) - 1 for n in runs}
+        lost = {n: steps_lost(step_rows(o)) for n, o in runs.items()}
+        sizes = {n: sorted({int(str(r["world"])) for r in step_rows(o)}) for n, o in runs.items()}
+        resizes = {n: sum(1 for e in events if e.job_id == fleet.job_ids[n]) - 1 for n in runs}
     return [
         "| measured | value |",
         "|---|---|",
@@ -655,10 +554,16 @@ def real_run(figures: Path) -> list[str]:
     ]
 
 
-def _status_change(fleet: RealFleet, job_id: str, since: float) -> float:
-    """Seconds from ``since`` to the job's first status change after it (its fleet event)."""
+def _status_change(fleet: Fleet, name: str, since: float) -> float:
+    """Seconds from ``since`` to job ``name``'s first status change after it (its event)."""
     events, _ = read_events(fleet.store, fleet.keys, since=since)
-    return min(e.time for e in events if e.job_id == job_id) - since
+    return min(e.time for e in events if e.job_id == fleet.job_ids[name]) - since
+
+
+def _digits(fleet: Fleet, name: str, lo: int, hi: int, priority: int, epochs: int) -> Path:
+    """Submit the digits example as job ``name``, with a cache; its output directory."""
+    env = {**KNOBS, "EPOCHS": str(epochs)}
+    return fleet.submit(name, lo, hi, priority, True, (str(DIGITS),), ROOT, env)
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -671,8 +576,8 @@ def _alive(p: psutil.Process) -> bool:
 
 def _world(out: Path) -> int:
     """The world size of the job's newest step (0 before its first)."""
-    rows = _steps(out)
-    return int(rows[-1]["world"]) if rows else 0
+    rows = step_rows(out)
+    return int(str(rows[-1]["world"])) if rows else 0
 
 
 def _trace(args: argparse.Namespace) -> Trace:

@@ -339,11 +339,7 @@ def stop(job_id: str | None, reason: str, config_file: Path | None, **flags: Any
 @main.command()
 @etcd_options
 @_job_option
-@click.option(
-    "--fleet",
-    "fleet",
-    help="Draw this fleet instead of one job: which job held which GPU when.",
-)
+@click.option("--fleet", help="Draw this fleet instead of one job: which job held which GPU when.")
 @click.option(
     "--out", type=click.Path(path_type=Path), required=True, help="The PNG file to write."
 )

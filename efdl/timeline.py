@@ -144,6 +144,8 @@ def draw_fleet(
         ConfigError: matplotlib is not installed, or nothing was held.
     """
     plt = _pyplot()
+    from matplotlib.patches import Patch
+
     if not held:
         raise ConfigError(f"{title}: no job held a GPU in its history; nothing to draw.")
     t0 = min(h.start for h in held)
@@ -161,8 +163,6 @@ def draw_fleet(
         ax.broken_barh(
             [(h.start - t0, max(h.end - h.start, 0.05))], (y - 0.4, 0.8), color=colour[h.job_id]
         )
-    for j in jobs:
-        ax.bar(0, 0, color=colour[j], label=j)  # legend entries
     for at, label in marks:
         ax.axvline(at - t0, color="black", linestyle=":", linewidth=1)
         ax.annotate(label, (at - t0, -0.5), rotation=90, fontsize=7, ha="right", va="top")
@@ -171,7 +171,8 @@ def draw_fleet(
     ax.invert_yaxis()
     ax.set_xlabel(f"seconds since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))}")
     ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    handles = [Patch(color=colour[j], label=j) for j in jobs]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)

@@ -38,7 +38,6 @@ from efdl.fleet.model import (
     JobSpec,
     JobStatus,
     Phase,
-    bounded,
     describe,
     gpu_count,
 )
@@ -313,12 +312,12 @@ def _decision(work: list[_Work], now: float) -> Decision:
                 size = f"{w.spec.min_workers}-{w.spec.max_workers}"
                 where = describe(gpus) if len(gpus) <= 4 else f"{len(gpus)} hosts"
                 text += f": {gpu_count(gpus)} of {size} workers on {where}"
-            statuses[w.id] = JobStatus(w.phase, gpus, now, bounded(text))
-        elif text and text != old.reason:  # the same place, a new reason (a waiting job)
-            statuses[w.id] = JobStatus(old.phase, old.gpus, old.changed, bounded(text))
+            statuses[w.id] = JobStatus(w.phase, gpus, now, text)
+        elif text and (same := JobStatus(old.phase, old.gpus, old.changed, text)) != old:
+            statuses[w.id] = same  # the same place, a new reason (a waiting job)
         else:
             continue
-        reasons.append(Reason(w.id, text))
+        reasons.append(Reason(w.id, statuses[w.id].reason))
     return Decision(statuses, tuple(reasons))
 
 

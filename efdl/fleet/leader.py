@@ -123,7 +123,7 @@ class Allocator:
                     self._store.watch(prefix, prefix=True, start_revision=start, sink=self._sink())
                 )
             while not stop.is_set():
-                if not self._decide(leading):
+                if not self.decide(leading):
                     return  # no longer leading
                 try:
                     item = self._inbox.get(timeout=self._period_s)
@@ -146,8 +146,10 @@ class Allocator:
         self._missing = {h: self._missing.get(h, now) for h in held}
         return {h for h, since in self._missing.items() if now - since < self._policy.host_grace_s}
 
-    def _decide(self, leading: Compare) -> bool:
-        """One decision; False if this candidate no longer leads."""
+    def decide(self, leading: Compare) -> bool:
+        """One decision (read the fleet, allocate, write while ``leading`` holds); False if
+        this candidate no longer leads. The leader's loop calls it; so does the fleet
+        benchmark, on a simulated clock."""
         for _ in range(5):
             view = read_fleet(self._store, self._keys)
             now = self._clock()

@@ -296,6 +296,10 @@ class JobStatus:
     changed: float = 0.0
     reason: str = ""
 
+    def __post_init__(self) -> None:  # every writer's reason fits the record (a cancel's
+        # --reason, an agent's log path, many notes on a large job)
+        object.__setattr__(self, "reason", bounded(self.reason))
+
     @property
     def size(self) -> int:
         return gpu_count(self.gpus)
@@ -306,7 +310,7 @@ class JobStatus:
             "phase": self.phase.value,
             "gpus": {h: list(ix) for h, ix in self.gpus},
             "changed": self.changed,
-            "reason": bounded(self.reason),
+            "reason": self.reason,
         }
 
     def to_json(self) -> bytes:
