@@ -30,6 +30,7 @@ Usage: python -m benchmarks.fleet [--jobs 30] [--seed 1] [--no-real] [--figures 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import random
@@ -483,8 +484,11 @@ def real_run(figures: Path) -> list[str]:
         time.sleep(10)
         host, indices = fleet.status("low").gpus[0]
         agent = psutil.Process(fleet.agent_on(host, indices[0]))
+        # The shell's children: efdl-run (python -c ...) and, under it, the worker.
         workers = [
-            p for p in agent.children(recursive=True) if "digits_worker" in " ".join(p.cmdline())
+            p
+            for p in agent.children(recursive=True)
+            if "digits_worker" in " ".join(p.cmdline()) and p.cmdline()[1:2] != ["-c"]
         ]
         t_foreign = time.time()
         fleet.foreign(host, indices[0], 4_000_001)  # inference takes a GPU of the low job
@@ -552,6 +556,63 @@ def real_run(figures: Path) -> list[str]:
         "",
         f"![who held which GPU when]({os.path.relpath(path, ROOT / 'docs')})",
     ]
+
+
+def gpu_back(repeat: int) -> list[str]:
+    """A GPU back to inference, measured apart from the busy real run: one host x 4 stand-in
+    GPUs, the digits job on all 4 (nothing else on the machine's 2 cores); a foreign process
+    takes one of its GPUs, then ends (the job grows back), ``repeat`` times."""
+    runs: list[tuple[float, float, float, float]] = []
+    with _real_fleet() as fleet:
+        host = "gpu-a.us-central1-a.c.fleet.internal"
+        fleet.host(host, 4)
+        out = _digits(fleet, "job", 2, 4, 0, epochs=500)
+        for _ in range(repeat):
+            runs.append(_take_gpu(fleet, host, out))
+            fleet.wait("the job back at 4", lambda: _world(out) == 4, 300)
+    step, status, gone, shrunk = (list(v) for v in zip(*runs, strict=True))
+    worst = max(g - s for g, s in zip(gone, step, strict=True))
+    return [
+        f"| measured, {repeat} times: median (min-max) | value |",
+        "|---|---|",
+        f"| the job's step (its workers' step time before) | {spread(step, 2)} s |",
+        f"| the foreign process in NVML -> the job's status without that GPU | "
+        f"{spread(status, 2)} s |",
+        f"| ... -> the worker on that GPU gone (the GPU free) | {spread(gone, 2)} s |",
+        f"| ... -> the job's first step at 3 workers | {spread(shrunk, 2)} s |",
+        "",
+        f"Goal: the GPU back within 2 s plus one step: {verdict(worst <= 2)} (at worst "
+        f"{worst:.2f} s plus one step).",
+    ]
+
+
+def _take_gpu(fleet: Fleet, host: str, out: Path) -> tuple[float, float, float, float]:
+    """A foreign process takes a GPU of the job training at 4 on ``host``, then ends: the
+    job's step time before, and the seconds to its status without the GPU, to the worker
+    on it gone, to the job's first step at 3."""
+    seen = len(step_rows(out))
+    fleet.wait(
+        "the job training at 4", lambda: len(step_rows(out)) > seen + 20 and _world(out) == 4
+    )
+    gpu = fleet.status("job").gpus[0][1][0]
+    shell = psutil.Process(fleet.agent_on(host, gpu))
+    workers = [  # the shell's children: efdl-run (python -c ...) and, under it, the worker
+        p
+        for p in shell.children(recursive=True)
+        if "digits_worker" in " ".join(p.cmdline()) and p.cmdline()[1:2] != ["-c"]
+    ]
+    times = sorted({float(str(r["t"])) for r in step_rows(out)[-40:]})
+    step = statistics.median(b - a for a, b in itertools.pairwise(times) if b - a > 0.01)
+    t0 = time.time()
+    fleet.foreign(host, gpu, 4_000_002)
+    fleet.wait("the worker on the taken GPU to exit", lambda: not any(map(_alive, workers)), 120)
+    gone = time.time() - t0
+    fleet.wait("the job training at 3", lambda: _world(out) == 3, 120)
+    first = min(
+        float(str(r["t"])) for r in step_rows(out) if r["world"] == 3 and float(str(r["t"])) > t0
+    )
+    fleet.foreign(host, gpu, None)
+    return step, _status_change(fleet, "job", t0), gone, first - t0
 
 
 def _status_change(fleet: Fleet, name: str, since: float) -> float:
@@ -648,6 +709,9 @@ def main() -> None:
     )
     parser.add_argument("--horizon-h", type=float, default=96.0)
     parser.add_argument("--no-real", action="store_true")
+    parser.add_argument(
+        "--gpu-back", type=int, default=3, help="Times a GPU is taken apart from the real run."
+    )
     parser.add_argument("--seeds", type=int, default=2, help="Seeds per case of the matrix.")
     parser.add_argument("--no-matrix", action="store_true")
     parser.add_argument("--figures", type=Path, default=FIGURES)
@@ -681,6 +745,9 @@ def main() -> None:
             "",
         ]
         lines += real_run(args.figures)
+    if args.gpu_back:
+        lines += ["", "### A GPU back to inference, on an otherwise idle host", ""]
+        lines += gpu_back(args.gpu_back)
     print("\n".join(lines))
 
 

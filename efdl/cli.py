@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from efdl import __version__, logs
-from efdl._process import sweep_private_dirs
+from efdl._process import skip_final_gc, sweep_private_dirs
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.history import follow_events, format_event, read_events, stood_still
@@ -842,7 +842,9 @@ def run_main(
     if cfg.log_format != "text":
         setup_logging(verbose, cfg.log_format)
     args = _worker_command(script, script_args, module, no_python)
-    sys.exit(launch(cfg, args))
+    code = launch(cfg, args)
+    skip_final_gc()  # its workers are gone: so should it be, at once
+    sys.exit(code)
 
 
 def _apply_rdzv_conf(text: str, flags: dict[str, Any]) -> None:

@@ -1,0 +1,50 @@
+"""skip_final_gc: a process ends without the interpreter's last full collections, and with
+everything else a normal exit does (the user's finally blocks and exit handlers, files
+flushed, the exit code)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import atexit, sys
+from efdl._process import skip_final_gc
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        open(sys.argv[1] + ".cycle", "w").write("collected")
+
+log = open(sys.argv[1] + ".log", "w")  # never closed: flushed at exit
+atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").write("ran"))
+atexit.register(lambda: log.write(" at exit"))
+Cycle()  # garbage only a reference cycle keeps
+if sys.argv[2] == "skip":
+    skip_final_gc()
+try:
+    log.write("written")
+    raise SystemExit(int(sys.argv[3]))
+finally:
+    open(sys.argv[1] + ".finally", "w").write("ran")
+"""
+
+
+@pytest.mark.parametrize("mode", ["skip", "normal"])
+def test_exit_keeps_cleanup_and_code(tmp_path: Path, mode: str) -> None:
+    base = str(tmp_path / "p")
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), base, mode, "3"], capture_output=True, timeout=120
+    )
+    assert proc.returncode == 3, proc.stderr.decode()
+    assert Path(base + ".finally").read_text() == "ran"
+    assert Path(base + ".atexit").read_text() == "ran"
+    assert Path(base + ".log").read_text() == "written at exit"
+    # What is skipped: the final collection that would have found the cycle.
+    assert Path(base + ".cycle").exists() == (mode == "normal")
