@@ -379,15 +379,27 @@ def timeline(
     click.echo(f"job {job_id}: {len(found)} events drawn to {out}.")
 
 
-def _fleet_policy(resize_interval: float) -> FleetPolicy:
-    """The allocator's settings from --resize-interval (efdl.fleet.allocate.Policy)."""
+def _fleet_policy(resize_interval: float, history_days: float) -> FleetPolicy:
+    """The allocator's settings from --resize-interval and --history-days
+    (efdl.fleet.allocate.Policy)."""
     from efdl.fleet.allocate import Policy as FleetPolicy
 
     if resize_interval < 0:
         raise ConfigError(
             f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
         )
-    return FleetPolicy(resize_interval)
+    if not history_days > 0:
+        raise ConfigError(f"--history-days {history_days} is not a number of days > 0.")
+    return FleetPolicy(resize_interval, history_s=history_days * 86400)
+
+
+_history_option = click.option(
+    "--history-days",
+    type=float,
+    default=7.0,
+    show_default=True,
+    help="Days the fleet's events are kept (efdl jobs --history, efdl timeline --fleet).",
+)
 
 
 def _stop_on_sigterm() -> threading.Event:
@@ -523,6 +535,7 @@ def cancel(
     show_default=True,
     help="Least seconds between two resizes of one job.",
 )
+@_history_option
 @click.option(
     "--lease-ttl",
     "lease_ttl_s",
@@ -536,6 +549,7 @@ def allocator(
     fleet: str | None,
     candidate_id: str | None,
     resize_interval: float,
+    history_days: float,
     lease_ttl_s: int,
     config_file: Path | None,
     **flags: Any,
@@ -547,7 +561,7 @@ def allocator(
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.leader import Allocator
 
-    policy = _fleet_policy(resize_interval)
+    policy = _fleet_policy(resize_interval, history_days)
     keys = fleet_keys(fleet)
     host = socket.gethostname().split(".")[0] or "allocator"
     name = check_id(candidate_id or f"{host}-{uuid.uuid4().hex[:6]}", "candidate id")
@@ -591,6 +605,7 @@ def allocator(
     show_default=True,
     help="Least seconds between two resizes of one job (when this host allocates).",
 )
+@_history_option
 @click.option("--no-allocator", is_flag=True, help="Never stand for the fleet's allocator.")
 @handle_errors
 def node(
@@ -600,6 +615,7 @@ def node(
     state_dir: Path | None,
     lease_ttl_s: int,
     resize_interval: float,
+    history_days: float,
     no_allocator: bool,
     config_file: Path | None,
     **flags: Any,
@@ -610,7 +626,7 @@ def node(
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.node import HostDaemon
 
-    policy = _fleet_policy(resize_interval)
+    policy = _fleet_policy(resize_interval, history_days)
     keys = fleet_keys(fleet)
     name = check_id(host_id or socket.gethostname(), "host id")
     cfg = _etcd_config(config_file, flags)

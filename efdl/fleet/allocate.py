@@ -55,10 +55,13 @@ class Policy:
             job's GPUs (a job that lost GPUs gets its min back at once).
         host_grace_s: how long a host whose record went keeps its GPUs with its jobs (its
             daemon restarting, or away from etcd, while its agents train on).
+        history_s: how long the fleet's events are kept (the leader deletes older ones,
+            hourly: efdl.fleet.registry.prune_events); decisions do not read them.
     """
 
     resize_interval_s: float = 60.0
     host_grace_s: float = 60.0
+    history_s: float = 7 * 86400.0
 
 
 @dataclass(frozen=True, slots=True)

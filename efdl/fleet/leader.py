@@ -20,12 +20,13 @@ from collections.abc import Callable
 from efdl.errors import StoreError
 from efdl.fleet.allocate import Decision, Policy, allocate
 from efdl.fleet.model import FleetKeys
-from efdl.fleet.registry import FleetView, read_fleet, write_decision
+from efdl.fleet.registry import FleetView, prune_events, read_fleet, write_decision
 from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, WatchSink
 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how long to wait before trying etcd again after a failure
+PRUNE_EVERY_S = 3600.0  # how often the leader deletes events older than Policy.history_s
 
 
 class Allocator:
@@ -64,6 +65,7 @@ class Allocator:
         self._inbox: queue.Queue[WatchBatch | StoreError] = queue.Queue()
         self.leading = threading.Event()
         self._missing: dict[str, float] = {}  # host id -> when this leader saw its record gone
+        self._pruned = float("-inf")  # when this leader last deleted old events
 
     def run(self, stop: threading.Event) -> None:
         """Stand for election, and allocate while leading, until ``stop``. etcd failing is
@@ -146,10 +148,24 @@ class Allocator:
         self._missing = {h: self._missing.get(h, now) for h in held}
         return {h for h, since in self._missing.items() if now - since < self._policy.host_grace_s}
 
+    def _prune(self) -> None:
+        """Delete the events older than the policy's history, hourly (on the clock)."""
+        now = self._clock()
+        if now - self._pruned < PRUNE_EVERY_S:
+            return
+        self._pruned = now
+        gone = prune_events(self._store, self._keys, now - self._policy.history_s)
+        if gone:
+            log.info(
+                "Fleet %s: deleted %d events older than %.1f days.",
+                self._keys.fleet, gone, self._policy.history_s / 86400,
+            )  # fmt: skip
+
     def decide(self, leading: Compare) -> bool:
         """One decision (read the fleet, allocate, write while ``leading`` holds); False if
         this candidate no longer leads. The leader's loop calls it; so does the fleet
         benchmark, on a simulated clock."""
+        self._prune()
         for _ in range(5):
             view = read_fleet(self._store, self._keys)
             now = self._clock()

@@ -90,6 +90,15 @@ class FleetKeys:
         """The allocator's decisions and their reasons (efdl.history's shape)."""
         return self.prefix + "events/"
 
+    def events_at(self, t: float) -> str:
+        """Where the events of time ``t`` (seconds) begin: the keys sort by time."""
+        return f"{self.events}{int(t * 1e9):020d}"
+
+    @property
+    def events_end(self) -> str:
+        """The first key after every event's ('/' + 1 is '0')."""
+        return self.prefix + "events0"
+
     @staticmethod
     def job_of(key: str) -> str:
         """The job id in a ``jobs/<job>/spec`` or ``.../status`` key."""
@@ -357,7 +366,7 @@ class FleetEvent:
     status: JobStatus
 
     def key(self, keys: FleetKeys) -> str:
-        return f"{keys.events}{int(self.time * 1e9):020d}-{self.job_id}"
+        return f"{keys.events_at(self.time)}-{self.job_id}"
 
     def to_json(self) -> bytes:
         return dump_record({"time": self.time, "job_id": self.job_id, **self.status.fields()})

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from efdl.errors import ConfigError
 from efdl.fleet.allocate import Decision, Job
 from efdl.fleet.model import FleetEvent, FleetKeys, Host, JobSpec, JobStatus, Phase
-from efdl.rendezvous.api import Compare, KVStore, Put
+from efdl.rendezvous.api import Compare, Delete, KVStore, Put
 from efdl.rendezvous.model import JobKeys, RecordError
 
 log = logging.getLogger(__name__)
@@ -83,20 +83,37 @@ def status_writes(
 def read_events(
     store: KVStore, keys: FleetKeys, since: float | None = None
 ) -> tuple[list[FleetEvent], list[str]]:
-    """The fleet's events in time order (since ``since``), and the records that did not
-    parse (skipped; each names its key and field)."""
-    start = keys.events if since is None else f"{keys.events}{int(since * 1e9):020d}"
+    """The fleet's events in time order (since ``since``: only those are read), and the
+    records that did not parse (skipped; each names its key and field)."""
+    start = keys.events if since is None else keys.events_at(since)
     events: list[FleetEvent] = []
     problems: list[str] = []
-    for kv in store.get_prefix(keys.events).kvs:
-        if kv.key < start:
-            continue
+    for kv in store.get_range(start, keys.events_end).kvs:
         try:
             events.append(FleetEvent.from_json(kv.value, kv.key))
         except RecordError as exc:
             problems.append(str(exc))
     events.sort(key=lambda e: (e.time, e.job_id))
     return events, problems
+
+
+def prune_events(store: KVStore, keys: FleetKeys, before: float) -> int:
+    """Delete the fleet's events from before ``before``, but for each job's last one then
+    when the job was not over (where it stood at ``before``: a job holding GPUs since still
+    shows on them); records that do not parse go too. Returns how many went."""
+    old = store.get_range(keys.events, keys.events_at(before)).kvs
+    last: dict[str, tuple[str, bool]] = {}  # job -> its last old event's key, and whether over
+    for kv in old:  # in key order: time order
+        try:
+            event = FleetEvent.from_json(kv.value, kv.key)
+        except RecordError:
+            continue
+        last[event.job_id] = (kv.key, event.status.phase.final)
+    keep = {key for key, over in last.values() if not over}
+    doomed = [kv.key for kv in old if kv.key not in keep]
+    for i in range(0, len(doomed), _TXN_OPS):
+        store.txn([], [Delete(k) for k in doomed[i : i + _TXN_OPS]])
+    return len(doomed)
 
 
 def submit(store: KVStore, keys: FleetKeys, spec: JobSpec) -> JobStatus:

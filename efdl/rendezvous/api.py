@@ -252,6 +252,11 @@ class KVStore(abc.ABC):
         (as :meth:`get`), and the revision it was read at."""
 
     @abc.abstractmethod
+    def get_range(self, start: str, end: str) -> PrefixSnapshot:
+        """Every key from ``start`` up to, not including, ``end`` (sorted by key), and the
+        revision it was read at."""
+
+    @abc.abstractmethod
     def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
         """The key under ``prefix`` created last before revision ``before`` (none: an empty
         snapshot), and the revision it was read at: etcd's election pattern, one key in the

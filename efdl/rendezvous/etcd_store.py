@@ -378,6 +378,14 @@ class EtcdStore(KVStore):
         )
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
+    def get_range(self, start: str, end: str) -> PrefixSnapshot:
+        request = etcdrpc.RangeRequest(key=_b(start), range_end=_b(end))
+        resp = self._call(
+            f"get the keys from {start} to {end}",
+            lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+        )
+        return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
+
     def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
         request = etcdrpc.RangeRequest(
             key=_b(prefix),

@@ -189,6 +189,13 @@ class MemoryStore(KVStore):
             )
         return _replay(self._base, (e for e in self._history if e.kv.mod_revision <= revision))
 
+    def get_range(self, start: str, end: str) -> PrefixSnapshot:
+        with self._cond:
+            self._check_open()
+            self._expire()
+            keys = sorted(k for k in self._kvs if start <= k < end)  # str order is UTF-8's
+            return PrefixSnapshot(tuple(self._kvs[k] for k in keys), self._revision)
+
     def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
         with self._cond:
             self._check_open()

@@ -20,9 +20,18 @@ from click.testing import CliRunner
 from efdl.cli import main
 from efdl.errors import ConfigError
 from efdl.fleet.allocate import Decision, Policy, allocate
+from efdl.fleet.history import holdings
 from efdl.fleet.leader import Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
-from efdl.fleet.registry import cancel, read_events, read_fleet, submit, write_decision
+from efdl.fleet.registry import (
+    cancel,
+    prune_events,
+    read_events,
+    read_fleet,
+    status_writes,
+    submit,
+    write_decision,
+)
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -88,6 +97,52 @@ def test_a_bad_record_is_skipped_and_named(store: KVStore, keys: FleetKeys) -> N
     assert [j.spec.job_id for j in view.jobs] == ["ok"]
     assert any("jobs/broken/spec has no field" in p for p in view.problems)
     assert any(f"{keys.host('h')} is not valid JSON" in p for p in view.problems)
+
+
+def put_event(store: KVStore, keys: FleetKeys, t: float, job_id: str, st: JobStatus) -> None:
+    store.txn([], status_writes(keys, job_id, st, now=t)[1:])  # the event alone
+
+
+def test_old_events_go_but_each_unfinished_jobs_place_then(store: KVStore, keys: FleetKeys) -> None:
+    host = "ip-10-2-0-1.ec2.internal"
+    running = JobStatus(Phase.RUNNING, ((host, (0, 1)),), 0.0, "placed")
+    for i in range(130):  # more than one etcd transaction's worth
+        put_event(store, keys, 100 + i / 1000, "done", running)
+    put_event(store, keys, 200, "done", JobStatus(Phase.FINISHED, (), 0.0, "its workers ended"))
+    put_event(store, keys, 150, "long", JobStatus(Phase.RUNNING, ((host, (2,)),), 0.0, "placed"))
+    put_event(store, keys, 160, "long", JobStatus(Phase.RUNNING, ((host, (2, 3)),), 0.0, "grew"))
+    put_event(store, keys, 150, "recent", JobStatus(Phase.QUEUED, (), 0.0, "waits"))
+    put_event(store, keys, 900, "recent", JobStatus(Phase.RUNNING, ((host, (4,)),), 0.0, "placed"))
+    store.put(keys.events_at(120) + "-bad", b"not json")
+    assert prune_events(store, keys, before=500) == 131 + 1 + 1
+    events, problems = read_events(store, keys)
+    assert [(e.time, e.job_id) for e in events] == [(150, "recent"), (160, "long"), (900, "recent")]
+    assert problems == []
+    assert {(h.job_id, h.index, h.start) for h in holdings(events, 1000)} == {
+        ("long", 2, 160), ("long", 3, 160), ("recent", 4, 900)
+    }  # fmt: skip
+    assert prune_events(store, keys, before=500) == 0
+    assert [e.time for e in read_events(store, keys, since=155)[0]] == [160, 900]
+
+
+def test_the_leader_deletes_events_older_than_its_history_hourly(
+    store: KVStore, keys: FleetKeys
+) -> None:
+    day = 86400.0
+    clock = [10 * day]
+    alloc = Allocator(store, keys, "me", 0, Policy(history_s=2 * day), clock=lambda: clock[0])
+    done = JobStatus(Phase.CANCELLED, (), 0.0, "cancelled")
+    put_event(store, keys, 7 * day, "old", done)
+    put_event(store, keys, 9 * day, "young", done)
+    assert alloc.decide(leading(store, keys))
+    assert [e.job_id for e in read_events(store, keys)[0]] == ["young"]
+    clock[0] += 1800  # within the hour: not again
+    put_event(store, keys, 7 * day, "old", done)
+    assert alloc.decide(leading(store, keys))
+    assert [e.job_id for e in read_events(store, keys)[0]] == ["old", "young"]
+    clock[0] += 1800
+    assert alloc.decide(leading(store, keys))
+    assert [e.job_id for e in read_events(store, keys)[0]] == ["young"]
 
 
 def test_a_decision_is_written_only_while_nothing_changed_since_it_was_read(
@@ -283,6 +338,7 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
     for args, message in [
         (["cancel", "nope"], "has no job 'nope'"),
         (["allocator", "--resize-interval", "-1"], "--resize-interval -1.0 is negative"),
+        (["node", "--history-days", "0"], "--history-days 0.0 is not a number of days > 0"),
     ]:
         code, out = efdl_here(etcd_server, keys, *args)
         assert code == 2 and message in out, (args, out)

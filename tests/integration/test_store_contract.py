@@ -76,6 +76,18 @@ def test_last_created_finds_the_one_key_before_a_revision(store: KVStore, prefix
     assert store.last_created(prefix, 1).kvs == ()
 
 
+def test_get_range_reads_from_start_up_to_end(store: KVStore, prefix: str) -> None:
+    """Time-ordered keys read from a time on (the fleet's events), non-ASCII ones in UTF-8's
+    order as etcd sorts them."""
+    for k in ("e/001-a", "e/002-b", "e/010-c", "e/011-\u00e9", "e/011-\U0001f600", "f"):
+        store.put(prefix + k, b"x")
+    keys = [kv.key for kv in store.get_range(prefix + "e/002", prefix + "e/011").kvs]
+    assert keys == [prefix + "e/002-b", prefix + "e/010-c"]
+    keys = [kv.key for kv in store.get_range(prefix + "e/011", prefix + "e0").kvs]
+    assert keys == [prefix + "e/011-\u00e9", prefix + "e/011-\U0001f600"]
+    assert store.get_range(prefix + "e/5", prefix + "e/6").kvs == ()
+
+
 def test_cas_on_create_and_mod_revision(store: KVStore, prefix: str) -> None:
     key = prefix + "round"
     first = store.txn([Compare.absent(key)], [Put(key, b"g1")], [Get(key)])
