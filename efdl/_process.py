@@ -55,10 +55,11 @@ def skip_final_gc() -> None:
     every object alive (about 300,000 after torch, torch.distributed and an optimizer). For a
     worker that leaves its GPU for someone else, that second is the GPU's.
 
-    So, at exit: the exit handlers registered after efdl was imported (the user's) run, then
-    every open file is flushed and the heap frozen (``gc.freeze``: the objects alive move
-    where no collection looks), then the handlers from before (logging's, multiprocessing's,
-    ``weakref.finalize``'s) run as always. The user's ``finally`` blocks have run; what
+    So, at exit: the exit handlers registered since this module was imported (by efdl's
+    worker API on first use: the user's, as a rule) run, then every open file is flushed and
+    the heap frozen (``gc.freeze``: the objects alive move where no collection looks), then
+    the handlers from before (logging's, multiprocessing's, ``weakref.finalize``'s) run as
+    always. The user's ``finally`` blocks have run; what
     module teardown frees by reference count is still freed. Left to the operating system:
     objects that only a reference cycle keeps (a module's globals are such, through their
     functions), whose ``__del__`` Python's exit never promised to run; their files' data
