@@ -52,6 +52,7 @@ from efdl.rendezvous.probe import ProbeListener
 from efdl.state.cache import CacheSettings, SnapshotStorage
 from efdl.state.channel import (
     GRACE_ENV,
+    HANG_TIMEOUT_ENV,
     JOB_STEP_ENV,
     JOIN_TIMEOUT_ENV,
     PLACEMENT_TIMEOUT_ENV,
@@ -60,7 +61,6 @@ from efdl.state.channel import (
     ChannelServer,
     Placement,
 )
-from efdl.state.hang import HANG_TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 

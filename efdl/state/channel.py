@@ -33,6 +33,8 @@ JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
 # Set for a worker started to replace one that died in place: it waits, connected to its
 # agent, for a round that places it, instead of joining the generation of its environment.
 STANDBY_ENV = "EFDL_STANDBY"
+# --hang-timeout, for the worker's hang watch (efdl.state.hang).
+HANG_TIMEOUT_ENV = "EFDL_HANG_TIMEOUT"
 
 
 # The job's newest committed step as the agent knew it when it placed the worker (see

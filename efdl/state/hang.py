@@ -37,9 +37,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from efdl.state.channel import HANG_TIMEOUT_ENV
+
 log = logging.getLogger(__name__)
 
-HANG_TIMEOUT_ENV = "EFDL_HANG_TIMEOUT"
 STEPS = 5  # the default timeout is at least this many of the longest step seen
 SHARE = 0.9  # and 90% of the collective timeout
 POLL_S = 1.0  # how often the watch looks

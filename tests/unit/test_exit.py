@@ -1,6 +1,6 @@
-"""skip_final_gc: a process ends without the interpreter's last full collections, and with
-everything else a normal exit does (the user's finally blocks and exit handlers, files
-flushed, the exit code)."""
+"""How efdl's processes start and end: the agent without torch; a leaving worker without the
+interpreter's last full collections, and with everything else a normal exit does (the user's
+finally blocks and exit handlers, files flushed, the exit code)."""
 
 from __future__ import annotations
 
@@ -48,3 +48,16 @@ def test_exit_keeps_cleanup_and_code(tmp_path: Path, mode: str) -> None:
     assert Path(base + ".log").read_text() == "written at exit"
     # What is skipped: the final collection that would have found the cycle.
     assert Path(base + ".cycle").exists() == (mode == "normal")
+
+
+def test_the_agent_and_the_fleet_commands_start_without_torch() -> None:
+    """efdl-run and efdl node import torch's c10d in the background, once they are joining
+    (efdl.launcher.tcpstore.preload): importing it first (2-3 s of CPU here, seconds more on a
+    busy host) would hold up every agent's registration, on every host of a fleet job."""
+    code = (
+        "import sys; import efdl.cli, efdl.fleet.node, efdl.launcher.agent; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
