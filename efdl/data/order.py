@@ -1,0 +1,142 @@
+"""The order of an epoch over shards, and each rank's share of a step (pure).
+
+The samples are the rows of shards (Parquet files, say), ``rows[i]`` in shard ``i``. An
+epoch's order is a function of (seed, epoch) and two settings that must not change during a
+job, ``lanes`` and ``window``:
+
+1. The shards are shuffled, and their rows laid end to end (the stream).
+2. The stream is cut into ``lanes`` contiguous lanes of nearly equal length (they differ by
+   at most one row); a lane may begin or end inside a shard.
+3. Within a lane, rows are shuffled in consecutive windows of ``window`` rows: the lane's
+   row ``k`` is one of its rows ``window * (k // window)`` to ``window * (k // window + 1) - 1``
+   (a row moves less than ``window`` places in its lane; rows of two windows keep their order).
+4. The epoch interleaves the lanes: position ``p`` is row ``p // lanes`` of lane
+   ``p % lanes``.
+
+A step's global batch is the next N positions from the cursor (the samples committed steps
+consumed), whatever N is. Rank ``r`` of ``world`` takes the positions of its lanes (lanes
+``l`` with ``l * world // lanes == r``: contiguous, and the same lanes at every step), so it
+reads only its lanes' part of the stream, in stream order, window by window. After a rescale,
+the rest of the epoch is split the same way over the new world: every row of the epoch is
+trained once, whatever the world did. What that costs: ``world`` may not exceed ``lanes``,
+and when ``world`` does not divide ``lanes`` the ranks' shares of a step differ by up to
+N / lanes rows (MosaicML streaming's "canonical nodes" make the same trade).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK = (1 << 63) - 1
+
+
+def _mix(*parts: int) -> int:
+    """A seed from ``parts`` (splitmix64 steps): the same in every process, unlike hash()."""
+    x = 0x9E3779B97F4A7C15
+    for part in parts:
+        x = (x ^ (part & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & _MASK
+
+
+@functools.lru_cache(maxsize=256)  # a reader walks a window's rows one by one
+def _permutation(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+@dataclass(frozen=True)
+class EpochOrder:
+    """Epoch ``epoch``'s order over shards of ``rows`` rows each (see the module docstring).
+
+    Raises:
+        ValueError: no rows, a negative count, or ``lanes``/``window`` below 1.
+    """
+
+    rows: Sequence[int]
+    seed: int
+    epoch: int
+    lanes: int
+    window: int
+    _shards: tuple[int, ...] = field(init=False, repr=False)  # the shuffled shard order
+    _starts: list[int] = field(init=False, repr=False)  # stream index of each one's first row
+
+    def __post_init__(self) -> None:
+        if any(r < 0 for r in self.rows) or not sum(self.rows):
+            raise ValueError(
+                f"The shards' row counts must be >= 0, with some rows (got {list(self.rows[:8])})."
+            )
+        if self.lanes < 1 or self.window < 1:
+            raise ValueError(f"lanes ({self.lanes}) and window ({self.window}) must be >= 1.")
+        shards = _permutation(len(self.rows), _mix(self.seed, self.epoch))
+        starts = list(itertools.accumulate((self.rows[s] for s in shards), initial=0))
+        object.__setattr__(self, "_shards", shards)
+        object.__setattr__(self, "_starts", starts)
+
+    @property
+    def total(self) -> int:
+        """Rows in the epoch."""
+        return self._starts[-1]
+
+    def lane_length(self, lane: int) -> int:
+        base, extra = divmod(self.total, self.lanes)
+        return base + (lane < extra)
+
+    def lane_start(self, lane: int) -> int:
+        """The stream index of ``lane``'s first row."""
+        base, extra = divmod(self.total, self.lanes)
+        return lane * base + min(lane, extra)
+
+    def lane_row(self, lane: int, k: int) -> int:
+        """The stream index of ``lane``'s row ``k`` (its window shuffled)."""
+        length = self.lane_length(lane)
+        if not 0 <= k < length:
+            raise IndexError(f"lane {lane} has {length} rows, not a row {k}.")
+        first = k - k % self.window
+        size = min(self.window, length - first)
+        perm = _permutation(size, _mix(self.seed, self.epoch, lane, first))
+        return self.lane_start(lane) + first + perm[k - first]
+
+    def locate(self, stream_index: int) -> tuple[int, int]:
+        """(shard, row in it) of a stream index."""
+        i = bisect.bisect_right(self._starts, stream_index) - 1
+        return self._shards[i], stream_index - self._starts[i]
+
+    def at(self, position: int) -> tuple[int, int]:
+        """(shard, row) at epoch position ``position``."""
+        return self.locate(self.lane_row(position % self.lanes, position // self.lanes))
+
+
+def lanes_of(rank: int, world: int, lanes: int) -> range:
+    """The lanes rank ``rank`` of ``world`` reads: ``l`` with ``l * world // lanes == rank``.
+
+    Raises:
+        ValueError: a world larger than ``lanes`` (some rank would have no lane), or a rank
+            outside it.
+    """
+    if not 1 <= world <= lanes:
+        raise ValueError(
+            f"A world of {world} ranks cannot share {lanes} lanes: the stream's lanes must be "
+            f"at least the largest world size (set lanes >= {world})."
+        )
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}.")
+    return range(-(-rank * lanes // world), -(-(rank + 1) * lanes // world))
+
+
+def share(order: EpochOrder, cursor: int, n: int, rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s positions of the global batch ``[cursor, cursor + n)`` (cut at the
+    epoch's end), in position order."""
+    mine = lanes_of(rank, world, order.lanes)
+    stop = min(cursor + n, order.total)
+    out: list[int] = []
+    for lane in mine:
+        first = cursor + (lane - cursor) % order.lanes  # the lane's first position from cursor
+        out.extend(range(first, stop, order.lanes))
+    return sorted(out)

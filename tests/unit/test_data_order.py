@@ -1,0 +1,95 @@
+"""The streamed epoch's order (efdl.data.order): each row once per epoch, a function of
+(seed, epoch) alone, rows moved less than a window, and each rank reading only its lanes,
+whatever the world does between steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from efdl.data.order import EpochOrder, lanes_of, share
+
+# Uneven shards, as Parquet files written by different jobs are (one empty).
+ROWS = (1000, 37, 0, 512, 999, 64, 2048, 5, 700)
+
+
+def order(epoch: int = 0, seed: int = 7, lanes: int = 16, window: int = 100) -> EpochOrder:
+    return EpochOrder(ROWS, seed, epoch, lanes, window)
+
+
+def test_an_epoch_is_every_row_once() -> None:
+    o = order()
+    rows = [o.at(p) for p in range(o.total)]
+    assert o.total == sum(ROWS)
+    assert sorted(rows) == sorted((s, r) for s, n in enumerate(ROWS) for r in range(n))
+
+
+def test_the_order_is_seed_and_epoch_alone() -> None:
+    first = [order().at(p) for p in range(0, order().total, 97)]
+    assert [order().at(p) for p in range(0, order().total, 97)] == first  # a new instance
+    assert [order(epoch=1).at(p) for p in range(0, order().total, 97)] != first
+    assert [order(seed=8).at(p) for p in range(0, order().total, 97)] != first
+
+
+def test_rows_move_less_than_a_window_within_their_lane() -> None:
+    o = order(window=50)
+    for lane in (0, 5, 15):
+        start, length = o.lane_start(lane), o.lane_length(lane)
+        moved = [o.lane_row(lane, k) - start - k for k in range(length)]
+        assert max(map(abs, moved)) < 50
+        assert sorted(o.lane_row(lane, k) for k in range(length)) == list(
+            range(start, start + length)
+        )
+    assert sum(o.lane_length(lane) for lane in range(16)) == o.total
+
+
+@pytest.mark.parametrize("lanes", [1, 7, 16, 64])
+def test_lanes_split_any_world_up_to_their_number(lanes: int) -> None:
+    for world in range(1, lanes + 1):
+        got = [list(lanes_of(r, world, lanes)) for r in range(world)]
+        assert [lane for ls in got for lane in ls] == list(range(lanes))
+        assert max(map(len, got)) - min(map(len, got)) <= 1
+    with pytest.raises(ValueError, match=f"cannot share {lanes} lanes"):
+        lanes_of(0, lanes + 1, lanes)
+
+
+def test_each_row_once_through_joins_leaves_and_batch_changes() -> None:
+    o = order()
+    rng = random.Random(3)
+    cursor, seen = 0, []
+    while cursor < o.total:
+        world = rng.randint(1, 16)  # a rescale may come before any step
+        n = rng.choice([64, 100, 256, 7])  # per-rank batch fixed (N moves) or global fixed
+        shares = [share(o, cursor, n, r, world) for r in range(world)]
+        got = sorted(p for s in shares for p in s)
+        assert got == list(range(cursor, min(cursor + n, o.total)))  # the next n positions
+        for r, s in enumerate(shares):  # only its own lanes
+            assert {p % o.lanes for p in s} <= set(lanes_of(r, world, o.lanes))
+        seen += [o.at(p) for p in got]
+        cursor += n
+    assert len(seen) == len(set(seen)) == o.total
+
+
+def test_a_rank_reads_its_lanes_in_stream_order_window_by_window() -> None:
+    o = order(window=64)
+    mine = share(o, 0, o.total, 2, 4)  # rank 2 of 4, the whole epoch
+    lanes = lanes_of(2, 4, 16)
+    stream = [o.lane_row(p % 16, p // 16) for p in mine]
+    lo = o.lane_start(lanes[0])
+    hi = o.lane_start(lanes[-1]) + o.lane_length(lanes[-1])
+    assert all(lo <= i < hi for i in stream)  # a contiguous quarter of the stream
+    for lane in lanes:  # and within a lane, window after window
+        ks = [p // 16 for p in mine if p % 16 == lane]
+        assert [k // 64 for k in ks] == sorted(k // 64 for k in ks)
+
+
+def test_bad_settings_are_refused_with_the_value() -> None:
+    with pytest.raises(
+        ValueError, match=r"row counts must be >= 0, with some rows \(got \[0, 0\]\)"
+    ):
+        EpochOrder((0, 0), 1, 0, 4, 10)
+    with pytest.raises(ValueError, match=r"lanes \(0\) and window \(10\)"):
+        EpochOrder((5,), 1, 0, 0, 10)
+    with pytest.raises(IndexError, match="lane 0 has"):
+        order().lane_row(0, 10**6)
