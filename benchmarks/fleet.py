@@ -484,12 +484,7 @@ def real_run(figures: Path) -> list[str]:
         time.sleep(10)
         host, indices = fleet.status("low").gpus[0]
         agent = psutil.Process(fleet.agent_on(host, indices[0]))
-        # The shell's children: efdl-run (python -c ...) and, under it, the worker.
-        workers = [
-            p
-            for p in agent.children(recursive=True)
-            if "digits_worker" in " ".join(p.cmdline()) and p.cmdline()[1:2] != ["-c"]
-        ]
+        workers = _workers(agent)
         t_foreign = time.time()
         fleet.foreign(host, indices[0], 4_000_001)  # inference takes a GPU of the low job
         marks.append((t_foreign, "inference takes a GPU"))
@@ -596,11 +591,7 @@ def _take_gpu(fleet: Fleet, host: str, out: Path) -> tuple[float, float, float, 
     )
     gpu = fleet.status("job").gpus[0][1][0]
     shell = psutil.Process(fleet.agent_on(host, gpu))
-    workers = [  # the shell's children: efdl-run (python -c ...) and, under it, the worker
-        p
-        for p in shell.children(recursive=True)
-        if "digits_worker" in " ".join(p.cmdline()) and p.cmdline()[1:2] != ["-c"]
-    ]
+    workers = _workers(shell)
     times = sorted({float(str(r["t"])) for r in step_rows(out)[-40:]})
     step = statistics.median(b - a for a, b in itertools.pairwise(times) if b - a > 0.01)
     t0 = time.time()
@@ -613,6 +604,16 @@ def _take_gpu(fleet: Fleet, host: str, out: Path) -> tuple[float, float, float, 
     )
     fleet.foreign(host, gpu, None)
     return step, _status_change(fleet, "job", t0), gone, first - t0
+
+
+def _workers(shell: psutil.Process) -> list[psutil.Process]:
+    """The digits workers under an agent's shell (its children are efdl-run, ``python -c
+    ...``, and under it the worker: the script is on both command lines)."""
+    return [
+        p
+        for p in shell.children(recursive=True)
+        if "digits_worker" in " ".join(p.cmdline()) and p.cmdline()[1:2] != ["-c"]
+    ]
 
 
 def _status_change(fleet: Fleet, name: str, since: float) -> float:

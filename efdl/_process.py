@@ -17,7 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,23 @@ def skip_final_gc() -> None:
     worker API on first use: the user's, as a rule) run, then every open file is flushed and
     the heap frozen (``gc.freeze``: the objects alive move where no collection looks), then
     the handlers from before (logging's, multiprocessing's, ``weakref.finalize``'s) run as
-    always. The user's ``finally`` blocks have run; what
-    module teardown frees by reference count is still freed. Left to the operating system:
-    objects that only a reference cycle keeps (a module's globals are such, through their
-    functions), whose ``__del__`` Python's exit never promised to run; their files' data
-    is flushed here.
+    always. The user's ``finally`` blocks have run; what module teardown frees by reference
+    count is still freed. Left to the operating system: objects that only a reference cycle
+    keeps (a module's globals are such, through their functions), whose ``__del__``
+    Python's exit never promised to run; their files' data is flushed here.
     """
     global _skip_final_gc
     _skip_final_gc = True
 
 
 _skip_final_gc = False
+
+
+def exit_left() -> NoReturn:
+    """End this worker, which left its job as the agent asked: exit 0, without the final
+    collections (:func:`skip_final_gc`), after the ``finally`` blocks the exit unwinds."""
+    skip_final_gc()
+    raise SystemExit(0)
 
 
 def _at_exit() -> None:

@@ -96,8 +96,8 @@ class FleetKeys:
 
     @property
     def events_end(self) -> str:
-        """The first key after every event's ('/' + 1 is '0')."""
-        return self.prefix + "events0"
+        """The first key after every event's: the prefix's '/' made '0', the next byte."""
+        return self.events[:-1] + "0"
 
     @staticmethod
     def job_of(key: str) -> str:

@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from efdl._process import skip_final_gc
+from efdl._process import exit_left
 from efdl.errors import RendezvousTimeoutError
 from efdl.state.channel import GRACE_ENV
 from efdl.state.failure import Failure
@@ -142,8 +142,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                     raise
                 if not rebuilt:
                     log.info("Left the job at step %d, as the agent asked.", state.step)
-                    skip_final_gc()  # the GPU back a second sooner
-                    raise SystemExit(0)
+                    exit_left()
 
         return run
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ErrorType
 
-from efdl._process import free_port, skip_final_gc
+from efdl._process import exit_left, free_port
 from efdl.state import ready
 from efdl.state.breaker import Breaker
 from efdl.state.channel import (
@@ -348,9 +348,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
             )
             placed = rt.channel.wait(placement.generation, rt.join_timeout_s)
             if placed is None:
-                skip_final_gc()
-                raise SystemExit(0)  # sent away (or the agent is gone) before it was placed
+                exit_left()  # sent away (or the agent is gone) before it was placed
             placement = placed
     if rt.join(placement) is None:
-        skip_final_gc()
-        raise SystemExit(0)  # the agent sent this worker away before it ever trained
+        exit_left()  # the agent sent this worker away before it ever trained
