@@ -1,7 +1,7 @@
 """efdl: an elastic, fault-tolerant launcher for PyTorch distributed training.
 
 The worker-side API (``efdl.init_process_group``, ``efdl.elastic_state``, ``efdl.elastic``,
-``efdl.ElasticSampler``, ``efdl.ElasticBatchSampler``, ``efdl.device``,
+``efdl.ElasticSampler``, ``efdl.ElasticBatchSampler``, ``efdl.ElasticStream``, ``efdl.device``,
 ``efdl.fully_shard``) imports torch on
 first use, so the agent and tools stay light.
 """
@@ -17,6 +17,7 @@ _STATE_API = {
     "ElasticSampler": "efdl.state.sampler",
     "ElasticBatchSampler": "efdl.state.sampler",
     "ElasticState": "efdl.state.state",
+    "ElasticStream": "efdl.data.stream",
     "elastic": "efdl.state.elastic",
     "elastic_state": "efdl.state.state",
     "init_process_group": "efdl.state.runtime",

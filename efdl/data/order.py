@@ -64,6 +64,7 @@ class EpochOrder:
     epoch: int
     lanes: int
     window: int
+    shuffle: bool = True  # False: shards in their given order, rows in stream order
     _shards: tuple[int, ...] = field(init=False, repr=False)  # the shuffled shard order
     _starts: list[int] = field(init=False, repr=False)  # stream index of each one's first row
 
@@ -74,7 +75,11 @@ class EpochOrder:
             )
         if self.lanes < 1 or self.window < 1:
             raise ValueError(f"lanes ({self.lanes}) and window ({self.window}) must be >= 1.")
-        shards = _permutation(len(self.rows), _mix(self.seed, self.epoch))
+        shards = (
+            _permutation(len(self.rows), _mix(self.seed, self.epoch))
+            if self.shuffle
+            else tuple(range(len(self.rows)))
+        )
         starts = list(itertools.accumulate((self.rows[s] for s in shards), initial=0))
         object.__setattr__(self, "_shards", shards)
         object.__setattr__(self, "_starts", starts)
@@ -93,15 +98,39 @@ class EpochOrder:
         base, extra = divmod(self.total, self.lanes)
         return lane * base + min(lane, extra)
 
+    def windows(self, lane: int) -> int:
+        """How many windows ``lane`` has (its last one may be short)."""
+        return -(-self.lane_length(lane) // self.window)
+
+    def window_order(self, lane: int, j: int) -> Sequence[int]:
+        """``lane``'s window ``j`` as offsets from its first row: the lane's row
+        ``j * window + i`` is the window's row ``window_order(lane, j)[i]``."""
+        first = j * self.window
+        size = min(self.window, self.lane_length(lane) - first)
+        if size <= 0:
+            raise IndexError(f"lane {lane} has {self.windows(lane)} windows, not a window {j}.")
+        if not self.shuffle:
+            return range(size)
+        return _permutation(size, _mix(self.seed, self.epoch, lane, first))
+
     def lane_row(self, lane: int, k: int) -> int:
         """The stream index of ``lane``'s row ``k`` (its window shuffled)."""
         length = self.lane_length(lane)
         if not 0 <= k < length:
             raise IndexError(f"lane {lane} has {length} rows, not a row {k}.")
         first = k - k % self.window
-        size = min(self.window, length - first)
-        perm = _permutation(size, _mix(self.seed, self.epoch, lane, first))
-        return self.lane_start(lane) + first + perm[k - first]
+        return self.lane_start(lane) + first + self.window_order(lane, k // self.window)[k - first]
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Stream indices ``[start, stop)`` as (shard, first row, end row) pieces, in order."""
+        out = []
+        i = bisect.bisect_right(self._starts, start) - 1
+        while start < stop:
+            end = min(stop, self._starts[i + 1])
+            if end > start:
+                out.append((self._shards[i], start - self._starts[i], end - self._starts[i]))
+            start, i = end, i + 1
+        return out
 
     def locate(self, stream_index: int) -> tuple[int, int]:
         """(shard, row in it) of a stream index."""

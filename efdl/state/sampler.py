@@ -14,10 +14,26 @@ a step means the same whatever the world size and the learning rate needs no res
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Sampler
+
+
+class Position(Protocol):
+    """What the elastic state drives in a sampler or stream (efdl.data.ElasticStream): told
+    the world after each sync and the epoch when ``state.epoch`` is set, advanced at each
+    commit, and its position (``state_dict``) moved with the state."""
+
+    def set_world(self, rank: int, world: int) -> None: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def advance(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class _EpochCursor:

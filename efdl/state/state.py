@@ -44,7 +44,7 @@ from efdl.state.persist import Persister
 from efdl.state.resume import Resumed, resume
 from efdl.state.rng import rng_state
 from efdl.state.runtime import runtime
-from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
+from efdl.state.sampler import Position
 from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
 from efdl.state.values import StateValueError
 from efdl.state.verdict import Verdicts
@@ -83,8 +83,8 @@ class ElasticState:
         optimizer: its optimizer. Its ``step()`` is the one place the tensors change (the
             step is a transaction: see efdl.state.transaction); efdl watches it through the
             optimizer's step hooks.
-        sampler: an :class:`ElasticSampler` or :class:`ElasticBatchSampler`, told the world
-            size and advanced on commit.
+        sampler: an :class:`ElasticSampler`, :class:`ElasticBatchSampler` or
+            :class:`efdl.ElasticStream`, told the world size and advanced on commit.
         scheduler: an LR scheduler, if any.
         snapshot_every: 0 (the default): no rollback copies. A positive N keeps a copy of the
             whole state every N commits, on the tensors' own devices, and a failure rolls
@@ -103,7 +103,7 @@ class ElasticState:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        sampler: ElasticSampler | ElasticBatchSampler | None = None,
+        sampler: Position | None = None,
         scheduler: Any = None,
         snapshot_every: int = 0,
         **values: Any,
@@ -160,7 +160,7 @@ class ElasticState:
         return self._optimizer
 
     @property
-    def sampler(self) -> ElasticSampler | ElasticBatchSampler | None:
+    def sampler(self) -> Position | None:
         return self._sampler
 
     @property
@@ -808,7 +808,7 @@ def _published(started: float, m: Manifest) -> None:
 def elastic_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    sampler: ElasticSampler | ElasticBatchSampler | None = None,
+    sampler: Position | None = None,
     scheduler: Any = None,
     snapshot_every: int = 0,
     **values: Any,

@@ -26,6 +26,9 @@ Errors that are not communication: OOM_AT="rank:step" (once per job) raises CUDA
 out-of-memory error there; SKIP_BARRIER_AT="rank:step" (first generation): every rank but
 that one enters a dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT
 (default 15) seconds.
+STREAM=dir: the data is the Parquet files in dir (columns id and x, x 4 floats per row),
+read through efdl.ElasticStream (GLOBAL_BATCH, LANES, WINDOW) by a DataLoader of NUM_WORKERS
+worker processes (default 0).
 BACKEND=nccl (default gloo); DEVICE=cuda trains on efdl.device() (the GPU suite); each entry
 row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
@@ -111,8 +114,29 @@ n = int(os.environ.get("SAMPLES", "96"))
 batch = int(os.environ.get("BATCH", "2"))
 features = torch.randn(n, width or 4) if width else torch.arange(n).float().repeat(4, 1).T / n
 data = TensorDataset(features, torch.arange(n))
-sampler = efdl.ElasticSampler(data, batch_size=batch, seed=1)
-loader = DataLoader(data, batch_size=batch, sampler=sampler)
+sampler: efdl.ElasticSampler | efdl.ElasticStream
+if os.environ.get("STREAM"):
+    sampler = efdl.ElasticStream(
+        os.environ["STREAM"],
+        int(os.environ.get("GLOBAL_BATCH", "16")),
+        lanes=int(os.environ.get("LANES", "8")),
+        window=int(os.environ.get("WINDOW", "32")),
+        seed=1,
+    )
+    stream_loader = DataLoader(
+        sampler, batch_size=None, num_workers=int(os.environ.get("NUM_WORKERS", "0"))
+    )
+else:
+    sampler = efdl.ElasticSampler(data, batch_size=batch, seed=1)
+    loader = DataLoader(data, batch_size=batch, sampler=sampler)
+
+
+def batches():  # type: ignore[no-untyped-def]
+    """The epoch's (features, sample ids) from the cursor on."""
+    if isinstance(sampler, efdl.ElasticStream):
+        return ((b["x"], b["id"]) for b in stream_loader)
+    return iter(loader)
+
 snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "0"))
 state = efdl.elastic_state(model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0)
 digests = os.environ.get("DIGEST", "1") != "0"
@@ -163,7 +187,7 @@ def train(state: efdl.ElasticState) -> None:
     with open(out / "enter.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
     for state.epoch in range(state.epoch, epochs):
-        for x, idx in loader:
+        for x, idx in batches():
             rank, world = dist.get_rank(), dist.get_world_size()
             here = f"{rank}:{state.step}"
             if here == fail_at and once(f"fail-{here}"):

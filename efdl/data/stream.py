@@ -1,0 +1,342 @@
+"""A streamed dataset whose epoch survives a change of world size.
+
+:class:`ElasticStream` is an ``IterableDataset`` over shards (efdl.data.source). The epoch's
+order is efdl.data.order's: a function of (seed, epoch) and the stream's ``lanes`` and
+``window``. Each step's global batch is the next ``global_batch_size`` positions from the
+cursor (the samples committed steps consumed); this rank yields the rows of its own lanes,
+so it reads only those lanes' parts of the shards, in order, a window at a time, and after a
+rescale starts reading its new lanes where the cursor is.
+
+The position (epoch, cursor, and the order's settings) is the stream's ``state_dict()``:
+given to ``efdl.elastic_state(..., sampler=stream)`` it moves with every sync and persists
+with the remote cache, and the state advances it at each ``commit()``. In a plain torchrun
+script, call ``stream.advance()`` after each step and checkpoint ``stream.state_dict()``.
+
+The position lives in a small shared-memory tensor, so DataLoader worker processes (also
+persistent ones) start each iteration from where the main process is; worker ``w`` of ``n``
+yields the steps ``w, w + n, ...`` of the iteration, which is the order DataLoader returns
+them in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from efdl.data.order import EpochOrder, lanes_of
+from efdl.data.source import DataSourceError, ParquetSource, Source
+
+log = logging.getLogger(__name__)
+
+# The shared position's fields.
+_EPOCH, _CURSOR, _RANK, _WORLD, _LANES, _WINDOW, _SEED, _SET = range(8)
+
+
+class ElasticStream(IterableDataset[Any]):
+    """Batches of this rank's share of each step, from a position that survives rescales.
+
+    Give it to a DataLoader with ``batch_size=None`` (it yields whole batches), and to
+    ``efdl.elastic_state(..., sampler=stream)``::
+
+        stream = efdl.ElasticStream("s3://bucket/train/", global_batch_size=512)
+        loader = DataLoader(stream, batch_size=None, num_workers=2, pin_memory=True)
+
+    Args:
+        source: Parquet files (a list, a directory or a glob; local or any fsspec URL), or
+            a :class:`~efdl.data.source.Source` (``ReaderSource`` for other formats).
+        global_batch_size: samples per step over all ranks (a rank's share is about
+            ``global_batch_size / world``). At least ``lanes``.
+        lanes: how the stream is cut for reading: the largest world size the stream can
+            serve. A rank reads ``lanes / world`` lanes at once, each its own place in the
+            shards. Shares are equal when ``world`` divides ``lanes`` and ``lanes`` divides
+            ``global_batch_size``.
+        window: rows shuffled together within a lane (a row moves less than ``window``
+            places in its lane); a rank holds about two windows of each of its lanes.
+        seed: the same on every rank; with the epoch, it fixes the order.
+        shuffle: False: shards in their given order and rows in theirs.
+        transform: makes a batch from this rank's rows (a pyarrow Table for Parquet, a list
+            of samples for a ``ReaderSource``). Default: a dict of tensors per column
+            (:func:`to_torch`) for Arrow, ``default_collate`` for lists.
+        columns, storage_options: for Parquet sources given as URLs.
+        threads: reader threads per process (each reads one lane at a time; Arrow decodes
+            outside the GIL).
+
+    Raises:
+        ValueError: a batch smaller than ``lanes``, or settings below 1.
+    """
+
+    def __init__(
+        self,
+        source: Source[Any] | str | Sequence[str],
+        global_batch_size: int,
+        *,
+        lanes: int = 64,
+        window: int = 1024,
+        seed: int = 0,
+        shuffle: bool = True,
+        transform: Callable[[Any], Any] | None = None,
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        threads: int = 8,
+    ) -> None:
+        if not isinstance(source, Source):
+            source = ParquetSource(source, columns, storage_options)
+        for name, value in (("lanes", lanes), ("window", window), ("threads", threads)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} is {value!r}; expected a whole number >= 1.")
+        if not isinstance(global_batch_size, int) or global_batch_size < lanes:
+            raise ValueError(
+                f"global_batch_size is {global_batch_size!r}; expected at least lanes ({lanes}): "
+                "every lane gives every step a row. Lower lanes (the largest world size the "
+                "stream serves) or raise the batch."
+            )
+        self.source = source
+        self.global_batch_size = global_batch_size
+        self.lanes, self.window, self.shuffle, self.threads = lanes, window, shuffle, threads
+        self.transform = transform
+        self._rows: list[int] | None = None
+        self._pos = torch.zeros(8, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        self._pos[_LANES], self._pos[_WINDOW], self._pos[_SEED] = lanes, window, seed
+
+    # ---------------------------------------------------------------- the position
+
+    @property
+    def epoch(self) -> int:
+        return int(self._pos[_EPOCH])
+
+    @property
+    def cursor(self) -> int:
+        """Samples of this epoch consumed by committed steps."""
+        return int(self._pos[_CURSOR])
+
+    @property
+    def seed(self) -> int:
+        return int(self._pos[_SEED])
+
+    def rows(self) -> list[int]:
+        """Each shard's row count (read once, from the shards' footers for Parquet)."""
+        if self._rows is None:
+            self._rows = self.source.rows()
+            if not sum(self._rows):
+                raise DataSourceError(f"The shards {list(self.source.names())[:4]} have no rows.")
+        return self._rows
+
+    def order(self) -> EpochOrder:
+        """The current epoch's order."""
+        p = self._pos.tolist()
+        return EpochOrder(self.rows(), p[_SEED], p[_EPOCH], p[_LANES], p[_WINDOW], self.shuffle)
+
+    def set_world(self, rank: int, world: int) -> None:
+        lanes_of(rank, world, int(self._pos[_LANES]))  # refuses a world it cannot serve
+        self._pos[_RANK], self._pos[_WORLD], self._pos[_SET] = rank, world, 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` (from its beginning, if it is a new one, with this stream's own
+        lanes and window again)."""
+        if epoch != self.epoch:
+            self._pos[_EPOCH], self._pos[_CURSOR] = epoch, 0
+            self._pos[_LANES], self._pos[_WINDOW] = self.lanes, self.window
+
+    def advance(self) -> None:
+        """One step was committed: move the cursor past its global batch."""
+        total = sum(self.rows())
+        self._pos[_CURSOR] = min(total, self.cursor + self.global_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        p = self._pos.tolist()
+        return {
+            "epoch": p[_EPOCH],
+            "cursor": p[_CURSOR],
+            "seed": p[_SEED],
+            "lanes": p[_LANES],
+            "window": p[_WINDOW],
+            "rows": sum(self.rows()),
+            "shards": len(self.rows()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a position. Its lanes and window hold until its epoch ends (the order of an
+        epoch under way must not change).
+
+        Raises:
+            DataSourceError: the position is of another data set (other shard or row
+                counts), or not a stream's position.
+        """
+        try:
+            got = {k: int(state[k]) for k in ("epoch", "cursor", "seed", "lanes", "window")}
+            rows, shards = int(state["rows"]), int(state["shards"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataSourceError(
+                f"Not an ElasticStream position: {state!r} (expected epoch, cursor, seed, "
+                "lanes, window, rows and shards)."
+            ) from exc
+        if (rows, shards) != (sum(self.rows()), len(self.rows())):
+            raise DataSourceError(
+                f"The position is of a data set of {shards} shards and {rows} rows; this stream "
+                f"has {len(self.rows())} shards and {sum(self.rows())} rows. Resume with the "
+                "same shards (or start a new epoch without loading the position)."
+            )
+        if got["lanes"] < 1 or got["window"] < 1 or not 0 <= got["cursor"] <= rows:
+            raise DataSourceError(f"The position {state!r} is out of range.")
+        for field, value in (
+            (_EPOCH, got["epoch"]),
+            (_CURSOR, got["cursor"]),
+            (_SEED, got["seed"]),
+            (_LANES, got["lanes"]),
+            (_WINDOW, got["window"]),
+        ):
+            self._pos[field] = value
+
+    # ---------------------------------------------------------------- reading
+
+    def _world(self) -> tuple[int, int]:
+        if int(self._pos[_SET]):
+            return int(self._pos[_RANK]), int(self._pos[_WORLD])
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+    def __len__(self) -> int:
+        """Steps left in the epoch (every rank takes each of them)."""
+        left = sum(self.rows()) - self.cursor
+        return -(-left // self.global_batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self.order()
+        rank, world = self._world()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        transform = self.transform or self.source.collate
+        reader = _RankReader(self.source, order, lanes_of(rank, world, order.lanes), self.threads)
+        try:
+            steps = range(self.cursor, order.total, self.global_batch_size)
+            for i in range(worker, len(steps), workers):
+                yield transform(reader.batch(steps[i], self.global_batch_size))
+        finally:
+            reader.close()
+
+
+class _Lane:
+    """One lane's reader: its part of the stream, read in order, a window at a time."""
+
+    def __init__(self, source: Source[Any], order: EpochOrder, lane: int) -> None:
+        self.source, self.order, self.lane = source, order, lane
+        self.lock = threading.Lock()
+        self._next = -1  # the lane row the pieces continue at (-1: no read open)
+        self._pieces: Iterator[Any] = iter(())
+        self._carry: Any = None  # the rest of the last piece
+
+    def _open(self, k: int) -> None:
+        """Read on from the lane's row ``k`` (a seek: opens the shard at its row group)."""
+        start = self.order.lane_start(self.lane)
+        stop = start + self.order.lane_length(self.lane)
+        segments = self.order.segments(start + k, stop)
+        self._pieces = (p for s, a, b in segments for p in self.source.read(s, a, b))
+        self._next, self._carry = k, None
+
+    def window(self, j: int) -> Any:
+        """Window ``j``'s rows in stream order (not yet shuffled)."""
+        with self.lock:
+            first = j * self.order.window
+            size = min(self.order.window, self.order.lane_length(self.lane) - first)
+            if first != self._next:
+                self._open(first)
+            src, got, pieces = self.source, 0, []
+            while got < size:
+                piece = self._carry if self._carry is not None else next(self._pieces)
+                self._carry = None
+                n = src.length(piece)
+                if got + n > size:
+                    piece, self._carry = (
+                        src.cut(piece, 0, size - got),
+                        src.cut(piece, size - got, n),
+                    )
+                    n = size - got
+                pieces.append(piece)
+                got += n
+            self._next = first + size
+            return src.join(pieces) if len(pieces) != 1 else pieces[0]
+
+
+class _RankReader:
+    """This rank's lanes: blocks (window ``j`` of every lane, joined) read ahead in threads,
+    and each step's rows taken from them."""
+
+    def __init__(self, source: Source[Any], order: EpochOrder, lanes: range, threads: int):
+        self.source, self.order, self.mine = source, order, lanes
+        self.lanes = {lane: _Lane(source, order, lane) for lane in lanes}
+        self._pool = ThreadPoolExecutor(max_workers=min(threads, len(lanes)))
+        self._windows: dict[tuple[int, int], Future[Any]] = {}
+        # Block j: the joined rows, and each lane's offset in them and window order.
+        self._blocks: dict[int, tuple[Any, dict[int, tuple[int, np.ndarray[Any, Any]]]]] = {}
+
+    def close(self) -> None:
+        for f in self._windows.values():
+            f.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _prefetch(self, j: int) -> None:
+        for lane, reader in self.lanes.items():
+            if j < self.order.windows(lane) and (lane, j) not in self._windows:
+                self._windows[(lane, j)] = self._pool.submit(reader.window, j)
+
+    def block(self, j: int) -> tuple[Any, dict[int, tuple[int, np.ndarray[Any, Any]]]]:
+        """Window ``j`` of this rank's lanes joined, and where each lane's rows begin in it
+        and in what order they are trained."""
+        if j not in self._blocks:
+            self._prefetch(j)
+            self._prefetch(j + 1)  # read ahead while this block is used
+            pieces, offsets, at = [], {}, 0
+            for lane in self.mine:
+                future = self._windows.pop((lane, j), None)
+                if future is None:
+                    continue
+                piece = future.result()
+                perm = np.asarray(self.order.window_order(lane, j), dtype=np.int64)
+                offsets[lane], at = (at, perm), at + self.source.length(piece)
+                pieces.append(piece)
+            joined = self.source.join(pieces)
+            if hasattr(joined, "combine_chunks"):
+                joined = joined.combine_chunks()  # one copy, so each step's take is cheap
+            for old in [b for b in self._blocks if b < j]:
+                del self._blocks[old]
+            self._blocks[j] = (joined, offsets)
+        return self._blocks[j]
+
+    def batch(self, cursor: int, n: int) -> Any:
+        """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane."""
+        order, lanes, window = self.order, self.order.lanes, self.order.window
+        stop = min(cursor + n, order.total)
+        spans: dict[int, tuple[int, int]] = {}  # lane -> its rows [k0, k1) in this step
+        for lane in self.mine:
+            k0 = (cursor + (lane - cursor) % lanes) // lanes
+            k1 = (stop - lane + lanes - 1) // lanes
+            if k1 > k0:
+                spans[lane] = (k0, k1)
+        if not spans:  # the epoch's last step left this rank nothing: repeat one row
+            lane = self.mine.start
+            last = order.lane_length(lane) - 1
+            spans[lane] = (last, last + 1)
+        parts = []
+        j0 = min(k0 // window for k0, _ in spans.values())
+        j1 = max((k1 - 1) // window for _, k1 in spans.values())
+        for j in range(j0, j1 + 1):
+            block, offsets = self.block(j)
+            index: list[np.ndarray[Any, Any]] = []
+            for lane, (k0, k1) in spans.items():
+                a, b = max(k0, j * window), min(k1, (j + 1) * window)
+                if a < b:
+                    at, perm = offsets[lane]
+                    index.append(at + perm[a - j * window : b - j * window])
+            parts.append(self.source.take(block, np.concatenate(index)))
+        return parts[0] if len(parts) == 1 else self.source.join(parts)
