@@ -39,8 +39,9 @@ class Source(Generic[C]):
         """Each shard's row count."""
         raise NotImplementedError
 
-    def read(self, shard: int, start: int, stop: int) -> Iterator[C]:
-        """Rows ``[start, stop)`` of shard ``shard``, in order, as pieces."""
+    def read(self, shard: int, start: int, stop: int, piece: int) -> Iterator[C]:
+        """Rows ``[start, stop)`` of shard ``shard``, in order, as pieces of about ``piece``
+        rows (the reader reads ahead of what it was asked for by about one piece)."""
         raise NotImplementedError
 
     def bytes_read(self) -> int:
@@ -143,7 +144,6 @@ class ParquetSource(Source[Any]):
         columns: the columns to read (None: all).
         storage_options: passed to fsspec (``{"endpoint_url": ...}`` for an S3 stand-in).
         rows: each file's row count, if known (skips reading every footer at the start).
-        batch_rows: rows per piece a read yields (Arrow record batches).
 
     Raises:
         DataSourceError: no files, or (at ``rows()``) a file that is not Parquet.
@@ -155,11 +155,9 @@ class ParquetSource(Source[Any]):
         columns: Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         rows: Sequence[int] | None = None,
-        batch_rows: int = 8192,
     ) -> None:
         self.storage_options = dict(storage_options or {})
         self.columns = list(columns) if columns is not None else None
-        self.batch_rows = batch_rows
         self._urls = _expand(urls, self.storage_options)
         if rows is not None and len(rows) != len(self._urls):
             raise DataSourceError(
@@ -167,7 +165,7 @@ class ParquetSource(Source[Any]):
                 "count per file, in the files' order."
             )
         self._rows = list(rows) if rows is not None else None
-        self._groups: dict[int, list[int]] = {}  # rows of each row group, per shard read
+        self._footers: dict[int, Any] = {}  # each shard's metadata, once read (no re-read)
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -206,30 +204,41 @@ class ParquetSource(Source[Any]):
         except (OSError, ValueError) as exc:
             raise DataSourceError(f"Cannot open the Parquet file {url!r}: {exc}") from exc
         try:
-            # Column chunks are read in 1 MiB buffers, not whole: a lane holds little.
-            return pq.ParquetFile(_Counted(f, self._count), buffer_size=1 << 20)
+            # A row group at a time (pyarrow's pre-buffering reads every row group asked for
+            # at once), its column chunks in 1 MiB buffers: a lane holds little.
+            pf = pq.ParquetFile(
+                _Counted(f, self._count),
+                metadata=self._footers.get(shard),
+                buffer_size=1 << 20,
+                pre_buffer=False,
+            )
         except Exception as exc:  # pyarrow raises ArrowInvalid (a ValueError) and others
             f.close()
             raise DataSourceError(
                 f"{url!r} is not a Parquet file pyarrow can read ({exc}); expected Parquet."
             ) from exc
+        missing = [c for c in self.columns or () if c not in pf.schema_arrow.names]
+        if missing:  # pyarrow would leave them out without a word
+            pf.close()
+            raise DataSourceError(
+                f"{url!r} has no column {missing[0]!r}; its columns are {pf.schema_arrow.names}."
+            )
+        return pf
 
     def _footer(self, shard: int) -> list[int]:
         pf = self._open(shard)
         try:
             groups = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+            with self._lock:
+                self._footers[shard] = pf.metadata
         finally:
             pf.close()
-        with self._lock:
-            self._groups[shard] = groups
         return groups
 
-    def read(self, shard: int, start: int, stop: int) -> Iterator[Any]:
+    def read(self, shard: int, start: int, stop: int, piece: int) -> Iterator[Any]:
         pf = self._open(shard)
         try:
-            groups = self._groups.get(shard) or [
-                pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)
-            ]
+            groups = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
             first, skip, wanted = 0, start, []
             for g, n in enumerate(groups):  # the row groups that hold [start, stop)
                 if first + n > start and first < stop:
@@ -243,22 +252,15 @@ class ParquetSource(Source[Any]):
                     f"{stop} (was it rewritten during the job?)."
                 )
             left = stop - start
-            try:
-                batches = pf.iter_batches(self.batch_rows, wanted, self.columns, use_threads=False)
-                for batch in batches:
-                    if skip >= batch.num_rows:
-                        skip -= batch.num_rows
-                        continue
-                    piece = batch.slice(skip, left)
-                    skip, left = 0, left - piece.num_rows
-                    yield _table(piece)
-                    if not left:
-                        return
-            except KeyError as exc:  # pyarrow names the missing column
-                raise DataSourceError(
-                    f"{self._urls[shard]!r} has no column {exc}; its columns are "
-                    f"{pf.schema_arrow.names}."
-                ) from exc
+            for batch in pf.iter_batches(piece, wanted, self.columns, use_threads=False):
+                if skip >= batch.num_rows:
+                    skip -= batch.num_rows
+                    continue
+                part = batch.slice(skip, left)
+                skip, left = 0, left - part.num_rows
+                yield _table(part)
+                if not left:
+                    return
         finally:
             pf.close()
 
@@ -296,8 +298,6 @@ class ReaderSource(Source[list[Any]]):
         rows: each shard's sample count (the order needs them before reading).
     """
 
-    PIECE = 1024  # samples per piece a read yields
-
     def __init__(
         self,
         shards: Sequence[str],
@@ -317,16 +317,16 @@ class ReaderSource(Source[list[Any]]):
     def rows(self) -> list[int]:
         return self._rows
 
-    def read(self, shard: int, start: int, stop: int) -> Iterator[list[Any]]:
-        piece: list[Any] = []
+    def read(self, shard: int, start: int, stop: int, piece: int) -> Iterator[list[Any]]:
+        samples: list[Any] = []
         got = start
         if stop > start:
             for sample in self._read(self._shards[shard], start):
-                piece.append(sample)
+                samples.append(sample)
                 got += 1
-                if got == stop or len(piece) == self.PIECE:
-                    yield piece
-                    piece = []
+                if got == stop or len(samples) == piece:
+                    yield samples
+                    samples = []
                 if got == stop:
                     return
         if got < stop:
@@ -334,8 +334,8 @@ class ReaderSource(Source[list[Any]]):
                 f"{self._shards[shard]!r} gave {got} samples; the stream counted "
                 f"{self._rows[shard]} (expected its rows argument to be the count)."
             )
-        if piece:
-            yield piece
+        if samples:
+            yield samples
 
     def cut(self, piece: list[Any], start: int, stop: int) -> list[Any]:
         return piece[start:stop]

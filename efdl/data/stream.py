@@ -241,7 +241,8 @@ class _Lane:
         start = self.order.lane_start(self.lane)
         stop = start + self.order.lane_length(self.lane)
         segments = self.order.segments(start + k, stop)
-        self._pieces = (p for s, a, b in segments for p in self.source.read(s, a, b))
+        piece = self.order.window
+        self._pieces = (p for s, a, b in segments for p in self.source.read(s, a, b, piece))
         self._next, self._carry = k, None
 
     def window(self, j: int) -> Any:

@@ -1,0 +1,250 @@
+"""efdl.ElasticStream over real Parquet files (and a reader function): the epoch's order
+through rescales, DataLoader workers, reads that seek, positions, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from efdl.data.source import DataSourceError, ParquetSource, ReaderSource
+from efdl.data.stream import ElasticStream
+
+# Uneven files (one empty), row groups of 100: lanes begin and end inside both.
+ROWS = (1000, 37, 0, 512, 999, 64, 2048, 5, 700)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    folder = tmp_path_factory.mktemp("shards")
+    first, files = 0, []
+    for i, n in enumerate(ROWS):
+        ids = pa.array(range(first, first + n), pa.int64())
+        x = pa.array([[float(v)] * 3 for v in range(first, first + n)], pa.list_(pa.float32(), 3))
+        path = folder / f"part-{i:03d}.parquet"
+        pq.write_table(
+            pa.table({"id": ids, "x": x, "s": ids.cast(pa.string())}), path, row_group_size=100
+        )
+        files.append(str(path))
+        first += n
+    return files
+
+
+def stream(files: Any, batch: int = 128, **kw: Any) -> ElasticStream:
+    kw = {"lanes": 16, "window": 50, "seed": 3, **kw}
+    return ElasticStream(files, batch, **kw)
+
+
+def ids(batch: dict[str, Any]) -> list[int]:
+    return [int(i) for i in batch["id"]]
+
+
+def test_a_step_is_the_next_global_batch_of_the_order_split_over_the_ranks(
+    shards: list[str],
+) -> None:
+    ref = stream(shards)
+    order = ref.order()
+    first_id = {s: sum(ROWS[:s]) for s in range(len(ROWS))}
+    expected = [first_id[shard] + row for shard, row in (order.at(p) for p in range(order.total))]
+    for world in (1, 3, 16):
+        streams = [stream(shards) for _ in range(world)]
+        for rank, s in enumerate(streams):
+            s.set_world(rank, world)
+        for step, batches in enumerate(zip(*streams, strict=True)):
+            got = sorted(i for b in batches for i in ids(b))
+            assert got == sorted(expected[step * 128 : (step + 1) * 128]), (world, step)
+
+
+def test_each_row_once_per_epoch_through_random_rescales(shards: list[str]) -> None:
+    rng = random.Random(5)
+    for epoch in range(3):
+        seen: Counter[int] = Counter()
+        position: dict[str, Any] | None = None
+        while position is None or position["cursor"] < sum(ROWS):
+            world = rng.randint(1, 16)
+            streams = [stream(shards) for _ in range(world)]
+            for rank, s in enumerate(streams):
+                if position is not None:
+                    s.load_state_dict(position)
+                s.set_epoch(epoch)
+                s.set_world(rank, world)
+            for batches in zip(*streams, strict=False):
+                for b in batches:
+                    seen.update(ids(b))
+                for s in streams:
+                    s.advance()
+                if rng.random() < 0.2:
+                    break  # a rescale: the others pause here too
+            position = streams[0].state_dict()
+        assert sorted(seen) == list(range(sum(ROWS))) and max(seen.values()) == 1, epoch
+
+
+def test_columns_become_tensors_and_strings_lists(shards: list[str]) -> None:
+    batch = next(iter(stream(shards)))
+    assert batch["id"].dtype == torch.int64 and batch["x"].shape == (128, 3)
+    assert torch.equal(batch["x"][:, 0].long(), batch["id"])
+    assert batch["s"] == [str(i) for i in ids(batch)]
+    only = next(iter(stream(shards, columns=["id"])))
+    assert list(only) == ["id"]
+
+
+def run_loader(s: ElasticStream, loader: DataLoader[Any], steps: int) -> list[list[int]]:
+    out = []
+    for batch in loader:
+        out.append(ids(batch))
+        s.advance()
+        if len(out) == steps:
+            break
+    return out
+
+
+def test_dataloader_workers_yield_the_main_process_batches(shards: list[str]) -> None:
+    """num_workers 2 (plain and persistent) yields what num_workers 0 does, from the same
+    cursor, also after the cursor, the world and the epoch change between iterations."""
+    results = []
+    for workers, persistent in ((0, False), (2, False), (2, True)):
+        s = stream(shards)
+        s.set_world(1, 3)
+        loader: DataLoader[Any] = DataLoader(
+            s, batch_size=None, num_workers=workers, persistent_workers=persistent
+        )
+        got = run_loader(s, loader, 7)
+        s.set_world(0, 2)  # a rescale between iterations
+        got += run_loader(s, loader, 5)
+        s.set_epoch(1)
+        got += run_loader(s, loader, 4)
+        results.append(got)
+    assert results[0] == results[1] == results[2]
+    assert len(results[0]) == 16
+
+
+def test_a_rescale_reads_from_where_the_share_starts(tmp_path: Path) -> None:
+    """A rank that starts mid-epoch opens its lanes at the row groups that hold the cursor:
+    its first batch reads a small part of what reading its lanes from the start would."""
+    rng = random.Random(1)
+    for i in range(8):  # 8 files of 4000 rows, 200 random bytes each: 800 kB, 8 row groups
+        payload = pa.array([rng.randbytes(200) for _ in range(4000)], pa.binary())
+        table = pa.table(
+            {"id": pa.array(range(i * 4000, (i + 1) * 4000), pa.int64()), "p": payload}
+        )
+        pq.write_table(table, tmp_path / f"{i}.parquet", row_group_size=500, compression="none")
+    whole = ElasticStream(str(tmp_path), 256, lanes=4, window=64)
+    whole.rows()
+    footers = whole.source.bytes_read()
+    for _ in whole:
+        pass
+    epoch_bytes = whole.source.bytes_read() - footers
+    assert epoch_bytes > 6_400_000  # the data, read once
+    s = ElasticStream(str(tmp_path), 256, lanes=4, window=64)
+    s.load_state_dict({**s.state_dict(), "cursor": 16_000})  # half the epoch
+    s.set_world(1, 2)
+    footers = s.source.bytes_read()
+    assert ids(next(iter(s)))
+    # Two lanes, each its row group at the cursor and the next window's: about 4 row groups
+    # (100 kB each) of the 64 there are.
+    assert s.source.bytes_read() - footers < epoch_bytes / 8, (s.source.bytes_read(), epoch_bytes)
+
+
+def read_jsonl(path: str, start: int) -> Iterator[dict[str, Any]]:
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i >= start:
+                yield json.loads(line)
+
+
+def test_any_format_through_a_reader_function_also_in_workers(tmp_path: Path) -> None:
+    names, counts, first = [], [], 0
+    for i, n in enumerate((40, 3, 77)):
+        path = tmp_path / f"{i}.jsonl"
+        path.write_text(
+            "".join(json.dumps({"id": v, "y": v * 0.5}) + "\n" for v in range(first, first + n))
+        )
+        names.append(str(path))
+        counts.append(n)
+        first += n
+    s = ElasticStream(ReaderSource(names, read_jsonl, counts), 24, lanes=4, window=10)
+    loader: DataLoader[Any] = DataLoader(s, batch_size=None, num_workers=2)
+    got = [int(i) for batch in loader for i in batch["id"]]
+    assert sorted(got) == list(range(120))
+    assert torch.is_tensor(next(iter(s))["y"])
+
+
+def test_the_last_step_gives_every_rank_a_row(tmp_path: Path) -> None:
+    """The epoch's last global batch may miss a rank's lanes: that rank repeats one row of
+    its own rather than take an empty step (a mean over none is NaN)."""
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"id": pa.array(range(100), pa.int64())}), path)
+    streams = [ElasticStream(str(path), 32, lanes=8, window=8) for _ in range(4)]
+    for rank, s in enumerate(streams):
+        s.set_world(rank, 4)
+    steps = [list(batches) for batches in zip(*streams, strict=True)]
+    assert len(steps) == 4  # 100 rows: 3 steps of 32 and one of 4
+    assert all(len(ids(b)) >= 1 for b in steps[-1])
+    assert sum(len(ids(b)) for b in steps[-1]) <= 4 + 3
+
+
+def test_a_position_keeps_its_order_settings_until_its_epoch_ends(shards: list[str]) -> None:
+    old = stream(shards, lanes=8, window=20)
+    old.advance()
+    s = stream(shards, lanes=16, window=50)
+    s.load_state_dict(old.state_dict())
+    assert (s.order().lanes, s.order().window, s.cursor) == (8, 20, 128)
+    s.set_epoch(1)
+    assert (s.order().lanes, s.order().window, s.cursor) == (16, 50, 0)
+
+
+def test_bad_settings_positions_and_files_are_clear_errors(
+    shards: list[str], tmp_path: Path
+) -> None:
+    with pytest.raises(
+        ValueError, match="global_batch_size is 8; expected at least lanes \\(16\\)"
+    ):
+        stream(shards, batch=8)
+    with pytest.raises(ValueError, match="window is 0; expected"):
+        stream(shards, window=0)
+    with pytest.raises(ValueError, match="A world of 17 ranks cannot share 16 lanes"):
+        stream(shards).set_world(0, 17)
+    s = stream(shards)
+    with pytest.raises(
+        DataSourceError, match="9 shards and 6365 rows; this stream has 9 shards and 5365"
+    ):
+        s.load_state_dict({**s.state_dict(), "rows": 6365})
+    with pytest.raises(DataSourceError, match="Not an ElasticStream position"):
+        s.load_state_dict({"epoch": 1})
+    with pytest.raises(DataSourceError, match="No Parquet files at"):
+        ParquetSource(str(tmp_path / "none-*.parquet"))
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(DataSourceError, match=r"bad\.parquet' is not a Parquet file"):
+        stream([str(bad)]).rows()
+    with pytest.raises(DataSourceError, match="has no column"):
+        next(iter(stream(shards, columns=["nope"])))
+
+
+def test_parquet_on_s3(s3_bucket: str, tmp_path: Path) -> None:
+    import fsspec  # type: ignore[import-untyped]
+
+    fs = fsspec.filesystem("s3")
+    for i, n in enumerate((300, 200)):
+        path = tmp_path / f"{i}.parquet"
+        pq.write_table(
+            pa.table({"id": pa.array(range(i * 300, i * 300 + n), pa.int64())}),
+            path,
+            row_group_size=64,
+        )
+        fs.put(str(path), f"{s3_bucket}/train/{i}.parquet")
+    streams = [ElasticStream(f"{s3_bucket}/train/", 32, lanes=4, window=16) for _ in range(2)]
+    for rank, s in enumerate(streams):
+        s.set_world(rank, 2)
+    got = sorted(i for s in streams for b in s for i in ids(b))
+    assert got == sorted([*range(300), *range(300, 500)])
+    assert streams[0].source.bytes_read() > 0
