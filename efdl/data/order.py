@@ -18,9 +18,10 @@ consumed), whatever N is. Rank ``r`` of ``world`` takes the positions of its lan
 ``l`` with ``l * world // lanes == r``: contiguous, and the same lanes at every step), so it
 reads only its lanes' part of the stream, in stream order, window by window. After a rescale,
 the rest of the epoch is split the same way over the new world: every row of the epoch is
-trained once, whatever the world did. What that costs: ``world`` may not exceed ``lanes``,
-and when ``world`` does not divide ``lanes`` the ranks' shares of a step differ by up to
-N / lanes rows (MosaicML streaming's "canonical nodes" make the same trade).
+trained once, whatever the world did. What that costs: when ``world`` does not divide
+``lanes`` the ranks' shares of a step differ by up to N / lanes rows (MosaicML streaming's
+"canonical nodes" make the same trade), and a world larger than ``lanes`` has ranks share a
+lane (each reads all of it, and takes its turn of the lane's rows).
 """
 
 from __future__ import annotations
@@ -142,30 +143,44 @@ class EpochOrder:
         return self.locate(self.lane_row(position % self.lanes, position // self.lanes))
 
 
-def lanes_of(rank: int, world: int, lanes: int) -> range:
-    """The lanes rank ``rank`` of ``world`` reads: ``l`` with ``l * world // lanes == rank``.
+@dataclass(frozen=True)
+class LaneShare:
+    """What one rank reads: its ``lanes``, and, where ranks outnumber lanes, which of the
+    ``group`` ranks sharing its one lane it is (``index``): it takes every ``group``-th of
+    the lane's rows in each step, from the ``index``-th."""
+
+    lanes: range
+    index: int = 0
+    group: int = 1
+
+
+def lane_share(rank: int, world: int, lanes: int) -> LaneShare:
+    """Rank ``rank`` of ``world``'s part of the ``lanes`` lanes.
+
+    Up to ``lanes`` ranks: the contiguous lanes ``l`` with ``l * world // lanes == rank``, read
+    by this rank alone. More ranks than lanes: rank ``r`` reads lane ``r * lanes // world``
+    with the other ranks of that lane, each taking its turn of the lane's rows of a step (each
+    of them reads the whole lane: a larger world costs reads, not correctness).
 
     Raises:
-        ValueError: a world larger than ``lanes`` (some rank would have no lane), or a rank
-            outside it.
+        ValueError: a rank outside the world.
     """
-    if not 1 <= world <= lanes:
-        raise ValueError(
-            f"A world of {world} ranks cannot share {lanes} lanes: the stream's lanes must be "
-            f"at least the largest world size (set lanes >= {world})."
-        )
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a world of {world}.")
-    return range(-(-rank * lanes // world), -(-(rank + 1) * lanes // world))
+    if world <= lanes:
+        return LaneShare(range(-(-rank * lanes // world), -(-(rank + 1) * lanes // world)))
+    lane = rank * lanes // world
+    first, end = -(-lane * world // lanes), -(-(lane + 1) * world // lanes)
+    return LaneShare(range(lane, lane + 1), rank - first, end - first)
 
 
 def share(order: EpochOrder, cursor: int, n: int, rank: int, world: int) -> list[int]:
     """Rank ``rank``'s positions of the global batch ``[cursor, cursor + n)`` (cut at the
     epoch's end), in position order."""
-    mine = lanes_of(rank, world, order.lanes)
+    mine = lane_share(rank, world, order.lanes)
     stop = min(cursor + n, order.total)
     out: list[int] = []
-    for lane in mine:
+    for lane in mine.lanes:
         first = cursor + (lane - cursor) % order.lanes  # the lane's first position from cursor
-        out.extend(range(first, stop, order.lanes))
+        out.extend(range(first, stop, order.lanes)[mine.index :: mine.group])
     return sorted(out)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from efdl.data.order import EpochOrder, lanes_of
+from efdl.data.order import EpochOrder, LaneShare, lane_share
 from efdl.data.source import DataSourceError, ParquetSource, Source
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,12 @@ class ElasticStream(IterableDataset[Any]):
             a :class:`~efdl.data.source.Source` (``ReaderSource`` for other formats).
         global_batch_size: samples per step over all ranks (a rank's share is about
             ``global_batch_size / world``). At least ``lanes``.
-        lanes: how the stream is cut for reading: the largest world size the stream can
-            serve. A rank reads ``lanes / world`` lanes at once, each its own place in the
-            shards. Shares are equal when ``world`` divides ``lanes`` and ``lanes`` divides
+        lanes: how the stream is cut for reading (fixed for an epoch). A rank reads
+            ``lanes / world`` lanes at once, each its own place in the shards; above
+            ``lanes`` ranks, ranks share a lane (each reads all of it). Each lane decodes up
+            to one row group it does not need per epoch (where it begins) and per rescale:
+            keep ``lanes`` at or above the largest world, and lanes many row groups long.
+            Shares are equal when ``world`` divides ``lanes`` and ``lanes`` divides
             ``global_batch_size``.
         window: rows shuffled together within a lane (a row moves less than ``window``
             places in its lane); a rank holds about two windows of each of its lanes.
@@ -66,11 +69,12 @@ class ElasticStream(IterableDataset[Any]):
             of samples for a ``ReaderSource``). Default: a dict of tensors per column
             (:func:`to_torch`) for Arrow, ``default_collate`` for lists.
         columns, storage_options: for Parquet sources given as URLs.
-        threads: reader threads per process (each reads one lane at a time; Arrow decodes
-            outside the GIL).
+        threads: reader threads per process (default: the cores, at most 8; each reads one
+            lane at a time; Arrow decodes outside the GIL, but more threads than cores
+            contend for it).
 
     Raises:
-        ValueError: a batch smaller than ``lanes``, or settings below 1.
+        ValueError: a batch smaller than ``lanes`` or than the world, or settings below 1.
     """
 
     def __init__(
@@ -78,15 +82,16 @@ class ElasticStream(IterableDataset[Any]):
         source: Source[Any] | str | Sequence[str],
         global_batch_size: int,
         *,
-        lanes: int = 64,
+        lanes: int = 16,
         window: int = 1024,
         seed: int = 0,
         shuffle: bool = True,
         transform: Callable[[Any], Any] | None = None,
         columns: Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
-        threads: int = 8,
+        threads: int | None = None,
     ) -> None:
+        threads = threads if threads is not None else min(8, os.cpu_count() or 1)
         if not isinstance(source, Source):
             source = ParquetSource(source, columns, storage_options)
         for name, value in (("lanes", lanes), ("window", window), ("threads", threads)):
@@ -135,7 +140,12 @@ class ElasticStream(IterableDataset[Any]):
         return EpochOrder(self.rows(), p[_SEED], p[_EPOCH], p[_LANES], p[_WINDOW], self.shuffle)
 
     def set_world(self, rank: int, world: int) -> None:
-        lanes_of(rank, world, int(self._pos[_LANES]))  # refuses a world it cannot serve
+        lane_share(rank, world, int(self._pos[_LANES]))  # refuses a rank outside the world
+        if world > self.global_batch_size:
+            raise ValueError(
+                f"A world of {world} ranks is larger than the global batch "
+                f"({self.global_batch_size}): every rank needs a sample in every step."
+            )
         self._pos[_RANK], self._pos[_WORLD], self._pos[_SET] = rank, world, 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -217,7 +227,7 @@ class ElasticStream(IterableDataset[Any]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         transform = self.transform or self.source.collate
-        reader = _RankReader(self.source, order, lanes_of(rank, world, order.lanes), self.threads)
+        reader = _RankReader(self.source, order, lane_share(rank, world, order.lanes), self.threads)
         try:
             steps = range(self.cursor, order.total, self.global_batch_size)
             for i in range(worker, len(steps), workers):
@@ -273,10 +283,10 @@ class _RankReader:
     """This rank's lanes: blocks (window ``j`` of every lane, joined) read ahead in threads,
     and each step's rows taken from them."""
 
-    def __init__(self, source: Source[Any], order: EpochOrder, lanes: range, threads: int):
-        self.source, self.order, self.mine = source, order, lanes
-        self.lanes = {lane: _Lane(source, order, lane) for lane in lanes}
-        self._pool = ThreadPoolExecutor(max_workers=min(threads, len(lanes)))
+    def __init__(self, source: Source[Any], order: EpochOrder, share: LaneShare, threads: int):
+        self.source, self.order, self.share, self.mine = source, order, share, share.lanes
+        self.lanes = {lane: _Lane(source, order, lane) for lane in share.lanes}
+        self._pool = ThreadPoolExecutor(max_workers=min(threads, len(share.lanes)))
         self._windows: dict[tuple[int, int], Future[Any]] = {}
         # Block j: the joined rows, and each lane's offset in them and window order.
         self._blocks: dict[int, tuple[Any, dict[int, tuple[int, np.ndarray[Any, Any]]]]] = {}
@@ -318,26 +328,26 @@ class _RankReader:
         """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane."""
         order, lanes, window = self.order, self.order.lanes, self.order.window
         stop = min(cursor + n, order.total)
-        spans: dict[int, tuple[int, int]] = {}  # lane -> its rows [k0, k1) in this step
+        spans: dict[int, np.ndarray[Any, Any]] = {}  # lane -> its rows (k) in this step
         for lane in self.mine:
             k0 = (cursor + (lane - cursor) % lanes) // lanes
             k1 = (stop - lane + lanes - 1) // lanes
-            if k1 > k0:
-                spans[lane] = (k0, k1)
+            ks = np.arange(k0 + self.share.index, k1, self.share.group, dtype=np.int64)
+            if len(ks):
+                spans[lane] = ks
         if not spans:  # the epoch's last step left this rank nothing: repeat one row
             lane = self.mine.start
-            last = order.lane_length(lane) - 1
-            spans[lane] = (last, last + 1)
+            spans[lane] = np.array([order.lane_length(lane) - 1], dtype=np.int64)
         parts = []
-        j0 = min(k0 // window for k0, _ in spans.values())
-        j1 = max((k1 - 1) // window for _, k1 in spans.values())
+        j0 = min(int(ks[0]) // window for ks in spans.values())
+        j1 = max(int(ks[-1]) // window for ks in spans.values())
         for j in range(j0, j1 + 1):
             block, offsets = self.block(j)
             index: list[np.ndarray[Any, Any]] = []
-            for lane, (k0, k1) in spans.items():
-                a, b = max(k0, j * window), min(k1, (j + 1) * window)
-                if a < b:
+            for lane, ks in spans.items():
+                mine = ks[(ks >= j * window) & (ks < (j + 1) * window)]
+                if len(mine):
                     at, perm = offsets[lane]
-                    index.append(at + perm[a - j * window : b - j * window])
+                    index.append(at + perm[mine - j * window])
             parts.append(self.source.take(block, np.concatenate(index)))
         return parts[0] if len(parts) == 1 else self.source.join(parts)

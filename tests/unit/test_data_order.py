@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from efdl.data.order import EpochOrder, lanes_of, share
+from efdl.data.order import EpochOrder, lane_share, share
 
 # Uneven shards, as Parquet files written by different jobs are (one empty).
 ROWS = (1000, 37, 0, 512, 999, 64, 2048, 5, 700)
@@ -45,13 +45,20 @@ def test_rows_move_less_than_a_window_within_their_lane() -> None:
 
 
 @pytest.mark.parametrize("lanes", [1, 7, 16, 64])
-def test_lanes_split_any_world_up_to_their_number(lanes: int) -> None:
-    for world in range(1, lanes + 1):
-        got = [list(lanes_of(r, world, lanes)) for r in range(world)]
-        assert [lane for ls in got for lane in ls] == list(range(lanes))
-        assert max(map(len, got)) - min(map(len, got)) <= 1
-    with pytest.raises(ValueError, match=f"cannot share {lanes} lanes"):
-        lanes_of(0, lanes + 1, lanes)
+def test_lanes_split_any_world(lanes: int) -> None:
+    for world in range(1, lanes + 1):  # each rank its own contiguous lanes
+        got = [lane_share(r, world, lanes) for r in range(world)]
+        assert [lane for s in got for lane in s.lanes] == list(range(lanes))
+        assert max(len(s.lanes) for s in got) - min(len(s.lanes) for s in got) <= 1
+        assert all(s.group == 1 for s in got)
+    for world in (lanes + 1, 2 * lanes + 3):  # more ranks than lanes: they share lanes
+        got = [lane_share(r, world, lanes) for r in range(world)]
+        assert all(len(s.lanes) == 1 for s in got)
+        for lane in range(lanes):
+            sharing = [s for s in got if s.lanes[0] == lane]
+            assert sorted(s.index for s in sharing) == list(range(sharing[0].group))
+    with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
+        lane_share(4, 4, lanes)
 
 
 def test_each_row_once_through_joins_leaves_and_batch_changes() -> None:
@@ -59,13 +66,13 @@ def test_each_row_once_through_joins_leaves_and_batch_changes() -> None:
     rng = random.Random(3)
     cursor, seen = 0, []
     while cursor < o.total:
-        world = rng.randint(1, 16)  # a rescale may come before any step
+        world = rng.randint(1, 24)  # a rescale may come before any step (16 lanes)
         n = rng.choice([64, 100, 256, 7])  # per-rank batch fixed (N moves) or global fixed
         shares = [share(o, cursor, n, r, world) for r in range(world)]
         got = sorted(p for s in shares for p in s)
         assert got == list(range(cursor, min(cursor + n, o.total)))  # the next n positions
         for r, s in enumerate(shares):  # only its own lanes
-            assert {p % o.lanes for p in s} <= set(lanes_of(r, world, o.lanes))
+            assert {p % o.lanes for p in s} <= set(lane_share(r, world, o.lanes).lanes)
         seen += [o.at(p) for p in got]
         cursor += n
     assert len(seen) == len(set(seen)) == o.total
@@ -74,7 +81,7 @@ def test_each_row_once_through_joins_leaves_and_batch_changes() -> None:
 def test_a_rank_reads_its_lanes_in_stream_order_window_by_window() -> None:
     o = order(window=64)
     mine = share(o, 0, o.total, 2, 4)  # rank 2 of 4, the whole epoch
-    lanes = lanes_of(2, 4, 16)
+    lanes = lane_share(2, 4, 16).lanes
     stream = [o.lane_row(p % 16, p // 16) for p in mine]
     lo = o.lane_start(lanes[0])
     hi = o.lane_start(lanes[-1]) + o.lane_length(lanes[-1])

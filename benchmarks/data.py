@@ -1,0 +1,401 @@
+"""Streamed data: efdl.ElasticStream against a plain pyarrow reader and HF ``datasets``.
+
+A generated Parquet data set (``--gb``, default 2 GB: rows of a 512-token int32 sequence and
+an id, 8192-row row groups, snappy) is read by 1, 2 and 4 ranks at once, each its own process
+(a DataLoader with ``--workers`` worker processes, or none), from local disk and from the
+local S3 stand-in (moto's server, on 127.0.0.1; ``--s3-gb`` of the files). Readers:
+
+- plain: a DataLoader over an IterableDataset that reads its rank's files (and its worker's
+  share of them) with ``pyarrow.ParquetFile.iter_batches``, in file order, no shuffle: the
+  cheapest reader there is, and the goal's baseline.
+- efdl: ``efdl.ElasticStream`` (its defaults: 16 lanes, 1024-row windows, shuffled), global
+  batch = the per-rank batch times the world; efdl64: the same with 64 lanes (under 2 row
+  groups per lane here, against 7-8 with 16: each lane decodes up to one row group before
+  its first row, see docs/data.md).
+- hf: ``datasets.load_dataset("parquet", streaming=True)``, ``split_dataset_by_node``, a
+  DataLoader over ``with_format("torch")``, no shuffle; it reads ``--hf-rows`` per rank (it
+  is slow).
+
+Per configuration: samples/s and decoded MB/s over all ranks (from the moment every rank is
+ready to the last rank's last batch), median of ``--repeat`` interleaved runs.
+
+The rescale: ranks that were 2 become 3 at the middle of the epoch. A survivor's stream (its
+footers already read) and a newcomer's (nothing read) are started at the cursor with the new
+world; the time to their first batch and the bytes they read for it, against what a reader
+without a seek re-reads (its files from their start to the position).
+
+Usage: python -m benchmarks.data [--gb 2] [--s3-gb 0.25] [--repeat 3] [--dir D]
+       [--worlds 1,2,4] [--readers plain,efdl,hf] [--workers 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import spread, verdict
+
+TOKENS = 512
+GROUP_ROWS = 8192
+BATCH = 256  # rows per rank per step
+FILE_ROWS = 65_536  # 8 row groups, about 128 MB decoded
+
+
+def generate(folder: Path, gb: float) -> list[str]:
+    """Parquet files of about ``gb`` GB decoded (reused when already there)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = max(1, round(gb * 1e9 / (FILE_ROWS * TOKENS * 4)))
+    marker = folder / f"done-{files}"
+    paths = [str(folder / f"part-{i:04d}.parquet") for i in range(files)]
+    if marker.exists():
+        return paths
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i, path in enumerate(paths):
+        tokens = rng.integers(0, 50_257, size=FILE_ROWS * TOKENS, dtype=np.int32)
+        ids = pa.array(np.arange(i * FILE_ROWS, (i + 1) * FILE_ROWS, dtype=np.int64))
+        seq = pa.FixedSizeListArray.from_arrays(pa.array(tokens), TOKENS)
+        pq.write_table(pa.table({"id": ids, "tokens": seq}), path, row_group_size=GROUP_ROWS)
+    marker.touch()
+    return paths
+
+
+# ---------------------------------------------------------------- one rank (a subprocess)
+
+
+def _plain_dataset(files: list[str], rank: int, world: int, storage: dict[str, Any]) -> Any:
+    import fsspec  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq
+    from torch.utils.data import IterableDataset, get_worker_info
+
+    from efdl.data.source import to_torch
+
+    class Plain(IterableDataset[Any]):
+        def __iter__(self) -> Any:
+            info = get_worker_info()
+            w, k = (info.id, info.num_workers) if info else (0, 1)
+            for url in files[rank::world][w::k]:
+                with fsspec.open(url, "rb", **storage) as f:
+                    for batch in pq.ParquetFile(f).iter_batches(BATCH):
+                        yield to_torch(batch)
+
+    return Plain()
+
+
+def _hf_dataset(files: list[str], rank: int, world: int, storage: dict[str, Any]) -> Any:
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    ds = datasets.load_dataset(
+        "parquet", data_files=files, streaming=True, split="train", storage_options=storage
+    )
+    return split_dataset_by_node(ds, rank, world).with_format("torch")
+
+
+def rank_main(args: dict[str, Any]) -> None:
+    """Read this rank's share; print rows, decoded bytes and the time span as JSON."""
+    from torch.utils.data import DataLoader
+
+    import efdl
+
+    rank, world, files, storage = args["rank"], args["world"], args["files"], args["storage"]
+    reader, workers = args["reader"], args["workers"]
+    extra: dict[str, Any] = {"num_workers": workers}
+    if reader.startswith("efdl"):
+        lanes = int(reader[4:] or 16)  # "efdl": the default 16 lanes; "efdl64": 64
+        stream = efdl.ElasticStream(files, BATCH * world, lanes=lanes, storage_options=storage)
+        stream.set_world(rank, world)
+        loader: Any = DataLoader(stream, batch_size=None, **extra)
+    elif reader == "plain":
+        loader = DataLoader(_plain_dataset(files, rank, world, storage), batch_size=None, **extra)
+    else:
+        loader = DataLoader(_hf_dataset(files, rank, world, storage), batch_size=BATCH, **extra)
+    Path(args["ready"]).touch()
+    deadline = time.monotonic() + 300
+    while not os.path.exists(args["go"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no go file {args['go']} within 300 s")
+        time.sleep(0.005)
+    start = time.time()
+    rows = nbytes = 0
+    cap = args["cap"] or float("inf")
+    for batch in loader:
+        rows += len(batch["id"])
+        nbytes += sum(v.numel() * v.element_size() for v in batch.values())
+        if rows >= cap:
+            break
+    print(json.dumps({"rows": rows, "bytes": nbytes, "start": start, "end": time.time()}))
+
+
+def run_world(
+    reader: str,
+    world: int,
+    files: list[str],
+    storage: dict[str, Any],
+    workers: int,
+    env: Any,
+    cap: int = 0,
+) -> dict[str, float]:
+    """All ranks at once (each reading at most ``cap`` rows, 0: all); samples/s and MB/s."""
+    tmp = Path(tempfile.mkdtemp(prefix="efdl-data-"))
+    try:
+        procs = []
+        for rank in range(world):
+            args = {
+                "rank": rank,
+                "world": world,
+                "files": files,
+                "storage": storage,
+                "reader": reader,
+                "workers": workers,
+                "cap": cap,
+                "ready": str(tmp / f"ready-{rank}"),
+                "go": str(tmp / "go"),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.data", "--rank-main", json.dumps(args)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        deadline = time.monotonic() + 300
+        while not all((tmp / f"ready-{r}").exists() for r in range(world)):
+            if time.monotonic() > deadline or any(p.poll() for p in procs):
+                raise RuntimeError(f"{reader} x{world}: ranks not ready within 300 s")
+            time.sleep(0.01)
+        (tmp / "go").touch()
+        outs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=1800)
+            if p.returncode:
+                raise RuntimeError(f"{reader} x{world}: a rank exited {p.returncode}")
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    span = max(o["end"] for o in outs) - min(o["start"] for o in outs)
+    rows = sum(o["rows"] for o in outs)
+    return {"rows": rows, "sps": rows / span, "mbs": sum(o["bytes"] for o in outs) / span / 1e6}
+
+
+# ---------------------------------------------------------------- the rescale
+
+
+def rescale(files: list[str], storage: dict[str, Any], lanes: int) -> dict[str, float]:
+    """2 ranks -> 3 at mid-epoch: a survivor's and a newcomer's first batch."""
+    import efdl
+    from efdl.data.source import ParquetSource
+
+    out: dict[str, float] = {}
+    survivor = efdl.ElasticStream(files, BATCH * 3, lanes=lanes, storage_options=storage)
+    survivor.rows()  # read before the rescale, with the first epoch
+    half = sum(survivor.rows()) // 2 // (BATCH * 3) * (BATCH * 3)
+    for name, stream in (
+        ("survivor", survivor),
+        ("newcomer", efdl.ElasticStream(files, BATCH * 3, lanes=lanes, storage_options=storage)),
+    ):
+        before = stream.source.bytes_read()
+        t0 = time.perf_counter()
+        if name == "newcomer":
+            stream.rows()  # a newcomer reads the footers (the sync gives it the position)
+        stream.load_state_dict({**stream.state_dict(), "cursor": half})
+        stream.set_world(2, 3)
+        it = iter(stream)
+        batch = next(it)
+        out[f"{name}_s"] = time.perf_counter() - t0
+        out[f"{name}_bytes"] = stream.source.bytes_read() - before
+        out["batch_rows"] = len(batch["id"])
+        del it
+    # A reader without a seek re-reads its files from their start: on average half of the
+    # epoch's bytes spread over the new world, for one rank.
+    sizes = ParquetSource(files, storage_options=storage)
+    total = sum(_size(f, storage) for f in sizes.names())
+    out["reread_bytes"] = total / 2 / 3
+    return out
+
+
+def _size(url: str, storage: dict[str, Any]) -> int:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **storage)
+    return int(fs.size(path))
+
+
+# ---------------------------------------------------------------- the S3 stand-in
+
+
+def start_s3(
+    files: list[str], gb: float
+) -> tuple[subprocess.Popen[bytes], list[str], dict[str, str]]:
+    """moto's S3 server on 127.0.0.1 with the first ``gb`` GB of the files."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "FSSPEC_S3_ENDPOINT_URL": endpoint,
+    }
+    os.environ.update(env)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto's S3 server did not start within 60 s") from None
+            time.sleep(0.1)
+    import fsspec
+
+    fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
+    fs.mkdir("efdl-bench")
+    n = max(1, min(len(files), round(gb * 1e9 / (FILE_ROWS * TOKENS * 4))))
+    urls = []
+    for f in files[:n]:
+        url = f"s3://efdl-bench/{Path(f).name}"
+        fs.put(f, url)
+        urls.append(url)
+    return proc, urls, env
+
+
+# ---------------------------------------------------------------- the report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rank-main", help=argparse.SUPPRESS)
+    p.add_argument("--gb", type=float, default=2.0)
+    p.add_argument("--s3-gb", type=float, default=0.25, help="0: no S3 runs")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "efdl-bench-parquet"))
+    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--readers", default="plain,efdl,efdl64,hf")
+    p.add_argument(
+        "--hf-rows", type=int, default=50_000, help="rows per rank that hf reads (it is slow)"
+    )
+    p.add_argument("--workers", default="0", help="DataLoader worker counts, e.g. 0,2")
+    a = p.parse_args()
+    if a.rank_main:
+        rank_main(json.loads(a.rank_main))
+        return
+    t0 = time.perf_counter()
+    files = generate(Path(a.dir), a.gb)
+    print(
+        f"Generated in {time.perf_counter() - t0:.0f} s (or reused): {len(files)} files",
+        file=sys.stderr,
+    )
+    on_disk = sum(os.path.getsize(f) for f in files)
+    worlds = [int(w) for w in a.worlds.split(",")]
+    readers = a.readers.split(",")
+    worker_counts = [int(w) for w in a.workers.split(",")]
+    places: list[tuple[str, list[str], dict[str, Any]]] = [("local", files, {})]
+    s3 = None
+    if a.s3_gb > 0:
+        s3, urls, _ = start_s3(files, a.s3_gb)
+        places.append(("s3", urls, {}))
+    env = dict(os.environ)
+    try:
+        results: dict[tuple[str, str, int, int], list[dict[str, float]]] = {}
+        for _ in range(a.repeat):
+            for place, urls, storage in places:
+                for workers in worker_counts:
+                    for world in worlds:
+                        for reader in readers:
+                            key = (place, reader, world, workers)
+                            try:
+                                cap = a.hf_rows if reader == "hf" else 0
+                                got = run_world(reader, world, urls, storage, workers, env, cap)
+                            except RuntimeError as exc:
+                                print(f"{key}: {exc}", file=sys.stderr)
+                                continue
+                            results.setdefault(key, []).append(got)
+        resc = {
+            (place, lanes): rescale(urls, storage, lanes)
+            for place, urls, storage in places
+            for lanes in (64, 16)
+        }
+    finally:
+        if s3 is not None:
+            s3.kill()
+            s3.wait()
+    print(
+        f"Data: {len(files)} Parquet files, {sum(FILE_ROWS for _ in files):,} rows of "
+        f"{TOKENS} int32 tokens, {on_disk / 1e9:.2f} GB on disk (snappy), "
+        f"{len(files) * FILE_ROWS * TOKENS * 4 / 1e9:.2f} GB decoded; S3 stand-in: the first "
+        f"{len(places[-1][1]) if s3 else 0} files. Per-rank batch {BATCH}. Medians of "
+        f"{a.repeat} interleaved runs (range).\n"
+    )
+    print("| where | workers | ranks | reader | samples/s | MB/s | efdl / plain |")
+    print("|---|---|---|---|---|---|---|")
+    ratios: dict[str, list[float]] = {}
+    for place, _, _ in places:
+        for workers in worker_counts:
+            for world in worlds:
+                plain = results.get((place, "plain", world, workers), [])
+                base = statistics.median(r["sps"] for r in plain) if plain else None
+                for reader in readers:
+                    rs = results.get((place, reader, world, workers), [])
+                    if not rs:
+                        print(f"| {place} | {workers} | {world} | {reader} | failed | | |")
+                        continue
+                    sps = [r["sps"] for r in rs]
+                    ratio = ""
+                    if reader != "plain" and base:
+                        ratio = f"{statistics.median(sps) / base:.2f}"
+                        ratios.setdefault(reader, []).append(statistics.median(sps) / base)
+                    print(
+                        f"| {place} | {workers} | {world} | {reader} | {spread(sps, 0)} | "
+                        f"{spread([r['mbs'] for r in rs], 0)} | {ratio} |"
+                    )
+    print()
+    for reader, rs in ratios.items():
+        if reader.startswith("efdl"):
+            print(
+                f"Goal, {reader} at >= 95 % of the plain reader in every row: "
+                f"{verdict(min(rs) >= 0.95)} (worst {min(rs):.2f})."
+            )
+    print("\nRescale at mid-epoch, 2 ranks -> 3 (rank 2 of 3), one run:\n")
+    print(
+        "| where | lanes | survivor: first batch | bytes read | newcomer: first batch "
+        "(footers too) | bytes read | a reader without seek re-reads |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for (place, lanes), r in resc.items():
+        print(
+            f"| {place} | {lanes} | {r['survivor_s'] * 1000:.0f} ms | "
+            f"{r['survivor_bytes'] / 1e6:.1f} MB | {r['newcomer_s'] * 1000:.0f} ms | "
+            f"{r['newcomer_bytes'] / 1e6:.1f} MB | {r['reread_bytes'] / 1e6:.0f} MB |"
+        )
+
+
+if __name__ == "__main__":
+    main()
