@@ -13,7 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from tests.e2e.harness import Job, check_consistent, in_place_job, regrown, steps_at_world
+from tests.e2e.harness import (
+    Job,
+    check_consistent,
+    in_place_job,
+    regrown,
+    standalone,
+    steps_at_world,
+)
 from tests.e2e.test_cache import (
     _complete,
     check_resumed,
@@ -23,6 +30,7 @@ from tests.e2e.test_cache import (
 )
 
 pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).parents[2]
 
 # Uneven files, small row groups: lanes begin and end inside files and row groups.
 FILE_ROWS = (130, 7, 301, 64, 222, 95, 141)  # 960 rows: 60 steps of 16 per epoch
@@ -140,3 +148,20 @@ def test_a_job_resumed_from_the_cache_trains_the_same_batches_from_its_snapshot(
             assert batches[key][True] == batches[key][False], key
     finally:
         job.stop()
+
+
+def test_the_stream_example_writes_its_data_and_trains(tmp_path: Path) -> None:
+    out = standalone(
+        ROOT / "examples" / "stream" / "train.py",
+        "--nproc-per-node",
+        "2",
+        script_args=["--data", str(tmp_path / "data"), "--epochs", "2", "--workers", "1"],
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(list((tmp_path / "data").glob("part-*.parquet"))) == 16
+    accuracy = [
+        float(line.split("accuracy ")[1].split()[0])
+        for line in out.stdout.splitlines()
+        if "train accuracy" in line
+    ]
+    assert len(accuracy) == 2 and accuracy[1] > accuracy[0], out.stdout[-2000:]

@@ -167,3 +167,55 @@ def test_the_replica_digest_on_the_gpu_is_the_cpus() -> None:
     assert digest(gpu) == digest(cpu)
     gpu[0][1_234_567] += 1e-3
     assert digest(gpu) != digest(cpu)
+
+
+def test_a_stream_in_pinned_memory_from_worker_processes_feeds_the_gpu(tmp_path: Path) -> None:
+    """ElasticStream through DataLoader workers with pin_memory: pinned batches, copied to
+    the GPU without a wait, and the same rows as the main process reads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from torch.utils.data import DataLoader
+
+    import efdl
+
+    for i in range(4):
+        ids = pa.array(range(i * 500, (i + 1) * 500), pa.int64())
+        x = pa.FixedSizeListArray.from_arrays(
+            pa.array([float(v) for v in range(2000)], pa.float32()), 4
+        )
+        pq.write_table(pa.table({"id": ids, "x": x}), tmp_path / f"{i}.parquet", row_group_size=128)
+    rows = []
+    for workers in (0, 2):
+        stream = efdl.ElasticStream(str(tmp_path), 64, lanes=8, window=32)
+        loader = DataLoader(stream, batch_size=None, num_workers=workers, pin_memory=True)
+        got = []
+        for batch in loader:
+            assert batch["x"].is_pinned() and batch["id"].is_pinned()
+            x = batch["x"].to("cuda", non_blocking=True)
+            got.append(sorted(batch["id"].tolist()))
+            assert x.shape[1] == 4
+        rows.append(got)
+    assert rows[0] == rows[1] and sorted(i for b in rows[0] for i in b) == list(range(2000))
+
+
+def test_the_stream_example_trains_on_the_gpu(tmp_path: Path) -> None:
+    out = standalone(
+        Path(__file__).parents[2] / "examples" / "stream" / "train.py",
+        "--nproc-per-node",
+        "1",
+        script_args=["--data", str(tmp_path / "data"), "--epochs", "2"],
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("train accuracy") == 2, out.stdout[-2000:]
+
+
+def test_a_leaving_cuda_worker_gives_its_memory_back_quickly() -> None:
+    """A worker that holds 8 GiB of GPU memory and leaves (efdl._process.exit_left) against
+    one that ends as Python does: from its last line to the memory being free (NVML)."""
+    result = subprocess.run(
+        [sys.executable, str(HERE / "cuda_exit.py")], capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(report)
+    assert report["exit_left"]["freed"] and report["python"]["freed"], report
