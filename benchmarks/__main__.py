@@ -95,6 +95,12 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
         ["--seeds", "2"],
         ["--seeds", "1", "--no-matrix", "--no-real"],
     ),
+    (
+        "data",
+        "Streamed data: efdl.ElasticStream against a plain pyarrow reader and HF datasets",
+        ["--gb", "2", "--s3-gb", "0.5", "--repeat", "3"],
+        ["--gb", "0.5", "--s3-gb", "0.12", "--repeat", "1", "--worlds", "1,2"],
+    ),
 ]
 
 
