@@ -7,9 +7,13 @@ job, ``lanes`` and ``window``:
 1. The shards are shuffled, and their rows laid end to end (the stream).
 2. The stream is cut into ``lanes`` contiguous lanes of nearly equal length (they differ by
    at most one row); a lane may begin or end inside a shard.
-3. Within a lane, rows are shuffled in consecutive windows of ``window`` rows: the lane's
-   row ``k`` is one of its rows ``window * (k // window)`` to ``window * (k // window + 1) - 1``
-   (a row moves less than ``window`` places in its lane; rows of two windows keep their order).
+3. A lane is read from its first row to its last if its number is even, from its last to its
+   first if odd (so two neighbouring lanes reach the rows where they meet at the same time,
+   both at their start or both at their end, and a reader can decode the row group they share
+   once for both). In that reading order, rows are shuffled in consecutive windows of
+   ``window`` rows: the lane's row ``k`` is one of its rows ``window * (k // window)`` to
+   ``window * (k // window + 1) - 1`` in reading order (a row moves less than ``window``
+   places in its lane; rows of two windows keep their order).
 4. The epoch interleaves the lanes: position ``p`` is row ``p // lanes`` of lane
    ``p % lanes``.
 
@@ -68,6 +72,7 @@ class EpochOrder:
     shuffle: bool = True  # False: shards in their given order, rows in stream order
     _shards: tuple[int, ...] = field(init=False, repr=False)  # the shuffled shard order
     _starts: list[int] = field(init=False, repr=False)  # stream index of each one's first row
+    _place: list[int] = field(init=False, repr=False)  # each shard's place in the order
 
     def __post_init__(self) -> None:
         if any(r < 0 for r in self.rows) or not sum(self.rows):
@@ -84,6 +89,10 @@ class EpochOrder:
         starts = list(itertools.accumulate((self.rows[s] for s in shards), initial=0))
         object.__setattr__(self, "_shards", shards)
         object.__setattr__(self, "_starts", starts)
+        place = [0] * len(shards)
+        for i, shard in enumerate(shards):
+            place[shard] = i
+        object.__setattr__(self, "_place", place)
 
     @property
     def total(self) -> int:
@@ -114,13 +123,24 @@ class EpochOrder:
             return range(size)
         return _permutation(size, _mix(self.seed, self.epoch, lane, first))
 
+    @staticmethod
+    def backward(lane: int) -> bool:
+        """Whether ``lane`` is read from its last row to its first (odd lanes)."""
+        return lane % 2 == 1
+
+    def lane_index(self, lane: int, offset: int) -> int:
+        """The stream index of the row ``offset`` places into ``lane``'s reading order."""
+        if self.backward(lane):
+            offset = self.lane_length(lane) - 1 - offset
+        return self.lane_start(lane) + offset
+
     def lane_row(self, lane: int, k: int) -> int:
         """The stream index of ``lane``'s row ``k`` (its window shuffled)."""
         length = self.lane_length(lane)
         if not 0 <= k < length:
             raise IndexError(f"lane {lane} has {length} rows, not a row {k}.")
         first = k - k % self.window
-        return self.lane_start(lane) + first + self.window_order(lane, k // self.window)[k - first]
+        return self.lane_index(lane, first + self.window_order(lane, k // self.window)[k - first])
 
     def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """Stream indices ``[start, stop)`` as (shard, first row, end row) pieces, in order."""
@@ -132,6 +152,10 @@ class EpochOrder:
                 out.append((self._shards[i], start - self._starts[i], end - self._starts[i]))
             start, i = end, i + 1
         return out
+
+    def stream_start(self, shard: int) -> int:
+        """The stream index of shard ``shard``'s first row."""
+        return self._starts[self._place[shard]]
 
     def locate(self, stream_index: int) -> tuple[int, int]:
         """(shard, row in it) of a stream index."""

@@ -48,6 +48,12 @@ class Source(Generic[C]):
         """Bytes this process has read from storage through this source (0: not counted)."""
         return 0
 
+    def units(self, shard: int) -> list[int]:
+        """The row counts of the shard's units, the pieces it is decoded in (Parquet: its
+        row groups; otherwise the whole shard). A reader that needs a row decodes its unit
+        from the unit's start."""
+        return [self.rows()[shard]]
+
     # The pieces: Arrow tables by default (lists in ReaderSource).
     def length(self, piece: C) -> int:
         return len(piece)  # type: ignore[arg-type]
@@ -190,6 +196,12 @@ class ParquetSource(Source[Any]):
 
     def bytes_read(self) -> int:
         return self._bytes
+
+    def units(self, shard: int) -> list[int]:
+        meta = self._footers.get(shard)
+        if meta is None:
+            return self._footer(shard)
+        return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
     def _count(self, n: int) -> None:
         with self._lock:

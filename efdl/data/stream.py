@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,9 +57,8 @@ class ElasticStream(IterableDataset[Any]):
             ``global_batch_size / world``). At least ``lanes``.
         lanes: how the stream is cut for reading (fixed for an epoch). A rank reads
             ``lanes / world`` lanes at once, each its own place in the shards; above
-            ``lanes`` ranks, ranks share a lane (each reads all of it). Each lane decodes up
-            to one row group it does not need per epoch (where it begins) and per rescale:
-            keep ``lanes`` at or above the largest world, and lanes many row groups long.
+            ``lanes`` ranks, ranks share a lane (each reads all of it). Keep ``lanes`` at or
+            above the largest world; more lanes per rank cost threads' time and memory.
             Shares are equal when ``world`` divides ``lanes`` and ``lanes`` divides
             ``global_batch_size``.
         window: rows shuffled together within a lane (a row moves less than ``window``
@@ -236,47 +236,161 @@ class ElasticStream(IterableDataset[Any]):
             reader.close()
 
 
-class _Lane:
-    """One lane's reader: its part of the stream, read in order, a window at a time."""
+@dataclass(frozen=True)
+class _Part:
+    """A lane's rows in one unit (row group): shard rows ``[a, b)`` of unit ``unit``, which
+    spans shard rows ``[first, end)``; ``readers``: how many of this rank's lanes read a part
+    of that unit (2 or more: it is decoded once, whole, for all of them)."""
 
-    def __init__(self, source: Source[Any], order: EpochOrder, lane: int) -> None:
-        self.source, self.order, self.lane = source, order, lane
+    shard: int
+    unit: int
+    first: int
+    end: int
+    a: int
+    b: int
+    readers: int
+
+
+class _Units:
+    """Units several of this rank's lanes read parts of, decoded once: the first lane to
+    need one reads it whole, the others take their parts of it; it is dropped when each has.
+    Neighbouring lanes run in opposite directions (efdl.data.order), so they need the unit
+    they meet in at the same time, and a unit is held for about one unit of progress."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[int, int], list[Any]] = {}  # key -> [future, takers left]
+
+    def take(self, part: _Part, read: Callable[[], Any]) -> Any:
+        key = (part.shard, part.unit)
+        with self._lock:
+            held = self._held.get(key)
+            first = held is None
+            if held is None:
+                held = self._held[key] = [Future(), part.readers]
+            future: Future[Any] = held[0]
+            held[1] -= 1
+            if not held[1]:
+                del self._held[key]
+        if first:
+            try:
+                future.set_result(read())
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+        return future.result()
+
+
+class _Lane:
+    """One lane's reader: its part of the stream in reading order (efdl.data.order: even
+    lanes forward, odd lanes backward), a window at a time."""
+
+    def __init__(
+        self, source: Source[Any], order: EpochOrder, lane: int, mine: range, units: _Units
+    ) -> None:
+        self.source, self.order, self.lane, self.units = source, order, lane, units
         self.lock = threading.Lock()
-        self._next = -1  # the lane row the pieces continue at (-1: no read open)
+        self._next = -1  # the reading offset the pieces continue at (-1: no read open)
         self._pieces: Iterator[Any] = iter(())
         self._carry: Any = None  # the rest of the last piece
+        self._parts = self._split(mine)
+
+    def _split(self, mine: range) -> list[_Part]:
+        """The lane's rows as parts of units, in stream order."""
+        order = self.order
+        lo, hi = order.lane_start(self.lane), _lane_end(order, self.lane)
+        spans = [(order.lane_start(lane), _lane_end(order, lane)) for lane in mine]
+        parts = []
+        for shard, a, b in order.segments(lo, hi):
+            base = order.stream_start(shard)
+            first = 0
+            for unit, n in enumerate(self.source.units(shard)):
+                end = first + n
+                if end > a and first < b:
+                    # this rank's lanes that read part of the unit (lanes are contiguous)
+                    u0, u1 = base + first, base + end
+                    readers = sum(1 for s0, s1 in spans if s0 < u1 and s1 > u0)
+                    parts.append(
+                        _Part(shard, unit, first, end, max(a, first), min(b, end), readers)
+                    )
+                first = end
+        return parts
+
+    def _read(self, part: _Part, a: int, b: int) -> Iterator[Any]:
+        """Shard rows ``[a, b)`` of ``part``, as pieces in stream order."""
+        src, piece = self.source, self.order.window
+        if part.readers > 1 and (a, b) == (part.a, part.b) and (a, b) != (part.first, part.end):
+            whole = self.units.take(
+                part, lambda: _joined(src, src.read(part.shard, part.first, part.end, piece))
+            )
+            yield src.cut(whole, a - part.first, b - part.first)
+        else:
+            yield from src.read(part.shard, a, b, piece)
 
     def _open(self, k: int) -> None:
-        """Read on from the lane's row ``k`` (a seek: opens the shard at its row group)."""
+        """Read on from reading offset ``k`` (a seek: opens the shard at the unit that holds
+        it, which is decoded from its start)."""
         start = self.order.lane_start(self.lane)
-        stop = start + self.order.lane_length(self.lane)
-        segments = self.order.segments(start + k, stop)
-        piece = self.order.window
-        self._pieces = (p for s, a, b in segments for p in self.source.read(s, a, b, piece))
+        if not self.order.backward(self.lane):
+            at = start + k  # the stream index of offset k
+            todo = [
+                (p, max(p.a, at - self._base(p)), p.b)
+                for p in self._parts
+                if self._base(p) + p.b > at
+            ]
+            self._pieces = (x for p, a, b in todo for x in self._read(p, a, b))
+        else:
+            at = start + self.order.lane_length(self.lane) - k  # offsets k.. are indices < at
+            todo = [
+                (p, p.a, min(p.b, at - self._base(p)))
+                for p in reversed(self._parts)
+                if self._base(p) + p.a < at
+            ]
+            self._pieces = (_joined(self.source, self._read(p, a, b)) for p, a, b in todo)
         self._next, self._carry = k, None
 
+    def _base(self, part: _Part) -> int:
+        return self.order.stream_start(part.shard)
+
     def window(self, j: int) -> Any:
-        """Window ``j``'s rows in stream order (not yet shuffled)."""
+        """Window ``j``'s rows, in stream order (a backward lane's window is its reading
+        order reversed: the block's index flips it, with no copy)."""
         with self.lock:
             first = j * self.order.window
             size = min(self.order.window, self.order.lane_length(self.lane) - first)
             if first != self._next:
                 self._open(first)
+            backward = self.order.backward(self.lane)
             src, got, pieces = self.source, 0, []
             while got < size:
                 piece = self._carry if self._carry is not None else next(self._pieces)
                 self._carry = None
                 n = src.length(piece)
-                if got + n > size:
-                    piece, self._carry = (
-                        src.cut(piece, 0, size - got),
-                        src.cut(piece, size - got, n),
-                    )
-                    n = size - got
+                if got + n > size:  # keep the rest: after this (forward), before it (backward)
+                    need = size - got
+                    if backward:
+                        piece, self._carry = (
+                            src.cut(piece, n - need, n),
+                            src.cut(piece, 0, n - need),
+                        )
+                    else:
+                        piece, self._carry = src.cut(piece, 0, need), src.cut(piece, need, n)
+                    n = need
                 pieces.append(piece)
                 got += n
             self._next = first + size
+            if backward:
+                pieces.reverse()  # read from the end: each piece came before the last
             return src.join(pieces) if len(pieces) != 1 else pieces[0]
+
+
+def _lane_end(order: EpochOrder, lane: int) -> int:
+    return order.lane_start(lane) + order.lane_length(lane)
+
+
+def _joined(source: Source[Any], pieces: Iterator[Any]) -> Any:
+    got = list(pieces)
+    return got[0] if len(got) == 1 else source.join(got)
 
 
 class _RankReader:
@@ -285,11 +399,12 @@ class _RankReader:
 
     def __init__(self, source: Source[Any], order: EpochOrder, share: LaneShare, threads: int):
         self.source, self.order, self.share, self.mine = source, order, share, share.lanes
-        self.lanes = {lane: _Lane(source, order, lane) for lane in share.lanes}
+        units = _Units()
+        self.lanes = {lane: _Lane(source, order, lane, share.lanes, units) for lane in share.lanes}
         self._pool = ThreadPoolExecutor(max_workers=min(threads, len(share.lanes)))
         self._windows: dict[tuple[int, int], Future[Any]] = {}
-        # Block j: the joined rows, and each lane's offset in them and window order.
-        self._blocks: dict[int, tuple[Any, dict[int, tuple[int, np.ndarray[Any, Any]]]]] = {}
+        # Block j: the joined rows, each lane's start in them, the window's shuffle.
+        self._blocks: dict[int, tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
 
     def close(self) -> None:
         for f in self._windows.values():
@@ -301,53 +416,54 @@ class _RankReader:
             if j < self.order.windows(lane) and (lane, j) not in self._windows:
                 self._windows[(lane, j)] = self._pool.submit(reader.window, j)
 
-    def block(self, j: int) -> tuple[Any, dict[int, tuple[int, np.ndarray[Any, Any]]]]:
-        """Window ``j`` of this rank's lanes joined, and where each lane's rows begin in it
-        and in what order they are trained."""
+    def block(self, j: int) -> tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """Window ``j`` of this rank's lanes joined; where each lane's rows begin in it (by
+        lane, from the rank's first); and the block's row of each lane's reading offset
+        ``i`` in the window, at ``begins[lane] + i`` (the window's shuffle)."""
         if j not in self._blocks:
             self._prefetch(j)
             self._prefetch(j + 1)  # read ahead while this block is used
-            pieces, offsets, at = [], {}, 0
-            for lane in self.mine:
+            pieces, rows = [], []
+            begins = np.zeros(len(self.mine), dtype=np.int64)
+            at = 0
+            for i, lane in enumerate(self.mine):
+                begins[i] = at
                 future = self._windows.pop((lane, j), None)
-                if future is None:
+                if future is None:  # a lane shorter by a row has no such window
                     continue
                 piece = future.result()
                 perm = np.asarray(self.order.window_order(lane, j), dtype=np.int64)
-                offsets[lane], at = (at, perm), at + self.source.length(piece)
+                if self.order.backward(lane):  # its window is in stream order: flip it
+                    perm = len(perm) - 1 - perm
+                rows.append(at + perm)
+                at += self.source.length(piece)
                 pieces.append(piece)
             joined = self.source.join(pieces)
             if hasattr(joined, "combine_chunks"):
                 joined = joined.combine_chunks()  # one copy, so each step's take is cheap
             for old in [b for b in self._blocks if b < j]:
                 del self._blocks[old]
-            self._blocks[j] = (joined, offsets)
+            self._blocks[j] = (joined, begins, np.concatenate(rows))
         return self._blocks[j]
 
     def batch(self, cursor: int, n: int) -> Any:
         """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane."""
         order, lanes, window = self.order, self.order.lanes, self.order.window
+        index, group = self.share.index, self.share.group
         stop = min(cursor + n, order.total)
-        spans: dict[int, np.ndarray[Any, Any]] = {}  # lane -> its rows (k) in this step
-        for lane in self.mine:
-            k0 = (cursor + (lane - cursor) % lanes) // lanes
-            k1 = (stop - lane + lanes - 1) // lanes
-            ks = np.arange(k0 + self.share.index, k1, self.share.group, dtype=np.int64)
-            if len(ks):
-                spans[lane] = ks
-        if not spans:  # the epoch's last step left this rank nothing: repeat one row
-            lane = self.mine.start
-            spans[lane] = np.array([order.lane_length(lane) - 1], dtype=np.int64)
+        mine = np.arange(self.mine.start, self.mine.stop, dtype=np.int64)
+        k0 = (cursor + (mine - cursor) % lanes) // lanes + index  # each lane's first row here
+        k1 = (stop - mine + lanes - 1) // lanes
+        counts = np.maximum(0, (k1 - k0 + group - 1) // group)
+        if not counts.any():  # the epoch's last step left this rank nothing: repeat one row
+            k0[0], counts[0] = order.lane_length(self.mine.start) - 1, 1
+        which = np.repeat(np.arange(len(mine)), counts)  # each row's lane (from the first)
+        ks = np.repeat(k0, counts) + group * (
+            np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         parts = []
-        j0 = min(int(ks[0]) // window for ks in spans.values())
-        j1 = max(int(ks[-1]) // window for ks in spans.values())
-        for j in range(j0, j1 + 1):
-            block, offsets = self.block(j)
-            index: list[np.ndarray[Any, Any]] = []
-            for lane, ks in spans.items():
-                mine = ks[(ks >= j * window) & (ks < (j + 1) * window)]
-                if len(mine):
-                    at, perm = offsets[lane]
-                    index.append(at + perm[mine - j * window])
-            parts.append(self.source.take(block, np.concatenate(index)))
+        for j in range(int(ks.min()) // window, int(ks.max()) // window + 1):
+            block, begins, rows = self.block(j)
+            here = ks // window == j
+            parts.append(self.source.take(block, rows[begins[which[here]] + ks[here] - j * window]))
         return parts[0] if len(parts) == 1 else self.source.join(parts)
