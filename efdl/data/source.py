@@ -216,13 +216,10 @@ class ParquetSource(Source[Any]):
         except (OSError, ValueError) as exc:
             raise DataSourceError(f"Cannot open the Parquet file {url!r}: {exc}") from exc
         try:
-            # A row group at a time (pyarrow's pre-buffering reads every row group asked for
-            # at once), its column chunks in 1 MiB buffers: a lane holds little.
+            # Read a row group at a time (see read), its column chunks in one coalesced
+            # request each (pre-buffering: few, large reads, as object stores want).
             pf = pq.ParquetFile(
-                _Counted(f, self._count),
-                metadata=self._footers.get(shard),
-                buffer_size=1 << 20,
-                pre_buffer=False,
+                _Counted(f, self._count), metadata=self._footers.get(shard), pre_buffer=True
             )
         except Exception as exc:  # pyarrow raises ArrowInvalid (a ValueError) and others
             f.close()
@@ -264,7 +261,13 @@ class ParquetSource(Source[Any]):
                     f"{stop} (was it rewritten during the job?)."
                 )
             left = stop - start
-            for batch in pf.iter_batches(piece, wanted, self.columns, use_threads=False):
+            # One row group per call: given several, pyarrow pre-buffers them all at once.
+            batches = (
+                batch
+                for g in wanted
+                for batch in pf.iter_batches(piece, [g], self.columns, use_threads=False)
+            )
+            for batch in batches:
                 if skip >= batch.num_rows:
                     skip -= batch.num_rows
                     continue

@@ -20,7 +20,6 @@ them in.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -34,8 +33,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from efdl.data.order import EpochOrder, LaneShare, lane_share
 from efdl.data.source import DataSourceError, ParquetSource, Source
-
-log = logging.getLogger(__name__)
 
 # The shared position's fields.
 _EPOCH, _CURSOR, _RANK, _WORLD, _LANES, _WINDOW, _SEED, _SET = range(8)

@@ -3,6 +3,7 @@ through a crash, a join and a graceful leave, with DataLoader workers and withou
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import Counter
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import (
+    SCRIPTS,
     Job,
     check_consistent,
     in_place_job,
@@ -165,3 +167,24 @@ def test_the_stream_example_writes_its_data_and_trains(tmp_path: Path) -> None:
         if "train accuracy" in line
     ]
     assert len(accuracy) == 2 and accuracy[1] > accuracy[0], out.stdout[-2000:]
+
+
+def test_a_plain_torchrun_script_resumes_the_stream_from_its_checkpoint(tmp_path: Path) -> None:
+    """Restart mode: a worker crash restarts both workers, which load the stream's position
+    from the script's checkpoint; each epoch's rows once (the last try of each step)."""
+    total = write_shards(tmp_path / "data")
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"STREAM": str(tmp_path / "data"), "OUT_DIR": str(out), "FAIL_AT": "1:25"}
+    run = standalone(
+        SCRIPTS / "stream_restart.py", "--nproc-per-node", "2", "--max-restarts", "2", env=env
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert {r["restart"] for r in rows} == {0, 1}, "no restart"
+    last: dict[tuple[int, int, int], dict[str, object]] = {}
+    for r in rows:  # the last try of each (epoch, step, rank)
+        last[(r["epoch"], r["step"], r["rank"])] = r
+    for epoch in range(2):
+        seen = Counter(i for (e, _, _), r in last.items() if e == epoch for i in r["samples"])  # type: ignore[attr-defined]
+        assert sorted(seen) == list(range(total)) and max(seen.values()) == 1, epoch

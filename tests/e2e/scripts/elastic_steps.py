@@ -137,6 +137,7 @@ def batches():  # type: ignore[no-untyped-def]
         return ((b["x"], b["id"]) for b in stream_loader)
     return iter(loader)
 
+
 snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "0"))
 state = efdl.elastic_state(model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0)
 digests = os.environ.get("DIGEST", "1") != "0"
