@@ -14,6 +14,7 @@ them), so the stream (efdl.data.stream) never looks inside a row. Two kinds:
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -71,18 +72,32 @@ class Source(Generic[C]):
         return piece.take(order)  # type: ignore[attr-defined, no-any-return]
 
     def collate(self, piece: C) -> Any:
-        """A batch of a piece, where the stream has no transform of the user's."""
-        return to_torch(piece)
+        """A batch of a piece the stream made (its own copy of the rows), where it has no
+        transform of the user's."""
+        return to_torch(piece, copy=False)
 
 
-def to_torch(table: Any) -> dict[str, Any]:
+def to_torch(table: Any, copy: bool = True) -> dict[str, Any]:
     """A pyarrow Table as a dict: numeric and boolean columns as tensors, lists of numbers of
-    one length as 2-D tensors, anything else as a Python list. Tensors own their memory (a
-    copy: Arrow's buffers are read-only)."""
+    one length as 2-D tensors, anything else as a Python list.
+
+    Args:
+        copy: True: the tensors own their memory (a copy). False: they use the table's
+            buffers, where the caller owns them alone (a table it made, never a memory-mapped
+            or shared one): Arrow marks its buffers read-only, and writing to such a tensor
+            writes to the table.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.types as pt
     import torch
+
+    def tensor(values: Any) -> Any:
+        if copy:
+            return torch.from_numpy(values.to_numpy(zero_copy_only=False, writable=True))
+        with warnings.catch_warnings():  # "The given NumPy array is not writable"
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(values.to_numpy(zero_copy_only=False))
 
     out: dict[str, Any] = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
@@ -91,15 +106,15 @@ def to_torch(table: Any) -> dict[str, Any]:
         if (
             pt.is_integer(kind) or pt.is_floating(kind) or pt.is_boolean(kind)
         ) and not arr.null_count:
-            out[name] = torch.from_numpy(arr.to_numpy(zero_copy_only=False, writable=True))
+            out[name] = tensor(arr)
             continue
         if (pt.is_list(kind) or pt.is_large_list(kind) or pt.is_fixed_size_list(kind)) and (
             pt.is_integer(kind.value_type) or pt.is_floating(kind.value_type)
         ):
             lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
             if len(lengths) and not arr.null_count and (lengths == lengths[0]).all():
-                flat = pc.list_flatten(arr).to_numpy(zero_copy_only=False, writable=True)
-                out[name] = torch.from_numpy(flat.reshape(len(arr), int(lengths[0])))
+                flat = tensor(pc.list_flatten(arr))
+                out[name] = flat.reshape(len(arr), int(lengths[0]))
                 continue
         out[name] = arr.to_pylist()
     return out
