@@ -31,10 +31,10 @@ Usage: python -m benchmarks.data [--gb 2] [--s3-gb 0.25] [--repeat 3] [--dir D]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import spread, verdict
+from tests.s3 import s3_stand_in
 
 TOKENS = 512
 GROUP_ROWS = 8192
@@ -203,7 +204,6 @@ def run_world(
 def rescale(files: list[str], storage: dict[str, Any], lanes: int) -> dict[str, float]:
     """2 ranks -> 3 at mid-epoch: a survivor's and a newcomer's first batch."""
     import efdl
-    from efdl.data.source import ParquetSource
 
     out: dict[str, float] = {}
     survivor = efdl.ElasticStream(files, BATCH * 3, lanes=lanes, storage_options=storage)
@@ -227,8 +227,7 @@ def rescale(files: list[str], storage: dict[str, Any], lanes: int) -> dict[str, 
         del it
     # A reader without a seek re-reads its files from their start: on average half of the
     # epoch's bytes spread over the new world, for one rank.
-    sizes = ParquetSource(files, storage_options=storage)
-    total = sum(_size(f, storage) for f in sizes.names())
+    total = sum(_size(f, storage) for f in files)
     out["reread_bytes"] = total / 2 / 3
     return out
 
@@ -243,37 +242,8 @@ def _size(url: str, storage: dict[str, Any]) -> int:
 # ---------------------------------------------------------------- the S3 stand-in
 
 
-def start_s3(
-    files: list[str], gb: float
-) -> tuple[subprocess.Popen[bytes], list[str], dict[str, str]]:
-    """moto's S3 server on 127.0.0.1 with the first ``gb`` GB of the files."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": endpoint,
-        "FSSPEC_S3_ENDPOINT_URL": endpoint,
-    }
-    os.environ.update(env)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("moto's S3 server did not start within 60 s") from None
-            time.sleep(0.1)
+def upload(files: list[str], gb: float, endpoint: str) -> list[str]:
+    """The first ``gb`` GB of the files, put on the S3 stand-in at ``endpoint``; their URLs."""
     import fsspec
 
     fs = fsspec.filesystem("s3", endpoint_url=endpoint, skip_instance_cache=True)
@@ -284,7 +254,7 @@ def start_s3(
         url = f"s3://efdl-bench/{Path(f).name}"
         fs.put(f, url)
         urls.append(url)
-    return proc, urls, env
+    return urls
 
 
 # ---------------------------------------------------------------- the report
@@ -318,12 +288,12 @@ def main() -> None:
     readers = a.readers.split(",")
     worker_counts = [int(w) for w in a.workers.split(",")]
     places: list[tuple[str, list[str], dict[str, Any]]] = [("local", files, {})]
-    s3 = None
-    if a.s3_gb > 0:
-        s3, urls, _ = start_s3(files, a.s3_gb)
-        places.append(("s3", urls, {}))
-    env = dict(os.environ)
-    try:
+    with contextlib.ExitStack() as stack:
+        if a.s3_gb > 0:
+            s3_env = stack.enter_context(s3_stand_in())
+            os.environ.update(s3_env)  # the ranks inherit it
+            places.append(("s3", upload(files, a.s3_gb, s3_env["AWS_ENDPOINT_URL"]), {}))
+        env = dict(os.environ)
         results: dict[tuple[str, str, int, int], list[dict[str, float]]] = {}
         for _ in range(a.repeat):
             for place, urls, storage in places:
@@ -343,15 +313,11 @@ def main() -> None:
             for place, urls, storage in places
             for lanes in (64, 16)
         }
-    finally:
-        if s3 is not None:
-            s3.kill()
-            s3.wait()
     print(
         f"Data: {len(files)} Parquet files, {sum(FILE_ROWS for _ in files):,} rows of "
         f"{TOKENS} int32 tokens, {on_disk / 1e9:.2f} GB on disk (snappy), "
         f"{len(files) * FILE_ROWS * TOKENS * 4 / 1e9:.2f} GB decoded; S3 stand-in: the first "
-        f"{len(places[-1][1]) if s3 else 0} files. Per-rank batch {BATCH}. Medians of "
+        f"{len(places[-1][1]) if len(places) > 1 else 0} files. Per-rank batch {BATCH}. Medians of "
         f"{a.repeat} interleaved runs (range).\n"
     )
     print("| where | workers | ranks | reader | samples/s | MB/s | efdl / plain |")

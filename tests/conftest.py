@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from efdl._process import free_port
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.memory_store import MemoryStore
+from tests.s3 import s3_stand_in
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,33 +84,8 @@ def s3_server() -> Iterator[dict[str, str]]:
 
     Yields the environment that points s3fs (and any boto client) at it.
     """
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.1)
-        yield {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint,
-            "FSSPEC_S3_ENDPOINT_URL": endpoint,  # fsspec's per-protocol config from env
-        }
-    finally:
-        proc.kill()
-        proc.wait()
+    with s3_stand_in() as env:
+        yield env
 
 
 @pytest.fixture()

@@ -105,6 +105,7 @@ class ElasticStream(IterableDataset[Any]):
         self.lanes, self.window, self.shuffle, self.threads = lanes, window, shuffle, threads
         self.transform = transform
         self._rows: list[int] | None = None
+        self._total: int | None = None
         self._pos = torch.zeros(8, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._pos[_LANES], self._pos[_WINDOW], self._pos[_SEED] = lanes, window, seed
 
@@ -131,6 +132,12 @@ class ElasticStream(IterableDataset[Any]):
                 raise DataSourceError(f"The shards {list(self.source.names())[:4]} have no rows.")
         return self._rows
 
+    def total(self) -> int:
+        """Rows in an epoch (summed once: commit() advances the cursor every step)."""
+        if self._total is None:
+            self._total = sum(self.rows())
+        return self._total
+
     def order(self) -> EpochOrder:
         """The current epoch's order."""
         p = self._pos.tolist()
@@ -154,8 +161,7 @@ class ElasticStream(IterableDataset[Any]):
 
     def advance(self) -> None:
         """One step was committed: move the cursor past its global batch."""
-        total = sum(self.rows())
-        self._pos[_CURSOR] = min(total, self.cursor + self.global_batch_size)
+        self._pos[_CURSOR] = min(self.total(), self.cursor + self.global_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         p = self._pos.tolist()
@@ -165,7 +171,7 @@ class ElasticStream(IterableDataset[Any]):
             "seed": p[_SEED],
             "lanes": p[_LANES],
             "window": p[_WINDOW],
-            "rows": sum(self.rows()),
+            "rows": self.total(),
             "shards": len(self.rows()),
         }
 
@@ -185,10 +191,10 @@ class ElasticStream(IterableDataset[Any]):
                 f"Not an ElasticStream position: {state!r} (expected epoch, cursor, seed, "
                 "lanes, window, rows and shards)."
             ) from exc
-        if (rows, shards) != (sum(self.rows()), len(self.rows())):
+        if (rows, shards) != (self.total(), len(self.rows())):
             raise DataSourceError(
                 f"The position is of a data set of {shards} shards and {rows} rows; this stream "
-                f"has {len(self.rows())} shards and {sum(self.rows())} rows. Resume with the "
+                f"has {len(self.rows())} shards and {self.total()} rows. Resume with the "
                 "same shards (or start a new epoch without loading the position)."
             )
         if got["lanes"] < 1 or got["window"] < 1 or not 0 <= got["cursor"] <= rows:
@@ -215,7 +221,7 @@ class ElasticStream(IterableDataset[Any]):
 
     def __len__(self) -> int:
         """Steps left in the epoch (every rank takes each of them)."""
-        left = sum(self.rows()) - self.cursor
+        left = self.total() - self.cursor
         return -(-left // self.global_batch_size)
 
     def __iter__(self) -> Iterator[Any]:
@@ -404,9 +410,7 @@ class _RankReader:
         self._blocks: dict[int, tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
 
     def close(self) -> None:
-        for f in self._windows.values():
-            f.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
 
     def _prefetch(self, j: int) -> None:
         for lane, reader in self.lanes.items():
