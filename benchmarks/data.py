@@ -172,7 +172,8 @@ def run_world(
                     [sys.executable, "-m", "benchmarks.data", "--rank-main", json.dumps(args)],
                     stdout=subprocess.PIPE,
                     text=True,
-                    env=env,
+                    # the ranks of one node, as torchrun and efdl-run describe them
+                    env={**env, "RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)},
                 )
             )
         deadline = time.monotonic() + 300

@@ -14,7 +14,6 @@ them), so the stream (efdl.data.stream) never looks inside a row. Two kinds:
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
@@ -67,37 +66,145 @@ class Source(Generic[C]):
 
         return pa.concat_tables(pieces)  # type: ignore[no-any-return]
 
-    def take(self, piece: C, order: Any) -> C:
-        """The rows of ``piece`` at ``order`` (an int64 numpy array), in that order."""
-        return piece.take(order)  # type: ignore[attr-defined, no-any-return]
+    def hold(self, pieces: list[C], spare: Any = None) -> Any:
+        """Pieces joined, ready for many gathers. Arrow: columns of fixed width (numbers, and
+        lists of one length of numbers, without nulls) are copied into one numpy buffer
+        each, ``spare``'s (a held block no longer used) where they fit: so that a step's
+        rows come out of a column with one ``np.take``, into memory that is not new."""
+        return Held(pieces, spare)
 
-    def collate(self, piece: C) -> Any:
-        """A batch of a piece the stream made (its own copy of the rows), where it has no
-        transform of the user's."""
-        return to_torch(piece, copy=False)
+    def gather(self, picks: list[tuple[Any, Any]]) -> C:
+        """One piece of the rows of each ``(held, order)`` (a held block, an int64 numpy
+        array) at ``order``, pick after pick: its own copy of the rows."""
+        return gather_table(picks)  # type: ignore[no-any-return]
+
+    def batch(self, picks: list[tuple[Any, Any]]) -> Any:
+        """The rows of the picks as a batch, where the stream has no transform of the
+        user's. Arrow: a dict of tensors per column, as :func:`to_torch` makes them."""
+        return gather_tensors(picks)
 
 
-def to_torch(table: Any, copy: bool = True) -> dict[str, Any]:
-    """A pyarrow Table as a dict: numeric and boolean columns as tensors, lists of numbers of
-    one length as 2-D tensors, anything else as a Python list.
+class Held:
+    """Tables joined for gathers (see :meth:`Source.hold`): ``table``, and per column its
+    rows as a 2-D numpy array (``arrays[c]``), or None where Arrow's ``take`` serves."""
 
-    Args:
-        copy: True: the tensors own their memory (a copy). False: they use the table's
-            buffers, where the caller owns them alone (a table it made, never a memory-mapped
-            or shared one): Arrow marks its buffers read-only, and writing to such a tensor
-            writes to the table.
-    """
+    def __init__(self, pieces: list[Any], spare: Held | None = None) -> None:
+        import numpy as np
+        import pyarrow as pa
+
+        self.table = pa.concat_tables(pieces) if len(pieces) != 1 else pieces[0]
+        self.arrays: list[Any] = []
+        self._buffers: list[Any] = []  # what the arrays are views of, for a later reuse
+        n = self.table.num_rows
+        for c, col in enumerate(self.table.columns):
+            views = [_rows(chunk) for chunk in col.chunks]
+            if not views or any(v is None for v in views):
+                self.arrays.append(None)
+                self._buffers.append(None)
+                continue
+            width, dtype = views[0].shape[1], views[0].dtype
+            old = spare._buffers[c] if spare is not None and c < len(spare._buffers) else None
+            if old is not None and old.dtype == dtype and old.shape[1] == width and len(old) >= n:
+                buffer = old
+            else:
+                buffer = np.empty((n, width), dtype=dtype)
+            np.concatenate(views, out=buffer[:n])
+            self.arrays.append(buffer[:n])
+            self._buffers.append(buffer)
+
+
+def gather_table(picks: list[tuple[Held, Any]]) -> Any:
+    """The rows of each ``(held, order)`` pick at ``order``, in one table, each column in
+    one new buffer: numpy's ``take`` for the held arrays, Arrow's for the other columns."""
+    import pyarrow as pa
+
+    schema = picks[0][0].table.schema
+    columns = []
+    for c, field in enumerate(schema):
+        rows = _gather_rows(picks, c)
+        if rows is None:
+            columns.append(_take(picks, c))
+            continue
+        flat = pa.array(rows.reshape(-1))
+        if pa.types.is_fixed_size_list(field.type):
+            flat = pa.FixedSizeListArray.from_arrays(flat, type=field.type)
+        columns.append(flat)
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def gather_tensors(picks: list[tuple[Held, Any]]) -> dict[str, Any]:
+    """:func:`gather_table`'s rows as :func:`to_torch` gives them, the held columns' tensors
+    made straight from the gathered rows (no Arrow in between)."""
+    import pyarrow as pa
+    import torch
+
+    schema = picks[0][0].table.schema
+    out: dict[str, Any] = {}
+    for c, field in enumerate(schema):
+        rows = _gather_rows(picks, c)
+        if rows is None:
+            out.update(to_torch(pa.table({field.name: _take(picks, c)})))
+        elif pa.types.is_fixed_size_list(field.type):
+            out[field.name] = torch.from_numpy(rows)
+        else:
+            out[field.name] = torch.from_numpy(rows.reshape(-1))
+    return out
+
+
+def _gather_rows(picks: list[tuple[Held, Any]], c: int) -> Any:
+    """Column ``c``'s rows of the picks as one new 2-D numpy array (None: not held)."""
+    import numpy as np
+
+    if any(held.arrays[c] is None for held, _ in picks):
+        return None
+    first = picks[0][0].arrays[c]
+    out = np.empty((sum(len(order) for _, order in picks), first.shape[1]), dtype=first.dtype)
+    at = 0
+    for held, order in picks:
+        np.take(held.arrays[c], order, axis=0, out=out[at : at + len(order)])
+        at += len(order)
+    return out
+
+
+def _take(picks: list[tuple[Held, Any]], c: int) -> Any:
+    import pyarrow as pa
+
+    kind = picks[0][0].table.schema.field(c).type
+    return pa.chunked_array(
+        [ch for held, order in picks for ch in held.table.column(c).take(order).chunks], kind
+    )
+
+
+def _rows(chunk: Any) -> Any:
+    """A fixed-width chunk's rows as a 2-D numpy view (no copy), or None if it has none."""
+    import pyarrow.types as pt
+
+    if chunk.null_count:
+        return None
+    kind = chunk.type
+    if pt.is_integer(kind) or pt.is_floating(kind):
+        return chunk.to_numpy().reshape(-1, 1)
+    if pt.is_fixed_size_list(kind) and (
+        pt.is_integer(kind.value_type) or pt.is_floating(kind.value_type)
+    ):
+        values = chunk.flatten()  # the chunk's own rows (flatten minds its offset)
+        if values.null_count:
+            return None
+        return values.to_numpy().reshape(-1, kind.list_size)
+    return None
+
+
+def to_torch(table: Any) -> dict[str, Any]:
+    """A pyarrow Table as a dict: numeric and boolean columns as tensors (copies of the
+    rows, which the tensors own), lists of numbers of one length as 2-D tensors, anything
+    else as a Python list."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.types as pt
     import torch
 
     def tensor(values: Any) -> Any:
-        if copy:
-            return torch.from_numpy(values.to_numpy(zero_copy_only=False, writable=True))
-        with warnings.catch_warnings():  # "The given NumPy array is not writable"
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(values.to_numpy(zero_copy_only=False))
+        return torch.from_numpy(values.to_numpy(zero_copy_only=False, writable=True))
 
     out: dict[str, Any] = {}
     for name, col in zip(table.column_names, table.columns, strict=True):
@@ -373,10 +480,13 @@ class ReaderSource(Source[list[Any]]):
     def join(self, pieces: list[list[Any]]) -> list[Any]:
         return [x for p in pieces for x in p]
 
-    def take(self, piece: list[Any], order: Any) -> list[Any]:
-        return [piece[i] for i in order.tolist()]
+    def hold(self, pieces: list[list[Any]], spare: Any = None) -> list[Any]:
+        return self.join(pieces)
 
-    def collate(self, piece: list[Any]) -> Any:
+    def gather(self, picks: list[tuple[Any, Any]]) -> list[Any]:
+        return [piece[i] for piece, order in picks for i in order.tolist()]
+
+    def batch(self, picks: list[tuple[Any, Any]]) -> Any:
         from torch.utils.data import default_collate
 
-        return default_collate(piece)
+        return default_collate(self.gather(picks))

@@ -66,9 +66,10 @@ class ElasticStream(IterableDataset[Any]):
             of samples for a ``ReaderSource``). Default: a dict of tensors per column
             (:func:`to_torch`) for Arrow, ``default_collate`` for lists.
         columns, storage_options: for Parquet sources given as URLs.
-        threads: reader threads per process (default: the cores, at most 8; each reads one
-            lane at a time; Arrow decodes outside the GIL, but more threads than cores
-            contend for it).
+        threads: reader threads per process. Default: this process's share of the cores
+            (the cores it may run on, over ``LOCAL_WORLD_SIZE`` and the DataLoader's
+            workers), 1 to 8. Each reads one lane at a time; Arrow decodes outside the GIL,
+            but more threads than cores contend for them and for it.
 
     Raises:
         ValueError: a batch smaller than ``lanes`` or than the world, or settings below 1.
@@ -88,10 +89,10 @@ class ElasticStream(IterableDataset[Any]):
         storage_options: dict[str, Any] | None = None,
         threads: int | None = None,
     ) -> None:
-        threads = threads if threads is not None else min(8, os.cpu_count() or 1)
         if not isinstance(source, Source):
             source = ParquetSource(source, columns, storage_options)
-        for name, value in (("lanes", lanes), ("window", window), ("threads", threads)):
+        chosen = {"lanes": lanes, "window": window, "threads": 1 if threads is None else threads}
+        for name, value in chosen.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} is {value!r}; expected a whole number >= 1.")
         if not isinstance(global_batch_size, int) or global_batch_size < lanes:
@@ -229,14 +230,29 @@ class ElasticStream(IterableDataset[Any]):
         rank, world = self._world()
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        transform = self.transform or self.source.collate
-        reader = _RankReader(self.source, order, lane_share(rank, world, order.lanes), self.threads)
+        threads = self.threads or _threads(workers)
+        reader = _RankReader(self.source, order, lane_share(rank, world, order.lanes), threads)
         try:
             steps = range(self.cursor, order.total, self.global_batch_size)
             for i in range(worker, len(steps), workers):
-                yield transform(reader.batch(steps[i], self.global_batch_size))
+                picks = reader.picks(steps[i], self.global_batch_size)
+                if self.transform is None:
+                    yield self.source.batch(picks)
+                else:
+                    yield self.transform(self.source.gather(picks))
         finally:
             reader.close()
+
+
+def _threads(workers: int) -> int:
+    """This process's share of the cores it may run on: over the ranks on this node
+    (``LOCAL_WORLD_SIZE``, as torchrun and efdl-run set it) and the DataLoader's workers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(8, (cores or 1) // (local * workers)))
 
 
 @dataclass(frozen=True)
@@ -398,7 +414,7 @@ def _joined(source: Source[Any], pieces: Iterator[Any]) -> Any:
 
 class _RankReader:
     """This rank's lanes: blocks (window ``j`` of every lane, joined) read ahead in threads,
-    and each step's rows taken from them."""
+    and each step's rows gathered from them."""
 
     def __init__(self, source: Source[Any], order: EpochOrder, share: LaneShare, threads: int):
         self.source, self.order, self.share, self.mine = source, order, share, share.lanes
@@ -406,8 +422,9 @@ class _RankReader:
         self.lanes = {lane: _Lane(source, order, lane, share.lanes, units) for lane in share.lanes}
         self._pool = ThreadPoolExecutor(max_workers=min(threads, len(share.lanes)))
         self._windows: dict[tuple[int, int], Future[Any]] = {}
-        # Block j: the joined rows, each lane's start in them, the window's shuffle.
+        # Block j: the held rows, each lane's start in them, the window's shuffle.
         self._blocks: dict[int, tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+        self._spare: Any = None  # a block no step uses any more: its buffers are reused
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
@@ -418,9 +435,9 @@ class _RankReader:
                 self._windows[(lane, j)] = self._pool.submit(reader.window, j)
 
     def block(self, j: int) -> tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """Window ``j`` of this rank's lanes joined; where each lane's rows begin in it (by
-        lane, from the rank's first); and the block's row of each lane's reading offset
-        ``i`` in the window, at ``begins[lane] + i`` (the window's shuffle)."""
+        """Window ``j`` of this rank's lanes held together; where each lane's rows begin in
+        it (by lane, from the rank's first); and the block's row of each lane's reading
+        offset ``i`` in the window, at ``begins[lane] + i`` (the window's shuffle)."""
         if j not in self._blocks:
             self._prefetch(j)
             self._prefetch(j + 1)  # read ahead while this block is used
@@ -439,16 +456,16 @@ class _RankReader:
                 rows.append(at + perm)
                 at += self.source.length(piece)
                 pieces.append(piece)
-            joined = self.source.join(pieces)
-            if hasattr(joined, "combine_chunks"):
-                joined = joined.combine_chunks()  # one copy, so each step's take is cheap
-            for old in [b for b in self._blocks if b < j]:
-                del self._blocks[old]
-            self._blocks[j] = (joined, begins, np.concatenate(rows))
+            for old in [b for b in self._blocks if b < j - 1]:  # this step may use j - 1
+                self._spare = self._blocks.pop(old)[0]  # no step uses it again
+            held = self.source.hold(pieces, self._spare)
+            self._spare = None
+            self._blocks[j] = (held, begins, np.concatenate(rows))
         return self._blocks[j]
 
-    def batch(self, cursor: int, n: int) -> Any:
-        """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane."""
+    def picks(self, cursor: int, n: int) -> list[tuple[Any, np.ndarray[Any, Any]]]:
+        """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane: the
+        blocks they are in, and their rows there."""
         order, lanes, window = self.order, self.order.lanes, self.order.window
         index, group = self.share.index, self.share.group
         stop = min(cursor + n, order.total)
@@ -462,9 +479,9 @@ class _RankReader:
         ks = np.repeat(k0, counts) + group * (
             np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)
         )
-        parts = []
+        picks = []
         for j in range(int(ks.min()) // window, int(ks.max()) // window + 1):
-            block, begins, rows = self.block(j)
+            held, begins, rows = self.block(j)
             here = ks // window == j
-            parts.append(self.source.take(block, rows[begins[which[here]] + ks[here] - j * window]))
-        return parts[0] if len(parts) == 1 else self.source.join(parts)
+            picks.append((held, rows[begins[which[here]] + ks[here] - j * window]))
+        return picks
