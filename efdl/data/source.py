@@ -334,7 +334,10 @@ class ParquetSource(Source[Any]):
 
         url = self._urls[shard]
         try:
-            f = fsspec.open(url, "rb", **self.storage_options).open()
+            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+            # No read-ahead cache: pyarrow asks for the byte ranges it needs (coalesced, see
+            # below), and s3fs's default read-ahead fetched up to 50 MB beyond each.
+            f = fs.open(path, "rb", cache_type="none")
         except (OSError, ValueError) as exc:
             raise DataSourceError(f"Cannot open the Parquet file {url!r}: {exc}") from exc
         try:

@@ -109,6 +109,14 @@ class ElasticStream(IterableDataset[Any]):
         self._total: int | None = None
         self._pos = torch.zeros(8, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._pos[_LANES], self._pos[_WINDOW], self._pos[_SEED] = lanes, window, seed
+        # The position as a process-local copy: what a DataLoader worker process finds at
+        # its start (fork copies it, spawn pickles it): the position the iteration starts
+        # at, whatever the main process committed since.
+        self._local = self._pos.clone()
+        # A persistent worker's later iterations: (iteration, loader seed, position), written
+        # by the first of the loader's workers to begin the iteration, read by the others.
+        self._begun = 0  # iterations this process began as a DataLoader worker
+        self._record = torch.zeros(2 + len(self._local), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
 
     # ---------------------------------------------------------------- the position
 
@@ -139,9 +147,9 @@ class ElasticStream(IterableDataset[Any]):
             self._total = sum(self.rows())
         return self._total
 
-    def order(self) -> EpochOrder:
-        """The current epoch's order."""
-        p = self._pos.tolist()
+    def order(self, position: list[int] | None = None) -> EpochOrder:
+        """The current epoch's order (or ``position``'s)."""
+        p = position if position is not None else self._pos.tolist()
         return EpochOrder(self.rows(), p[_SEED], p[_EPOCH], p[_LANES], p[_WINDOW], self.shuffle)
 
     def set_world(self, rank: int, world: int) -> None:
@@ -152,6 +160,7 @@ class ElasticStream(IterableDataset[Any]):
                 f"({self.global_batch_size}): every rank needs a sample in every step."
             )
         self._pos[_RANK], self._pos[_WORLD], self._pos[_SET] = rank, world, 1
+        self._local.copy_(self._pos)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (from its beginning, if it is a new one, with this stream's own
@@ -159,10 +168,12 @@ class ElasticStream(IterableDataset[Any]):
         if epoch != self.epoch:
             self._pos[_EPOCH], self._pos[_CURSOR] = epoch, 0
             self._pos[_LANES], self._pos[_WINDOW] = self.lanes, self.window
+            self._local.copy_(self._pos)
 
     def advance(self) -> None:
         """One step was committed: move the cursor past its global batch."""
         self._pos[_CURSOR] = min(self.total(), self.cursor + self.global_batch_size)
+        self._local.copy_(self._pos)
 
     def state_dict(self) -> dict[str, Any]:
         p = self._pos.tolist()
@@ -208,12 +219,13 @@ class ElasticStream(IterableDataset[Any]):
             (_WINDOW, got["window"]),
         ):
             self._pos[field] = value
+        self._local.copy_(self._pos)
 
     # ---------------------------------------------------------------- reading
 
-    def _world(self) -> tuple[int, int]:
-        if int(self._pos[_SET]):
-            return int(self._pos[_RANK]), int(self._pos[_WORLD])
+    def _world(self, p: list[int]) -> tuple[int, int]:
+        if p[_SET]:
+            return p[_RANK], p[_WORLD]
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -225,15 +237,40 @@ class ElasticStream(IterableDataset[Any]):
         left = self.total() - self.cursor
         return -(-left // self.global_batch_size)
 
+    def _start(self, info: Any) -> list[int]:
+        """The position this iteration starts at: the main process's when the iteration
+        began. A DataLoader worker may begin after the main process committed the steps of
+        other workers' batches (a worker is late under load); the position then is not the
+        iteration's start, and the worker would take the wrong steps."""
+        if info is None:  # the main process: nothing is committed before its first batch
+            return _ints(self._pos)
+        self._begun += 1
+        if self._begun == 1:  # a fresh worker: its copy is from the iteration's start
+            return _ints(self._local)
+        # A persistent worker: the first of the iteration's workers to begin comes before
+        # worker 0's first batch, so before any commit; it records what it read.
+        now = _ints(self._pos)  # read before the record: see below
+        tag = [self._begun, (info.seed - info.id) % 2**62]  # the loader's base seed
+        record = _ints(self._record)
+        if record[:2] == tag:
+            return record[2:]
+        # No record of this iteration yet, so when `now` was read no worker had begun it,
+        # hence no commit of it either. Write the position first: a reader that sees the
+        # tag sees it. Two first workers write the same values.
+        self._record[2:] = torch.tensor(now)
+        self._record[:2] = torch.tensor(tag)
+        return now
+
     def __iter__(self) -> Iterator[Any]:
-        order = self.order()
-        rank, world = self._world()
         info = get_worker_info()
+        p = self._start(info)
+        order = self.order(p)
+        rank, world = self._world(p)
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         threads = self.threads or _threads(workers)
         reader = _RankReader(self.source, order, lane_share(rank, world, order.lanes), threads)
         try:
-            steps = range(self.cursor, order.total, self.global_batch_size)
+            steps = range(p[_CURSOR], order.total, self.global_batch_size)
             for i in range(worker, len(steps), workers):
                 picks = reader.picks(steps[i], self.global_batch_size)
                 if self.transform is None:
@@ -242,6 +279,10 @@ class ElasticStream(IterableDataset[Any]):
                     yield self.transform(self.source.gather(picks))
         finally:
             reader.close()
+
+
+def _ints(values: torch.Tensor) -> list[int]:
+    return [int(v) for v in values.tolist()]
 
 
 def _threads(workers: int) -> int:

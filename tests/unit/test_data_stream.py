@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,46 @@ def test_dataloader_workers_yield_the_main_process_batches(shards: list[str]) ->
         results.append(got)
     assert results[0] == results[1] == results[2]
     assert len(results[0]) == 16
+
+
+class LateWorker(ElasticStream):
+    """A stream whose DataLoader worker 1 begins each iteration only once the main process
+    has committed a step of it (from worker 0's batch): a worker late under load, made
+    certain. ``release`` (shared): the cursor that lets worker 1 begin."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.release = torch.zeros(1, dtype=torch.int64).share_memory_()
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 1:
+            deadline = time.monotonic() + 60
+            while self.cursor < int(self.release):
+                assert time.monotonic() < deadline, "the main process committed no step"
+                time.sleep(0.005)
+        return super().__iter__()
+
+
+def test_a_worker_that_begins_late_takes_its_own_steps(shards: list[str]) -> None:
+    """Worker 1 begins each iteration after the main process committed worker 0's batch: it
+    still yields the steps of its turn from the iteration's start, fresh workers and
+    persistent ones (whose later iterations start at the main process's cursor of then)."""
+    ref = stream(shards)
+    ref.set_world(0, 2)
+    want = run_loader(ref, DataLoader(ref, batch_size=None), 6)
+    want += run_loader(ref, DataLoader(ref, batch_size=None), 6)
+    for persistent in (False, True):
+        s = LateWorker(shards, 128, lanes=16, window=50, seed=3)
+        s.set_world(0, 2)
+        loader: DataLoader[Any] = DataLoader(
+            s, batch_size=None, num_workers=2, persistent_workers=persistent
+        )
+        got = []
+        for _ in range(2):
+            s.release[0] = s.cursor + s.global_batch_size  # after the iteration's first step
+            got += run_loader(s, loader, 6)
+        assert got == want, persistent
 
 
 def test_a_rescale_reads_from_where_the_share_starts(tmp_path: Path) -> None:
