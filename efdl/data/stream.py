@@ -13,9 +13,9 @@ with the remote cache, and the state advances it at each ``commit()``. In a plai
 script, call ``stream.advance()`` after each step and checkpoint ``stream.state_dict()``.
 
 The position lives in a small shared-memory tensor, so DataLoader worker processes (also
-persistent ones) start each iteration from where the main process is; worker ``w`` of ``n``
-yields the steps ``w, w + n, ...`` of the iteration, which is the order DataLoader returns
-them in.
+persistent ones) start each iteration from where the main process was when it began (see
+``ElasticStream._start``); worker ``w`` of ``n`` yields the steps ``w, w + n, ...`` of the
+iteration, which is the order DataLoader returns them in.
 """
 
 from __future__ import annotations
