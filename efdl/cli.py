@@ -25,7 +25,7 @@ import click
 
 from efdl import __version__, logs
 from efdl._process import skip_final_gc, sweep_private_dirs
-from efdl.config import EtcdClientConfig, LaunchConfig, load, read_yaml
+from efdl.config import DEFAULT_JOB_ID, EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.history import follow_events, format_event, read_events, stood_still
 from efdl.kubeflow import pet_params
@@ -155,6 +155,8 @@ def main(verbose: bool) -> None:
 def check(standalone: bool, config_file: Path | None, **flags: Any) -> None:
     """Check that etcd works for efdl: connect, lease, CAS, watch; print each latency."""
     cfg = _etcd_config(config_file, flags)
+    if not log.isEnabledFor(logging.DEBUG):  # the table is the answer; -v shows the steps
+        log.setLevel(logging.WARNING)
     rows: list[tuple[str, float]] = []
 
     def timed(what: str, fn: Callable[[], Any]) -> Any:
@@ -341,14 +343,16 @@ def stop(job_id: str | None, reason: str, config_file: Path | None, **flags: Any
 @_job_option
 @click.option("--fleet", help="Draw this fleet instead of one job: which job held which GPU when.")
 @click.option(
-    "--out", type=click.Path(path_type=Path), required=True, help="The PNG file to write."
+    "--out",
+    type=click.Path(path_type=Path),
+    help="The PNG file to write (default: <job>-timeline.png or <fleet>-fleet.png here).",
 )
 @click.option("--since", help="Only events since: a duration (10m, 2h) or a time.")
 @handle_errors
 def timeline(
     job_id: str | None,
     fleet: str | None,
-    out: Path,
+    out: Path | None,
     since: str | None,
     config_file: Path | None,
     **flags: Any,
@@ -369,12 +373,14 @@ def timeline(
         with EtcdStore(_etcd_config(config_file, flags).etcd_settings()) as store:
             events, _ = read_fleet_events(store, keys, since=start or None)
         held = holdings(events, time.time())
+        out = out or Path(f"{keys.fleet}-fleet.png")
         draw_fleet(held, out, f"fleet {keys.fleet}")
         click.echo(f"fleet {keys.fleet}: {len(held)} stretches on GPUs drawn to {out}.")
         return
     job_id, cfg = _job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         found, _ = read_events(store, job_id, since=start)
+    out = out or Path(f"{job_id}-timeline.png")
     draw(found, out, f"job {job_id}")
     click.echo(f"job {job_id}: {len(found)} events drawn to {out}.")
 
@@ -857,6 +863,14 @@ def run_main(
     cfg = load(LaunchConfig, flags, yaml_data=data, yaml_source=str(config_file or ""))
     if cfg.log_format != "text":
         setup_logging(verbose, cfg.log_format)
+    if cfg.standalone and not flags.get("standalone") and not data.get("standalone"):
+        log.info("No etcd was given and the job is one node: running it standalone.")
+    if cfg.job_id == DEFAULT_JOB_ID and not cfg.standalone:
+        log.info(
+            "No --job-id was given: the job is %r, torchrun's default run id (every job on "
+            "this etcd without one is the same job).",
+            DEFAULT_JOB_ID,
+        )
     args = _worker_command(script, script_args, module, no_python)
     code = launch(cfg, args)
     skip_final_gc()  # its workers are gone: so should it be, at once

@@ -24,6 +24,7 @@ from efdl.rendezvous.api import EtcdSettings
 C = TypeVar("C")
 
 PASSWORD_ENV = "EFDL_ETCD_PASSWORD"
+DEFAULT_JOB_ID = "none"  # torchrun's --rdzv-id default: jobs that name none are one job
 _UNIT_SUFFIXES = ("_s",)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -390,12 +391,18 @@ class LaunchConfig(EtcdClientConfig):
         if self.cache_url is not None and not self.cache_url.strip():
             raise ConfigError("--cache-url is empty; expected a directory or an fsspec URL.")
         if not self.standalone and not self.etcd:
-            raise ConfigError(
-                "No etcd endpoints were given: pass --etcd host:port[,host:port...] "
-                "(or EFDL_ETCD), or --standalone for a single node."
-            )
+            nodes = self.node_range() if self.nnodes is not None else (1, 1)
+            if nodes[1] > 1:
+                raise ConfigError(
+                    f"No etcd endpoints were given, and --nnodes {self.nnodes} is more than one "
+                    "node: pass --etcd host:port[,host:port...] (or EFDL_ETCD). efdl's nodes "
+                    "find each other and their ranks through etcd, also where torchrun would "
+                    "take --master-addr and --node-rank."
+                )
+            # One node and no etcd: torchrun runs it without a rendezvous; efdl standalone.
+            object.__setattr__(self, "standalone", True)
         if not self.standalone and not self.job_id:
-            raise ConfigError("No job id was given: pass --job-id (torchrun: --rdzv-id).")
+            object.__setattr__(self, "job_id", DEFAULT_JOB_ID)  # torchrun's default run id
 
     def placement_timeout_s(self) -> float:
         """How long an in-place worker whose collective failed waits for its next placement:

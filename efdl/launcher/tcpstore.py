@@ -93,18 +93,16 @@ class TCPStoreServer:
                     wait_for_workers=False,
                     master_listen_fd=fd,
                 )
-                log.info(
-                    "Serving the c10d store of generation %d on %s:%d.",
-                    rnd.generation,
-                    self._host,
-                    port,
-                )
             except Exception as exc:
                 os.close(fd)
                 log.error("Could not serve the c10d store on %s:%d: %s", self._host, port, exc)
 
         self._starting = threading.Thread(target=start, name="efdl-store", daemon=True)
         self._starting.start()
+        # Said now, while the round is made (the helper may finish after a short job ended).
+        log.info(
+            "Serving the c10d store of generation %d on %s:%d.", rnd.generation, self._host, port
+        )
         return port
 
     def close(self) -> None:

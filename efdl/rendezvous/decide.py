@@ -293,8 +293,10 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         if prev is not None and prev.status is RoundStatus.ACTIVE:
             gone = [m.node_id for m in view.members if m.node_id not in view.nodes]
             lost = f"{names(gone)} left; " if gone else ""
-        reason = f"{lost}waiting: {waiting}"
-        return Decision(_with(base, spares=len(view.nodes), reason=reason), None, reason)
+        reason = f"{lost}{waiting}"  # its event reads "waiting: <reason>"
+        return Decision(
+            _with(base, spares=len(view.nodes), reason=reason), None, f"waiting: {reason}"
+        )
 
     changes = _changes(view, assignment)
     same_shape = (

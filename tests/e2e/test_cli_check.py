@@ -26,6 +26,9 @@ def test_check_standalone_starts_and_stops_its_own_etcd() -> None:
     assert "works for efdl" in result.stdout
     assert "key removed with its lease" in result.stdout and "yes" in result.stdout
     assert "rendezvous: 2 agents form a round" in result.stdout
+    assert "INFO]" not in result.stderr, result.stderr  # the table alone (-v: the steps too)
+    verbose = efdl("-v", "check", "--standalone")
+    assert verbose.returncode == 0 and "INFO]" in verbose.stderr, verbose.stderr
 
 
 def test_check_against_a_running_etcd(etcd_server: EmbeddedEtcd) -> None:

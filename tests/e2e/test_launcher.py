@@ -180,7 +180,7 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
         ),
         (["--standalone", "--min", "0", "x.py"], r"--min \(0\) must be at least 1"),
         (["--etcd", "127.0.0.1:9", "--job-id", "a/b", "x.py"], "The job id 'a/b' is not allowed"),
-        (["--job-id", "j", "x.py"], "No etcd endpoints were given"),
+        (["--nnodes", "2", "--job-id", "j", "x.py"], "--nnodes 2 is more than one node"),
         (["--standalone", "--nproc-per-node", "many", "x.py"], "expected a positive number"),
         (
             ["--standalone", "--cache-url", "x.py/cache", "x.py"],
@@ -241,6 +241,54 @@ def test_bad_config_files_and_unreachable_etcd(tmp_path: Path) -> None:
     assert r.returncode == 2 and "Cannot reach etcd" in r.stderr
     assert "127.0.0.1:9" in r.stderr and "127.0.0.1:10" in r.stderr
     assert time.monotonic() - t0 < 20
+
+
+def test_a_torchrun_command_line_without_etcd_runs_standalone(tmp_path: Path) -> None:
+    """`efdl-run --nproc-per-node 2 --master-port P train.py`, as torchrun takes it: no etcd,
+    no --standalone, one node: the job runs standalone, its store on P."""
+    from efdl._process import free_port
+
+    port = free_port()
+    script = tmp_path / "env.py"
+    script.write_text(
+        "import os\n"
+        "print('ENV', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFDL_")}
+    r = subprocess.run(
+        [*EFDL_RUN, "--nproc-per-node", "2", "--master-port", str(port), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = sorted(line.split("ENV ", 1)[1] for line in r.stdout.splitlines() if "ENV " in line)
+    assert seen == [f"0 2 {port}", f"1 2 {port}"], r.stdout
+    assert "running it standalone" in r.stderr
+    # the store's line comes with its round, not after the (short) job ended
+    serving = r.stderr.find(f"Serving the c10d store of generation 1 on 127.0.0.1:{port}")
+    assert 0 <= serving < r.stderr.find("workers finished; the job is done"), r.stderr
+
+
+def test_etcd_without_a_job_id_is_torchruns_default_run_id(
+    etcd_server: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """`--etcd host:port` and no `--job-id`: the job is "none", as torchrun's --rdzv-id
+    default (said in a line), not an error."""
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint('RUN', os.environ['TORCHELASTIC_RUN_ID'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFDL_")}
+    r = subprocess.run(
+        [*EFDL_RUN, "--etcd", etcd_server.endpoint.target, "--nproc-per-node", "1", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RUN none" in r.stdout, r.stdout
+    assert "No --job-id was given: the job is 'none'" in r.stderr
 
 
 def test_a_store_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

@@ -117,21 +117,13 @@ def test_metrics_and_history_through_a_join_and_a_crash(job: Job) -> None:
         assert re.search(live, status.stdout), status.stdout
     assert re.search(r"trained \d+ s, stood still [\d.]+ s", status.stdout), status.stdout
     assert "last events" in status.stdout
-    png = job.out / "timeline.png"
+    png = job.out / f"{job.job_id}-timeline.png"  # no --out: the job's name, here
     drawn = subprocess.run(
-        [
-            *events_cmd[:3],
-            "timeline",
-            "--etcd",
-            job.etcd,
-            "--job-id",
-            job.job_id,
-            "--out",
-            str(png),
-        ],
+        [*events_cmd[:3], "timeline", "--etcd", job.etcd, "--job-id", job.job_id],
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=job.out,
     )
     assert drawn.returncode == 0, drawn.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -162,8 +162,22 @@ def test_launch_config_maps_torchrun_nnodes_to_workers() -> None:
     assert (alone.min_workers, alone.max_workers) == (2, 2)  # torchrun's default: this node
     with pytest.raises(ConfigError, match="expected N or MIN:MAX"):
         load(LaunchConfig, {"standalone": True, "nnodes": "two"}, env={})
-    with pytest.raises(ConfigError, match="No job id was given"):
-        load(LaunchConfig, {"etcd": "h:1"}, env={})
+    assert load(LaunchConfig, {"etcd": "h:1"}, env={}).job_id == "none"  # torchrun's default
+
+
+def test_no_etcd_and_one_node_is_standalone_as_torchrun_runs_it() -> None:
+    """torchrun runs `--nproc-per-node 2 train.py` (no rendezvous) and `--nnodes 1`: so does
+    efdl-run, standalone; more nodes without etcd are refused, saying why."""
+    from efdl.config import LaunchConfig
+
+    for flags in ({}, {"nnodes": "1"}, {"nnodes": "1:1", "store_port": 29600}):
+        cfg = load(LaunchConfig, flags, env={})
+        assert cfg.standalone and not cfg.etcd, flags
+    assert not load(LaunchConfig, {"etcd": "h:1", "job_id": "j"}, env={}).standalone
+    assert not load(LaunchConfig, {}, env={"EFDL_ETCD": "h:1", "EFDL_JOB_ID": "j"}).standalone
+    for nnodes in ("2", "1:4"):
+        with pytest.raises(ConfigError, match=f"--nnodes {nnodes} is more than one node"):
+            load(LaunchConfig, {"nnodes": nnodes}, env={})
 
 
 def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) -> None:

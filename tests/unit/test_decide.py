@@ -75,6 +75,7 @@ def test_below_min_writes_a_waiting_round_then_waits_then_fails() -> None:
     assert d.round is not None and d.round.status is RoundStatus.WAITING
     assert d.round.generation == 1 and d.round.spares == 1
     assert "1 of the 2 workers needed" in d.reason
+    assert d.round.reason == "1 of the 2 workers needed are here"  # the event adds "waiting: "
     waiting = d
     d2 = decide(view(node("a"), round=waiting), P, T0 + 30)
     assert d2.round is None and d2.wake_at == T0 + 60  # no new round while waiting
