@@ -5,11 +5,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from efdl._process import free_port
+from tests.wait import wait_until
 
 
 @contextmanager
@@ -23,19 +23,18 @@ def s3_stand_in(timeout_s: float = 60) -> Iterator[dict[str, str]]:
         stderr=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
+
+    def accepts() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto's S3 server exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"moto's S3 server did not accept connections on port {port} within "
-                        f"{timeout_s:.0f} s"
-                    ) from None
-                time.sleep(0.1)
+        wait_until(f"moto's S3 server to accept connections on port {port}", accepts, timeout_s)
         yield {
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",

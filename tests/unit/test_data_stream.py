@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from efdl.data.source import DataSourceError, ParquetSource, ReaderSource
 from efdl.data.stream import ElasticStream
+from tests.wait import wait_until
 
 # Uneven files (one empty), row groups of 100: lanes begin and end inside both.
 ROWS = (1000, 37, 0, 512, 999, 64, 2048, 5, 700)
@@ -140,10 +140,11 @@ class LateWorker(ElasticStream):
     def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         if info is not None and info.id == 1:
-            deadline = time.monotonic() + 60
-            while self.cursor < int(self.release):
-                assert time.monotonic() < deadline, "the main process committed no step"
-                time.sleep(0.005)
+            wait_until(
+                "the main process to commit worker 0's step",
+                lambda: self.cursor >= int(self.release),
+                60,
+            )
         return super().__iter__()
 
 
