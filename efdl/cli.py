@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -659,12 +659,19 @@ def node(
 
 
 _RDZV_ETCD = ("etcd", "etcd-v2", "etcd-v3", "efdl")
+_RDZV_STORE = ("c10d", "static")  # torchrun's rendezvous on a node's TCPStore
 _IGNORED = {
     "node_rank": "ranks are assigned by the rendezvous",
     "master_addr": "the store lives with rank 0, found through etcd",
     "monitor_interval": "workers are watched without polling",
     "start_method": "workers are started with exec",
-    "tee": "worker output always goes to the console (and with --log-dir to its files)",
+    "run_path": "each worker runs SCRIPT as `python SCRIPT` in a process of its own, as "
+    "--run-path's runpy.run_path does",
+    "logs_specs": "worker output goes where --log-dir, --redirects, --tee and "
+    "--local-ranks-filter say; LogsSpecs plugins are not loaded",
+    "numa_binding": "workers are not bound to NUMA nodes (bind them with --no-python numactl "
+    "... or in the script)",
+    "event_log_handler": "efdl's events go to etcd: `efdl events JOB` lists them",
 }
 
 
@@ -731,6 +738,8 @@ _IGNORED = {
 )
 @click.option(
     "--grace-period",
+    "--shutdown-timeout",
+    "--shutdown_timeout",
     "grace_period_s",
     type=float,
     help="Seconds from SIGTERM to SIGKILL for workers and for leaving.",
@@ -763,15 +772,55 @@ _IGNORED = {
     "--tee",
     "-t",
     "tee",
-    type=click.IntRange(0, 3),
-    help="torchrun's --tee: accepted; worker output always goes to the console.",
+    help="Show these streams on the console, each line labelled [rankN]:, also where they "
+    "are redirected: 1 stdout, 2 stderr, 3 both, or per local rank (0:1,1:2).",
 )
 @click.option(
     "--redirects",
     "-r",
     "redirects",
-    type=int,
-    help="1 stdout, 2 stderr, 3 both go to --log-dir files only.",
+    help="Send these streams to the --log-dir files only: 1 stdout, 2 stderr, 3 both, or "
+    "per local rank (0:1,1:2).",
+)
+@click.option(
+    "--local-ranks-filter",
+    "--local_ranks_filter",
+    "local_ranks_filter",
+    help="Show only these local ranks' output on the console (e.g. 0 or 0,1).",
+)
+@click.option(
+    "--rank-prefix",
+    is_flag=True,
+    default=None,
+    help="Label each worker line on the console with its rank, [rankN]: (default: lines as "
+    "the worker printed them, as torchrun shows them).",
+)
+@click.option(
+    "--duplicate-stdout-filters",
+    "--duplicate_stdout_filters",
+    "duplicate_stdout_filters",
+    help="Copy stdout lines containing any of these comma-separated strings to "
+    "LOG_DIR/JOB/filtered_stdout.log (needs --log-dir).",
+)
+@click.option(
+    "--duplicate-stderr-filters",
+    "--duplicate_stderr_filters",
+    "duplicate_stderr_filters",
+    help="The same for stderr (LOG_DIR/JOB/filtered_stderr.log).",
+)
+@click.option(
+    "--signals-to-handle",
+    "--signals_to_handle",
+    "signals_to_handle",
+    help="Signals on which this node leaves the job gracefully (e.g. add SIGUSR1 for SLURM).",
+)
+@click.option(
+    "--virtual-local-rank",
+    "--virtual_local_rank",
+    "virtual_local_rank",
+    is_flag=True,
+    default=None,
+    help="Every worker sees LOCAL_RANK=0 and only its own GPU (as cuda:0).",
 )
 @click.option("--role", help="ROLE_NAME of the workers.")
 @click.option(
@@ -809,6 +858,10 @@ _IGNORED = {
 @click.option("--master-addr", "--master_addr", "master_addr", hidden=True)
 @click.option("--monitor-interval", "--monitor_interval", "monitor_interval", hidden=True)
 @click.option("--start-method", "--start_method", "start_method", hidden=True)
+@click.option("--run-path", "--run_path", "run_path", is_flag=True, default=None, hidden=True)
+@click.option("--logs-specs", "--logs_specs", "logs_specs", hidden=True)
+@click.option("--numa-binding", "--numa_binding", "numa_binding", hidden=True)
+@click.option("--event-log-handler", "--event_log_handler", "event_log_handler", hidden=True)
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -820,9 +873,6 @@ def run_main(
     module: bool,
     no_python: bool,
     verbose: bool,
-    rdzv_backend: str | None,
-    rdzv_endpoint: str | None,
-    rdzv_conf: str | None,
     **flags: Any,
 ) -> None:
     """Run SCRIPT on this node as part of an elastic job (a drop-in for torchrun).
@@ -832,49 +882,85 @@ def run_main(
     efdl-run --standalone --nproc-per-node 2 train.py
     """
     setup_logging(verbose)
-    params = pet_params(
-        {
-            **flags,
-            "rdzv_backend": rdzv_backend,
-            "rdzv_endpoint": rdzv_endpoint,
-            "rdzv_conf": rdzv_conf,
-        },
-        os.environ,
-    )
+    cfg = launch_config(flags, config_file, os.environ)
+    if cfg.log_format != "text":
+        setup_logging(verbose, cfg.log_format)
+    args = _worker_command(script, script_args, module, no_python)
+    code = launch(cfg, args)
+    skip_final_gc()  # its workers are gone: so should it be, at once
+    sys.exit(code)
+
+
+def launch_config(
+    flags: dict[str, Any], config_file: Path | None, env: Mapping[str, str]
+) -> LaunchConfig:
+    """efdl-run's options (as click parsed them, torchrun's spellings included) with its
+    config file and environment, as one config; torchrun's options that efdl does not need
+    are dropped with a line saying what it does instead."""
+    params = pet_params(flags, env)
     rdzv_backend = params.pop("rdzv_backend")
     rdzv_endpoint = params.pop("rdzv_endpoint")
     rdzv_conf = params.pop("rdzv_conf")
-    flags = params
     for name, why in _IGNORED.items():
-        if flags.pop(name, None) is not None:
+        if params.pop(name, None) is not None:
             log.info("Ignoring --%s: %s.", name.replace("_", "-"), why)
-    if rdzv_backend is not None or rdzv_endpoint is not None:
-        if rdzv_backend is not None and rdzv_backend not in _RDZV_ETCD:
-            raise ConfigError(
-                f"--rdzv-backend {rdzv_backend!r} is not efdl's: efdl's rendezvous is etcd v3. "
-                "Pass --etcd host:port (or --rdzv-backend etcd --rdzv-endpoint host:2379), or "
-                "--standalone."
-            )
-        if rdzv_endpoint and not flags.get("etcd"):
-            flags["etcd"] = rdzv_endpoint
+    _rendezvous_flags(rdzv_backend, rdzv_endpoint, params)
     if rdzv_conf:
-        _apply_rdzv_conf(rdzv_conf, flags)
+        _apply_rdzv_conf(rdzv_conf, params)
     data = read_yaml(config_file) if config_file else {}
-    cfg = load(LaunchConfig, flags, yaml_data=data, yaml_source=str(config_file or ""))
-    if cfg.log_format != "text":
-        setup_logging(verbose, cfg.log_format)
-    if cfg.standalone and not flags.get("standalone") and not data.get("standalone"):
+    cfg = load(LaunchConfig, params, env=env, yaml_data=data, yaml_source=str(config_file or ""))
+    if cfg.standalone and not params.get("standalone") and not data.get("standalone"):
         log.info("No etcd was given and the job is one node: running it standalone.")
+    if cfg.standalone and not cfg.job_id:
+        # As torchrun: a run of its own, which no other standalone run on this host shares
+        # (a script's checkpoint named after TORCHELASTIC_RUN_ID is this run's alone).
+        cfg = dataclasses.replace(cfg, job_id=f"standalone-{uuid.uuid4().hex[:12]}")
+        log.info("Standalone run %s (a fresh id: give --job-id to resume a run later).", cfg.job_id)
     if cfg.job_id == DEFAULT_JOB_ID and not cfg.standalone:
         log.info(
             "No --job-id was given: the job is %r, torchrun's default run id (every job on "
             "this etcd without one is the same job).",
             DEFAULT_JOB_ID,
         )
-    args = _worker_command(script, script_args, module, no_python)
-    code = launch(cfg, args)
-    skip_final_gc()  # its workers are gone: so should it be, at once
-    sys.exit(code)
+    for stream in ("stdout", "stderr"):
+        if cfg.log_dir is None and getattr(cfg, f"duplicate_{stream}_filters"):
+            log.info(
+                "Ignoring --duplicate-%s-filters: the copies go under --log-dir, and none is set.",
+                stream,
+            )
+    return cfg
+
+
+def _rendezvous_flags(backend: str | None, endpoint: str | None, params: dict[str, Any]) -> None:
+    """torchrun's --rdzv-backend and --rdzv-endpoint, as efdl's flags (into ``params``).
+
+    Every etcd backend's endpoint is an etcd's, which efdl speaks v3 to. ``c10d`` and
+    ``static`` are torchrun's store-based rendezvous: with ``--etcd`` efdl's runs there;
+    without, their endpoint is a node's address, not an etcd, and one node runs standalone.
+    """
+    if backend is None or backend in _RDZV_ETCD:
+        if backend not in (None, "etcd-v3", "efdl"):
+            log.info(
+                "--rdzv-backend %s: efdl's rendezvous speaks etcd's v3 API to that etcd "
+                "(etcd 3.6 has no v2 API).",
+                backend,
+            )
+        if endpoint and not params.get("etcd"):
+            params["etcd"] = endpoint
+        return
+    if backend in _RDZV_STORE:
+        where = "the etcd at --etcd" if params.get("etcd") else "no etcd: one node runs standalone"
+        log.info(
+            "--rdzv-backend %s: efdl's rendezvous runs on %s; --rdzv-endpoint %s is not used.",
+            backend,
+            where,
+            endpoint or "(none)",
+        )
+        return
+    raise ConfigError(
+        f"--rdzv-backend {backend!r} is not efdl's: efdl's rendezvous is etcd v3. Pass "
+        "--etcd host:port (or --rdzv-backend etcd --rdzv-endpoint host:2379), or --standalone."
+    )
 
 
 def _apply_rdzv_conf(text: str, flags: dict[str, Any]) -> None:
@@ -912,14 +998,14 @@ def _worker_command(
 
 def launch(cfg: LaunchConfig, args: list[str]) -> int:
     """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
-    logs.context.set(job=cfg.job_id or "standalone", node=cfg.node_id or "")
+    logs.context.set(job=cfg.job_id or "", node=cfg.node_id or "")
     for path in sweep_private_dirs():
         log.info("Removed %s, left by an efdl process that was killed.", path)
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
     try:
-        job_id = check_id(cfg.job_id or "standalone")
+        job_id = check_id(cfg.job_id or DEFAULT_JOB_ID)
         # A node started while etcd is away waits for it as long as the job may wait for
         # its members, saying so (it joins once etcd is back).
         wait_s = max(2 * cfg.etcd_timeout_s, cfg.join_timeout_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import types
 import typing
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import yaml
 
 from efdl.errors import ConfigError
+from efdl.launcher.output import STDERR, STDOUT, LogSpec, parse_filters, parse_ranks, parse_streams
 from efdl.rendezvous.api import EtcdSettings
 
 C = TypeVar("C")
@@ -287,7 +289,18 @@ class LaunchConfig(EtcdClientConfig):
         metrics_port: serve Prometheus metrics on ``--host`` at this port (None: off; 0: a
             free port, logged).
         log_dir: keep per-rank log files (and error files) under this directory.
-        redirects: torchrun's ``--redirects``: 1 stdout, 2 stderr, 3 both go to files only.
+        redirects: torchrun's ``--redirects``: 1 stdout, 2 stderr, 3 both go to files only;
+            or per local rank, ``0:1,1:2``.
+        tee: torchrun's ``--tee`` (same form): those streams are shown on the console too,
+            each line labelled with its rank.
+        local_ranks_filter: only these local ranks' output reaches the console (``0,1``).
+        rank_prefix: label every worker line on the console with ``[rankN]: `` (default: as
+            the worker printed it, as torchrun shows it).
+        duplicate_stdout_filters: lines of stdout containing one of these comma-separated
+            strings are also written to ``<log_dir>/<job>/filtered_stdout.log``.
+        duplicate_stderr_filters: the same for stderr.
+        signals_to_handle: signals on which the node leaves the job gracefully.
+        virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
         role: torchrun's ``--role`` (ROLE_NAME).
         cache_url: where committed state is persisted (any fsspec URL or a directory);
             default with ``--standalone``: ``<log_dir>/<job>/cache`` when ``log_dir`` is set.
@@ -318,7 +331,14 @@ class LaunchConfig(EtcdClientConfig):
     metrics_port: int | None = None
     log_format: str = "text"
     log_dir: Path | None = None
-    redirects: int = 0
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str | None = None
+    rank_prefix: bool = False
+    duplicate_stdout_filters: str | None = None
+    duplicate_stderr_filters: str | None = None
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    virtual_local_rank: bool = False
     role: str = "default"
     cache_url: str | None = None
     cache_every_steps: int = 0
@@ -376,11 +396,8 @@ class LaunchConfig(EtcdClientConfig):
             )
         if self.warm_workers is not None and self.warm_workers < 0:
             raise ConfigError(f"--warm-workers ({self.warm_workers}) must not be negative.")
-        if not 0 <= self.redirects <= 3:
-            raise ConfigError(
-                f"--redirects is {self.redirects}; expected 0 (none), 1 (stdout), "
-                "2 (stderr) or 3 (both)."
-            )
+        self.log_spec("job")  # validates the output flags
+        self.signals()  # validates
         if self.cache_every_steps < 0 or self.cache_every_s < 0:
             raise ConfigError(
                 f"--cache-every-steps ({self.cache_every_steps}) and --cache-every "
@@ -419,6 +436,37 @@ class LaunchConfig(EtcdClientConfig):
         if self.standalone and self.log_dir is not None:
             return str(self.log_dir / job_id / "cache")
         return None
+
+    def log_spec(self, job_id: str) -> LogSpec:
+        """Where job ``job_id``'s worker output goes (see efdl.launcher.output)."""
+        return LogSpec(
+            self.log_dir / job_id if self.log_dir else None,
+            parse_streams(self.redirects, "--redirects"),
+            parse_streams(self.tee, "--tee"),
+            parse_ranks(self.local_ranks_filter),
+            self.rank_prefix,
+            {
+                STDOUT: parse_filters(self.duplicate_stdout_filters),
+                STDERR: parse_filters(self.duplicate_stderr_filters),
+            },
+        )
+
+    def signals(self) -> tuple[signal.Signals, ...]:
+        """``signals_to_handle`` as signals.
+
+        Raises:
+            ConfigError: a name that is not a signal, or one that cannot be handled.
+        """
+        out = []
+        for name in filter(None, (n.strip().upper() for n in self.signals_to_handle.split(","))):
+            full = name if name.startswith("SIG") else "SIG" + name
+            if full not in signal.Signals.__members__ or full in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(
+                    f"--signals-to-handle names {name!r}; expected signals that can be "
+                    "handled, such as SIGTERM,SIGINT,SIGUSR1."
+                )
+            out.append(signal.Signals[full])
+        return tuple(out)
 
     def node_range(self) -> tuple[int, int]:
         """``--nnodes`` as (min, max) nodes."""

@@ -95,9 +95,12 @@ def without_torch_prefix(line: bytes) -> bytes:
     return _TORCH_PREFIX.sub(b"", line)
 
 
-def worker_line(rank: int, stream: str, line: bytes) -> bytes:
-    """A line a worker printed, as the console shows it: prefixed with the worker's current
-    rank (torch's own prefix, of the rank the process had when it joined, is dropped)."""
+def worker_line(rank: int, stream: str, line: bytes, label: bool = True) -> bytes:
+    """A line a worker printed, as the console shows it: as printed, or with ``label``
+    prefixed with the worker's current rank (torch's own prefix, of the rank the process had
+    when it joined, is dropped); with ``--log-format json`` one object with its rank."""
+    if not _json and not label:
+        return line
     line = without_torch_prefix(line)
     if not _json:
         return f"[rank{rank}]: ".encode() + line

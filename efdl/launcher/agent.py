@@ -32,7 +32,7 @@ from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.restarts import RestartBudget, Verdict
 from efdl.launcher.tcpstore import TCPStoreServer, preload
 from efdl.launcher.warm import WarmPool, warm_command
-from efdl.launcher.workers import LogSpec, WorkerExit, WorkerGroup
+from efdl.launcher.workers import WorkerExit, WorkerGroup
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -163,6 +163,13 @@ def warm_pool(
     return pool
 
 
+def leave_code(signum: int, ended: bool, others: int) -> int:
+    """The exit code of a node that left its job on signal ``signum``: 0 when the job has
+    ended (finished, stopped or failed: its own code is said by the nodes that saw it) or
+    ``others`` nodes carry it on; else 128 + ``signum`` (unfinished work nobody carries on)."""
+    return 0 if ended or others > 0 else 128 + signum
+
+
 class AgentExit(EfdlError):
     """The agent ends with ``code``; the message says why."""
 
@@ -237,9 +244,15 @@ class NodeAgent:
         self._server = TCPStoreServer(node.host, cfg.store_port)
         preload()
         self._ctx = JobContext(
-            job_id, node, cfg.max_restarts, cfg.role, interface_of(node.host), tuple(gpu_ids)
+            job_id,
+            node,
+            cfg.max_restarts,
+            cfg.role,
+            interface_of(node.host),
+            tuple(gpu_ids),
+            cfg.virtual_local_rank,
         )
-        self._logs = LogSpec(cfg.log_dir / job_id if cfg.log_dir else None, cfg.redirects)
+        self._logs = cfg.log_spec(job_id)
         self._group: WorkerGroup | None = None
         if warm is None:
             warm = warm_pool(cfg, self._args, node.slots, bool(node.gpus), node.cpus)
@@ -368,9 +381,7 @@ class NodeAgent:
 
     def run(self) -> int:
         """Join, follow rounds, run workers; returns the exit code. Call from the main thread."""
-        previous = {
-            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in self._cfg.signals()}
         try:
             self._await_warm()
             self._join()
@@ -529,7 +540,7 @@ class NodeAgent:
                 continue
             if isinstance(event, _Signal):
                 name = signal.Signals(event.signum).name
-                raise AgentExit(0, f"Left on {name} before joining the job.")
+                raise self._left(event.signum, f"Left on {name} before joining the job")
 
     # ---------------------------------------------------------------- events
 
@@ -1008,7 +1019,38 @@ class NodeAgent:
             self._group.wait(self._cfg.grace_period_s)
         self._stop_workers()
         self._leave_rendezvous()
-        raise AgentExit(0, f"Left the job on {name}.")  # asked for and done: a success
+        raise self._left(signum, f"Left the job on {name}")
+
+    def _left(self, signum: int, what: str) -> AgentExit:
+        """How this node's leave on ``signum`` ends: 0 when the job goes on without it (or has
+        ended), else 128 + the signal's number, as a shell reports a process that a signal
+        stopped: a scheduler (SLURM, a Kubernetes Job) takes it for unfinished work to run
+        again, not for a finished job. Read after this node's record went (its lease was
+        revoked), so of nodes leaving together at least the last one says so."""
+        keys = JobKeys(self._job)
+        try:
+            r = parse_round(self._store.get(keys.round), keys)
+            others = [
+                kv
+                for kv in self._store.get_prefix(keys.nodes).kvs
+                if kv.key != keys.node(self._node.node_id)
+            ]
+        except StoreError as exc:
+            code = leave_code(signum, False, 0)
+            return AgentExit(
+                code, f"{what}; etcd did not say whether the job goes on ({exc}): exit {code}."
+            )
+        ended = self._finishing or (r is not None and r.status.final)
+        code = leave_code(signum, ended, len(others))
+        if code == 0:
+            return AgentExit(
+                0, f"{what}; the job goes on without it." if others and not ended else f"{what}."
+            )
+        return AgentExit(
+            code,
+            f"{what}; no other node carries the job on and it has not finished: exit {code}, "
+            "for a scheduler to run it again.",
+        )
 
     def _drain_news(self) -> None:
         """The agent exits: publish what its workers said on their way out (the step they

@@ -12,6 +12,7 @@ from efdl.rendezvous.model import NodeRecord, Round
 SECRET_VARIABLES = frozenset({"EFDL_ETCD_PASSWORD"})
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 DEVICE_ENV = "EFDL_CUDA_DEVICE"  # the index of the worker's own GPU in its CUDA_VISIBLE_DEVICES
+LOCAL_RANK_ENV = "EFDL_LOCAL_RANK"  # the worker's local rank, also where LOCAL_RANK says 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class JobContext:
     # The node's GPUs for the job, in slot order, as CUDA_VISIBLE_DEVICES names them (indices,
     # or UUIDs where the user named them so; MIG instances by UUID). Empty on a CPU host.
     gpu_ids: tuple[str, ...] = ()
+    # torchrun's --virtual-local-rank: LOCAL_RANK is 0 and the worker sees its own GPU alone.
+    virtual_local_rank: bool = False
 
 
 def worker_env(
@@ -53,7 +56,7 @@ def worker_env(
     env = {k: v for k, v in base.items() if k not in SECRET_VARIABLES}  # workers never see etcd
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
+        LOCAL_RANK="0" if ctx.virtual_local_rank else str(local_rank),
         WORLD_SIZE=str(rnd.world_size),
         LOCAL_WORLD_SIZE=str(member.workers),
         GROUP_RANK=str(group_rank),
@@ -73,11 +76,16 @@ def worker_env(
         EFDL_NODE_ID=ctx.node.node_id,
         EFDL_GENERATION=str(rnd.generation),
     )
+    env[LOCAL_RANK_ENV] = str(local_rank)
     if ctx.ifname:
         for name in SOCKET_IFNAME_VARIABLES:
             env.setdefault(name, ctx.ifname)  # the user's own choice wins
     if ctx.gpu_ids:
-        visible, own = worker_devices(ctx.gpu_ids, local_rank if slot is None else slot, local_rank)
+        own_slot = local_rank if slot is None else slot
+        if ctx.virtual_local_rank:
+            visible, own = ctx.gpu_ids[own_slot], 0
+        else:
+            visible, own = worker_devices(ctx.gpu_ids, own_slot, local_rank)
         env["CUDA_VISIBLE_DEVICES"] = visible
         env[DEVICE_ENV] = str(own)
         # NVML's indices (nvidia-smi's, what --gpus names) are CUDA's in PCI bus order only.

@@ -25,11 +25,12 @@ from typing import IO
 from efdl import logs as logs_format
 from efdl._process import reap, spawn_worker
 from efdl.launcher import warm
+from efdl.launcher.output import STDERR, STDOUT, STREAM_NAMES, LogSpec
 
 log = logging.getLogger(__name__)
 
-STDOUT, STDERR = 1, 2
 _console_lock = threading.Lock()
+_filtered_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,19 +42,6 @@ class WorkerExit:
     rank: int
     pid: int
     code: int
-
-
-@dataclass(frozen=True, slots=True)
-class LogSpec:
-    """Where worker output goes.
-
-    Attributes:
-        log_dir: per-rank files ``<log_dir>/gen<g>/rank<r>.{stdout,stderr}`` when set.
-        redirects: bit 1 stdout, bit 2 stderr: those streams go to the files only.
-    """
-
-    log_dir: Path | None = None
-    redirects: int = 0
 
 
 def _pump(
@@ -116,21 +104,17 @@ class Worker:
             (STDERR, self.proc.stderr, sys.stderr.buffer),
         ):
             assert pipe is not None
+            name = STREAM_NAMES[bit]
             file = None
             if logs.log_dir is not None:
-                name = "stdout" if bit == STDOUT else "stderr"
                 path = logs.log_dir / f"gen{generation}" / f"rank{rank}.{name}"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 file = open(path, "ab")  # noqa: SIM115 (closed by the pump)
-            to_console = None if logs.redirects & bit else console
-            stream = "stdout" if bit == STDOUT else "stderr"
-
-            def render(line: bytes, stream: str = stream) -> bytes:
-                return logs_format.worker_line(self.rank, stream, line)
-
+            to_console = console if logs.to_console(local_rank, bit) else None
+            render = self._render(name, logs.labelled(local_rank, bit))
             t = threading.Thread(
                 target=_pump,
-                args=(pipe, render, to_console, file, self._saw_error if bit == STDERR else None),
+                args=(pipe, render, to_console, file, self._watcher(bit, logs)),
                 name=f"efdl-log-r{rank}-{bit}",
                 daemon=True,
             )
@@ -138,6 +122,28 @@ class Worker:
             self._threads.append(t)
         waiter = threading.Thread(target=self._wait, args=(events,), daemon=True)
         waiter.start()
+
+    def _render(self, stream: str, label: bool) -> Callable[[bytes], bytes]:
+        def render(line: bytes) -> bytes:
+            return logs_format.worker_line(self.rank, stream, line, label)
+
+        return render
+
+    def _watcher(self, bit: int, logs: LogSpec) -> Callable[[bytes], None] | None:
+        """What looks at each line of stream ``bit``: stderr's last line is kept (a crash's
+        exception), lines matching ``--duplicate-*-filters`` are copied to their file."""
+        path = logs.filtered_file(bit)
+        keys = tuple(k.encode() for k in logs.duplicate.get(bit, ()))
+        error = bit == STDERR
+
+        def seen(line: bytes) -> None:
+            if error:
+                self._saw_error(line)
+            if path is not None and any(k in line for k in keys):
+                with _filtered_lock, open(path, "ab") as out:
+                    out.write(line)
+
+        return seen if error or path is not None else None
 
     def _saw_error(self, line: bytes) -> None:
         text = logs_format.without_torch_prefix(line).decode(errors="replace").strip()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from efdl.errors import ConfigError
+from efdl.launcher.env import LOCAL_RANK_ENV
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class Placement:
             int(e.get("EFDL_GENERATION", "0")),
             int(e["RANK"]),
             int(e["WORLD_SIZE"]),
-            int(e.get("LOCAL_RANK", "0")),
+            int(e.get(LOCAL_RANK_ENV) or e.get("LOCAL_RANK", "0")),
             int(e.get("LOCAL_WORLD_SIZE", "1")),
             int(e.get("GROUP_RANK", "0")),
             int(e.get("GROUP_WORLD_SIZE", "1")),

@@ -22,7 +22,8 @@ import psutil
 from efdl.launcher import warm
 
 SCRIPTS = Path(__file__).parent / "scripts"
-EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+# Worker lines labelled [rankN]: (the tests tell the ranks' lines apart by it).
+EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--rank-prefix"]
 
 
 def standalone(

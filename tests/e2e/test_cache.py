@@ -156,8 +156,9 @@ def test_preemption_sigterm_everywhere_loses_nothing_committed(job: Job) -> None
     wait_persisted(job, storage, at_least=1)
     for name in ("a", "b"):
         job.agents[name].signal(signal.SIGTERM)
-    for name in ("a", "b"):
-        assert job.agents[name].wait(60) == 0, job.agents[name].output()[-3000:]
+    # The last to leave says the job is unfinished and nobody carries it on (128 + SIGTERM).
+    codes = sorted(job.agents[name].wait(60) for name in ("a", "b"))
+    assert codes in ([0, 143], [143, 143]), [job.agents[n].output()[-3000:] for n in "ab"]
     rows = job.events()
     last = max(int(r["step"]) for r in rows)  # type: ignore[call-overload]
     assert (

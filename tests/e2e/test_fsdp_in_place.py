@@ -126,8 +126,9 @@ def test_a_preempted_job_resumes_from_the_cache_at_another_world_size(
         job.wait_for("two workers", steps_at_world(2))
         for name in "ab":
             job.agents[name].signal(signal.SIGTERM)
-        for name in "ab":
-            assert job.agents[name].wait(60) == 0
+        # Preempted, both: the last to leave exits 143 (unfinished, nobody carries it on).
+        codes = sorted(job.agents[name].wait(60) for name in "ab")
+        assert codes in ([0, 143], [143, 143]), codes
         last = max(int(r["step"]) for r in job.events())  # type: ignore[call-overload]
         found = SnapshotStorage(str(cache)).newest()
         assert found is not None and found[0].step == last and found[0].world_size == 2

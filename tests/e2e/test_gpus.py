@@ -21,7 +21,7 @@ NVML = json.dumps([{"uuid": u, "processes": int(i in BUSY)} for i, u in enumerat
 SCRIPT = (
     "import json, os\n"
     "keys = ['CUDA_VISIBLE_DEVICES', 'LOCAL_RANK', 'EFDL_CUDA_DEVICE', 'CUDA_DEVICE_ORDER',\n"
-    "        'TORCH_NCCL_ASYNC_ERROR_HANDLING']\n"
+    "        'TORCH_NCCL_ASYNC_ERROR_HANDLING', 'EFDL_LOCAL_RANK']\n"
     "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
 )
 
@@ -58,6 +58,17 @@ def own_gpus(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> l
 
 def test_gpus_by_index_each_worker_on_its_own(tmp_path: Path) -> None:
     assert own_gpus(tmp_path, "--gpus", "2,5", "--nproc-per-node", "gpu") == ["2", "5"]
+
+
+def test_virtual_local_rank_shows_each_worker_its_own_gpu_alone(tmp_path: Path) -> None:
+    """torchrun's --virtual-local-rank: LOCAL_RANK is 0 everywhere and each worker sees only
+    its GPU (cuda:0); efdl still knows which local rank it is (EFDL_LOCAL_RANK)."""
+    code, out, err = run(tmp_path, "--gpus", "2,5", "--virtual-local-rank")
+    assert code == 0, err[-3000:]
+    envs = [json.loads(line.split(": ", 1)[1]) for line in out.splitlines() if "[rank" in line]
+    seen = sorted((e["EFDL_LOCAL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs)
+    assert seen == [("0", "2"), ("1", "5")], envs
+    assert {(e["LOCAL_RANK"], e["EFDL_CUDA_DEVICE"]) for e in envs} == {("0", "0")}
 
 
 def test_gpus_by_uuid(tmp_path: Path) -> None:

@@ -126,12 +126,14 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
     tmp_path: Path, short_tmp: Path
 ) -> None:
     """The README's quick start, twice: each run trains from epoch 0 (the checkpoint is
-    the job's, and goes when the job finishes). A job left on SIGTERM keeps it: the next run
-    says it resumed, and from where."""
+    the job's, and goes when the job finishes). A job left on SIGTERM keeps it and exits 143
+    (unfinished: a scheduler runs it again): the next run of that job (--job-id) says it
+    resumed, and from where."""
     example = Path(__file__).parents[2] / "examples" / "digits" / "train_torchrun.py"
-    command = [*EFDL_RUN, "--standalone", "--nproc-per-node", "2", str(example)]
+    command = [*EFDL_RUN, "--standalone", "--job-id", "digits", "--nproc-per-node", "2"]
+    command.append(str(example))
     env = {**os.environ, "TMPDIR": str(short_tmp)}  # where the default checkpoint goes
-    checkpoint = short_tmp / "digits-standalone.pt"
+    checkpoint = short_tmp / "digits-digits.pt"
 
     done = subprocess.run(
         [*command, "--epochs", "3"], capture_output=True, text=True, timeout=180, env=env
@@ -149,7 +151,7 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
         try:
             wait_until("two epochs", lambda: len(rank0_rows(log.read_text())) >= 2, 120)
             first.send_signal(signal.SIGTERM)
-            assert first.wait(60) == 0, log.read_text()[-2000:]
+            assert first.wait(60) == 143, log.read_text()[-2000:]
         finally:
             if first.poll() is None:
                 first.kill()
@@ -187,7 +189,7 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
             "--cache-url 'x.py/cache' cannot be used: its directory cannot be made",
         ),
         (
-            ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "x.py"],
+            ["--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h:2181", "x.py"],
             "is not efdl's: efdl's rendezvous is etcd v3",
         ),
     ],
@@ -346,6 +348,58 @@ def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(tmp_path
     ]
     rows = [line for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert len(rows) == 6
+
+
+def test_worker_output_follows_torchrun_output_flags(tmp_path: Path) -> None:
+    """As torchrun shows it: each line as the worker printed it. --tee shows those streams
+    labelled, also where --redirects sends them to files; --local-ranks-filter keeps the
+    other local ranks off the console; --duplicate-stderr-filters copies the matching lines
+    to LOG_DIR/JOB/filtered_stderr.log; --rank-prefix labels every line. And each run that
+    names no job is a run of its own (TORCHELASTIC_RUN_ID), as torchrun's standalone runs."""
+    script = tmp_path / "say.py"
+    script.write_text(
+        "import os, sys\n"
+        "r = os.environ['RANK']\n"
+        "print(f'OUT-{r}', os.environ['TORCHELASTIC_RUN_ID'])\n"
+        "print(f'ERR-{r}-apple', file=sys.stderr)\n"
+        "print(f'ERR-{r}-pear', file=sys.stderr)\n"
+    )
+    unlabelled = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+
+    def run(*flags: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [*unlabelled, "--nproc-per-node", "2", *flags, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    def lines(text: str, word: str) -> list[str]:
+        return sorted(line for line in text.splitlines() if word in line)
+
+    plain = run()
+    outs = lines(plain.stdout, "OUT-")
+    assert [o.split()[0] for o in outs] == ["OUT-0", "OUT-1"], plain.stdout
+    assert lines(plain.stderr, "ERR-") == ["ERR-0-apple", "ERR-0-pear", "ERR-1-apple", "ERR-1-pear"]
+
+    labelled = run("--rank-prefix")
+    assert "[rank1]: ERR-1-pear" in labelled.stderr.splitlines()
+    runs = {line.split()[-1] for line in outs + lines(labelled.stdout, "OUT-")}
+    assert len(runs) == 2 and all(r.startswith("standalone-") for r in runs), runs
+
+    logs = tmp_path / "logs"
+    filtered = run(
+        *("--log-dir", str(logs), "--redirects", "3", "--tee", "1"),
+        *("--local-ranks-filter", "1", "--duplicate-stderr-filters", "apple,kiwi"),
+    )
+    assert [o.split()[:2] for o in lines(filtered.stdout, "OUT-")] == [["[rank1]:", "OUT-1"]]
+    assert "ERR-" not in filtered.stderr  # redirected and not teed
+    (copies,) = logs.glob("*/filtered_stderr.log")
+    assert sorted(copies.read_text().splitlines()) == ["ERR-0-apple", "ERR-1-apple"]
+    assert lines((copies.parent / "gen1" / "rank0.stdout").read_text(), "OUT-0")  # files: all
 
 
 def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:

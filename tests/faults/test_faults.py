@@ -375,8 +375,9 @@ def test_sigterm_while_etcd_is_gone(jobs: Jobs, own_etcd: EmbeddedEtcd) -> None:
     t0 = time.time()
     job.wait_for("a step without etcd", lambda rs: stepped_since(rs, t0), 60)
     agent.signal(signal.SIGTERM)
-    assert agent.wait(timeout_s=60) == 0, agent.output()[-3000:]
-    assert "Left the job on SIGTERM" in agent.output()
+    # Nobody can tell whether the job goes on: its work counts as unfinished (128 + 15).
+    assert agent.wait(timeout_s=60) == 143, agent.output()[-3000:]
+    assert "Left the job on SIGTERM; etcd did not say whether the job goes on" in agent.output()
 
 
 def test_hung_worker_whose_agent_lives(jobs: Jobs, record: Recorder, attempt: int) -> None:
