@@ -61,3 +61,21 @@ def test_the_agent_and_the_fleet_commands_start_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize(
+    ("signum", "ended", "others", "code"),
+    [
+        (15, False, 0, 143),  # SIGTERM, standalone or the last node: unfinished, nobody on
+        (2, False, 0, 130),  # Ctrl-C
+        (15, False, 2, 0),  # a leave the job survives
+        (15, True, 0, 0),  # the job had finished (or was stopped, or failed: said elsewhere)
+        (10, False, 0, 138),  # SIGUSR1 (--signals-to-handle), SLURM's warning
+    ],
+)
+def test_a_node_that_leaves_on_a_signal_exits_non_zero_only_if_nobody_carries_on(
+    signum: int, ended: bool, others: int, code: int
+) -> None:
+    from efdl.launcher.agent import leave_code
+
+    assert leave_code(signum, ended, others) == code
