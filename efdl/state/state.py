@@ -23,7 +23,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -52,6 +52,10 @@ from efdl.state.verdict import Verdicts
 log = logging.getLogger(__name__)
 
 BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"
+
+
+# DistributedDataParallel's options that efdl sets on each wrapper it builds.
+_DDP_OWN = frozenset({"process_group", "device_mesh", "init_sync", "module"})
 
 
 class Rescale(Exception):
@@ -86,6 +90,18 @@ class ElasticState:
         sampler: an :class:`ElasticSampler`, :class:`ElasticBatchSampler` or
             :class:`efdl.ElasticStream`, told the world size and advanced on commit.
         scheduler: an LR scheduler, if any.
+        ddp_kwargs: DistributedDataParallel's options for ``state.ddp`` (``bucket_cap_mb``,
+            ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+            ``broadcast_buffers``, ``device_ids``, ...), given to every wrapper efdl builds:
+            one per process group, so again after each rescale. ``process_group``,
+            ``device_mesh`` and ``init_sync`` are efdl's (the new group; no init broadcast).
+        comm_hook: a DDP communication hook (``bf16_compress_hook``, PowerSGD's
+            ``powerSGD_hook``, ...) registered with ``comm_hook_state`` on every wrapper.
+            Its state must name no process group (``None``: the group of the moment), for
+            the group changes with each rescale. (A hook the script registers on
+            ``state.ddp`` in the ``@efdl.elastic`` function is registered again by each
+            entry, which follows each rebuild; one registered once elsewhere is not.)
+        comm_hook_state: the hook's state (DDP's ``register_comm_hook(state, hook)``).
         snapshot_every: 0 (the default): no rollback copies. A positive N keeps a copy of the
             whole state every N commits, on the tensors' own devices, and a failure rolls
             back to it: for scripts that change the state outside ``optimizer.step()`` in a
@@ -106,8 +122,19 @@ class ElasticState:
         sampler: Position | None = None,
         scheduler: Any = None,
         snapshot_every: int = 0,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+        comm_hook: Callable[..., Any] | None = None,
+        comm_hook_state: Any = None,
         **values: Any,
     ) -> None:
+        owned = sorted(set(ddp_kwargs or {}) & _DDP_OWN)
+        if owned:
+            raise ValueError(
+                f"ddp_kwargs sets {owned[0]!r}, which efdl sets on each rebuilt DDP (the new "
+                "process group, no init broadcast); leave it out."
+            )
+        if comm_hook is not None and not callable(comm_hook):
+            raise ValueError(f"comm_hook is {comm_hook!r}; expected a DDP communication hook.")
         if not isinstance(snapshot_every, int) or snapshot_every < 0:
             raise ValueError(
                 f"snapshot_every is {snapshot_every!r}; expected 0 (no rollback copies, the "
@@ -131,6 +158,8 @@ class ElasticState:
         self._snapshot_every = snapshot_every
         self._step = 0
         self._ddp: DistributedDataParallel | torch.nn.Module = model
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._hook = (comm_hook, comm_hook_state) if comm_hook is not None else None
         self._generation = 0
         self._rescales = 0
         self._phase = Phase.COMMITTED
@@ -501,13 +530,23 @@ class ElasticState:
             self._copy = self._clone()
         if self._sampler is not None:
             self._sampler.set_world(rank, world)
-        self._ddp = self._model  # the old wrapper's buckets go before the new one's come
-        if self._sharding is None and (world > 1 or rt.elastic):
-            # No init sync: every rank holds the same state now (it would broadcast the
-            # whole model from rank 0 over the training group on every rebuild).
-            self._ddp = DistributedDataParallel(self._model, init_sync=False)
+        self._rewrap(world > 1 or rt.elastic)
         self._generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
+
+    def _rewrap(self, wrapped: bool) -> None:
+        """A new DDP wrapper for the new process group, with the script's options and
+        communication hook."""
+        self._ddp = self._model  # the old wrapper's buckets go before the new one's come
+        if self._sharding is not None or not wrapped:
+            return
+        # No init sync: every rank holds the same state now (it would broadcast the whole
+        # model from rank 0 over the training group on every rebuild).
+        ddp = DistributedDataParallel(self._model, init_sync=False, **self._ddp_kwargs)
+        if self._hook is not None:
+            hook, state = self._hook
+            ddp.register_comm_hook(state, hook)
+        self._ddp = ddp
 
     def _digest(self) -> int:
         """This replica's digest (efdl.state.digest) of its parameters and optimizer state; 0
@@ -811,7 +850,20 @@ def elastic_state(
     sampler: Position | None = None,
     scheduler: Any = None,
     snapshot_every: int = 0,
+    ddp_kwargs: Mapping[str, Any] | None = None,
+    comm_hook: Callable[..., Any] | None = None,
+    comm_hook_state: Any = None,
     **values: Any,
 ) -> ElasticState:
     """Track what must survive a rescale; see :class:`ElasticState`."""
-    return ElasticState(model, optimizer, sampler, scheduler, snapshot_every, **values)
+    return ElasticState(
+        model,
+        optimizer,
+        sampler,
+        scheduler,
+        snapshot_every,
+        ddp_kwargs,
+        comm_hook,
+        comm_hook_state,
+        **values,
+    )

@@ -269,3 +269,21 @@ def test_a_replica_corrupted_mid_run_is_repaired_at_the_next_sync(job: Job) -> N
     check_consistent([r for r in rows if int(r["gen"]) >= g3])  # type: ignore[call-overload]
     logs = job.agents["a"].output() + job.agents["b"].output()
     assert "differ: rank(s) [1] hold tensors unlike those of rank(s) [0]" in logs
+
+
+def test_ddp_options_and_a_bf16_compression_hook_hold_across_a_join(job: Job) -> None:
+    """elastic_state(ddp_kwargs=..., comm_hook=...): every DDP wrapper efdl builds, the one
+    rebuilt when a node joins included, has the script's options and runs its hook (bf16
+    gradient compression) in every step; the replicas stay identical."""
+    job.env["COMM_HOOK"] = "bf16"
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    job.start("c", script="elastic_steps.py")
+    rows = job.wait_for("three workers", steps_at_world(3, latest_gen(rows)))
+    three = [r for r in rows if r["world"] == 3]
+    assert {r["node"] for r in three} == {"a", "b", "c"}
+    for r in rows:
+        assert r["ddp"] == [1024 * 1024, True], r  # bucket_cap_mb=1, gradient_as_bucket_view
+        assert int(r["hooked"]) >= 1, r  # type: ignore[call-overload]
+    check_consistent(rows)

@@ -117,3 +117,12 @@ def test_the_users_counter_and_efdls_step_stay_apart() -> None:
         AttributeError, match=r"no value 'best'; its values are \['epoch', 'my_step'\]"
     ):
         _ = state.best
+
+
+@pytest.mark.parametrize("owned", ["process_group", "init_sync", "device_mesh"])
+def test_ddp_options_efdl_sets_itself_are_refused_by_name(owned: str) -> None:
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=f"ddp_kwargs sets '{owned}', which efdl sets"):
+        ElasticState(model, ddp_kwargs={owned: None, "bucket_cap_mb": 1})
+    with pytest.raises(ValueError, match="comm_hook is 3; expected a DDP communication hook"):
+        ElasticState(model, comm_hook=3)  # type: ignore[arg-type]

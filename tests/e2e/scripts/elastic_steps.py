@@ -29,6 +29,9 @@ that one enters a dist.barrier() at that step, which times out after COLLECTIVE_
 STREAM=dir: the data is the Parquet files in dir (columns id and x, x 4 floats per row),
 read through efdl.ElasticStream (GLOBAL_BATCH, LANES, WINDOW) by a DataLoader of NUM_WORKERS
 worker processes (default 0).
+COMM_HOOK=bf16: DDP options and a communication hook through elastic_state (bucket_cap_mb=1,
+gradient_as_bucket_view, torch's bf16_compress_hook, counted); each row says how many times
+the hook ran in its step ("hooked") and the wrapper's options ("ddp").
 BACKEND=nccl (default gloo); DEVICE=cuda trains on efdl.device() (the GPU suite); each entry
 row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
@@ -139,7 +142,22 @@ def batches():  # type: ignore[no-untyped-def]
 
 
 snapshot_every = int(os.environ.get("SNAPSHOT_EVERY", "0"))
-state = efdl.elastic_state(model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0)
+hooked = [0]
+ddp_options: dict[str, object] = {}
+if os.environ.get("COMM_HOOK") == "bf16":
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def bf16(process_group, bucket):  # type: ignore[no-untyped-def]
+        hooked[0] += 1
+        return default_hooks.bf16_compress_hook(process_group, bucket)
+
+    ddp_options = {
+        "ddp_kwargs": {"bucket_cap_mb": 1, "gradient_as_bucket_view": True},
+        "comm_hook": bf16,
+    }
+state = efdl.elastic_state(
+    model, optimizer, sampler, snapshot_every=snapshot_every, epoch=0, **ddp_options
+)
 digests = os.environ.get("DIGEST", "1") != "0"
 user_collective = os.environ.get("USER_COLLECTIVE") == "1"
 kill_where, _, kill_at = os.environ.get("KILL_IN", "").partition(":")
@@ -198,6 +216,7 @@ def train(state: efdl.ElasticState) -> None:
             skip_rank, _, skip_step = os.environ.get("SKIP_BARRIER_AT", "").partition(":")
             if skip_step == str(state.step) and skip_rank != str(rank) and spawned == "1":
                 dist.barrier()  # the user's own collective, which one rank never enters
+            hooked[0] = 0
             loss = state.ddp(x.to(dev)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -224,6 +243,11 @@ def train(state: efdl.ElasticState) -> None:
                 "t": time.time(),
                 "rescales": state.rescales,
                 "news": news[0],
+                "hooked": hooked[0],
+                "ddp": [
+                    getattr(state.ddp, "bucket_bytes_cap", None),
+                    getattr(state.ddp, "gradient_as_bucket_view", None),
+                ],
             }
             with open(out / "events.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
