@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from efdl.kubeflow import pet_params
 from efdl.launcher.agent import NodeAgent, warm_pool
 from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
-from efdl.rendezvous.api import Compare, EtcdSettings, EventType, Put
+from efdl.rendezvous.api import Compare, Endpoint, EtcdSettings, EventType, Put
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -661,8 +662,6 @@ def node(
 _RDZV_ETCD = ("etcd", "etcd-v2", "etcd-v3", "efdl")
 _RDZV_STORE = ("c10d", "static")  # torchrun's rendezvous on a node's TCPStore
 _IGNORED = {
-    "node_rank": "ranks are assigned by the rendezvous",
-    "master_addr": "the store lives with rank 0, found through etcd",
     "monitor_interval": "workers are watched without polling",
     "start_method": "workers are started with exec",
     "run_path": "each worker runs SCRIPT as `python SCRIPT` in a process of its own, as "
@@ -706,11 +705,37 @@ _IGNORED = {
 )
 @click.option(
     "--store-port",
-    "--master-port",
-    "--master_port",
     "store_port",
     type=int,
     help="Fixed port for the c10d store (default: any free port).",
+)
+@click.option(
+    "--master-addr",
+    "--master_addr",
+    "master_addr",
+    help="torchrun's static rendezvous (--nnodes > 1, no etcd): the address where the node "
+    "of --node-rank 0 serves the job's etcd (default 127.0.0.1).",
+)
+@click.option(
+    "--master-port",
+    "--master_port",
+    "master_port",
+    type=int,
+    help="Its port (default 29500); on one node, the c10d store's port.",
+)
+@click.option(
+    "--node-rank",
+    "--node_rank",
+    "node_rank",
+    type=int,
+    help="torchrun's static launch: 0 serves the rendezvous (ranks come from it).",
+)
+@click.option(
+    "--serve-etcd",
+    is_flag=True,
+    default=None,
+    help="Serve the job's etcd here (embedded, on --etcd's first endpoint, an address of "
+    "this host); the job lives as long as this node does.",
 )
 @click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a dead node is noticed.")
 @click.option("--settle", "settle_s", type=float, help="Seconds to batch joins into one round.")
@@ -854,8 +879,6 @@ _IGNORED = {
 @click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", hidden=True)
 @click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", hidden=True)
 @click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", hidden=True)
-@click.option("--node-rank", "--node_rank", "node_rank", hidden=True)
-@click.option("--master-addr", "--master_addr", "master_addr", hidden=True)
 @click.option("--monitor-interval", "--monitor_interval", "monitor_interval", hidden=True)
 @click.option("--start-method", "--start_method", "start_method", hidden=True)
 @click.option("--run-path", "--run_path", "run_path", is_flag=True, default=None, hidden=True)
@@ -922,6 +945,22 @@ def launch_config(
             "this etcd without one is the same job).",
             DEFAULT_JOB_ID,
         )
+    given = params.get("etcd") or env.get("EFDL_ETCD") or data.get("etcd")
+    static = not cfg.standalone and cfg.etcd != given  # torchrun's static rendezvous
+    for name in ("master_addr", "master_port", "node_rank"):
+        if getattr(cfg, name) is not None and given:
+            log.info(
+                "Ignoring --%s: the rendezvous runs on the etcd given (--etcd), which ranks "
+                "the nodes and tells them the store's address.",
+                name.replace("_", "-"),
+            )
+    if static:
+        log.info(
+            "No etcd was given for a job of several nodes: as torchrun's static rendezvous, "
+            "%s at %s (--master-addr:--master-port).",
+            "this node serves the job's etcd" if cfg.serve_etcd else "the node of rank 0 serves it",
+            cfg.etcd,
+        )
     for stream in ("stdout", "stderr"):
         if cfg.log_dir is None and getattr(cfg, f"duplicate_{stream}_filters"):
             log.info(
@@ -949,12 +988,23 @@ def _rendezvous_flags(backend: str | None, endpoint: str | None, params: dict[st
             params["etcd"] = endpoint
         return
     if backend in _RDZV_STORE:
-        where = "the etcd at --etcd" if params.get("etcd") else "no etcd: one node runs standalone"
+        if params.get("etcd") or not endpoint:
+            where = "the etcd at --etcd" if params.get("etcd") else "a static rendezvous"
+            log.info("--rdzv-backend %s: efdl's rendezvous runs on %s.", backend, where)
+            return
+        # c10d's store is served by the node at the endpoint: efdl's etcd is, there.
+        at = Endpoint.parse(endpoint if ":" in endpoint.strip("[]") else f"{endpoint}:29400")
+        params.setdefault("master_addr", None)
+        params["master_addr"] = params["master_addr"] or at.host
+        params["master_port"] = params.get("master_port") or at.port
+        if params.get("node_rank") is None:
+            params["node_rank"] = 0 if _can_serve(at.host, at.port) else 1
         log.info(
-            "--rdzv-backend %s: efdl's rendezvous runs on %s; --rdzv-endpoint %s is not used.",
+            "--rdzv-backend %s --rdzv-endpoint %s: the node that can listen there serves the "
+            "job's etcd (%s).",
             backend,
-            where,
-            endpoint or "(none)",
+            endpoint,
+            "this one" if params["node_rank"] == 0 else "not this one",
         )
         return
     raise ConfigError(
@@ -1014,7 +1064,13 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
         policy = _policy(cfg, node.slots)
         logs.context.set(node=node.node_id)
-        with _store_for(cfg, cfg.standalone, settings) as (store, _):
+        with (
+            _served_etcd(cfg, settings) as served,
+            _store_for(cfg, cfg.standalone, settings) as (
+                store,
+                _,
+            ),
+        ):
             start_job(store, job_id, cfg.new_run, timeout_s=cfg.join_timeout_s)
             log.info(
                 "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",
@@ -1027,9 +1083,76 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
                 node.slots,
             )
             ids = cuda_ids(gpus[: len(node.gpus)], os.environ.get("CUDA_DEVICE_ORDER"))
-            return NodeAgent(cfg, args, store, node, policy, job_id, ids, warm).run()
+            code = NodeAgent(cfg, args, store, node, policy, job_id, ids, warm).run()
+            if served:
+                _await_departures(store, job_id, cfg.lease_ttl_s + cfg.grace_period_s + 5)
+            return code
     finally:
         warm.close()  # the agent's run closes it; this is for a start that failed before
+
+
+def _can_serve(host: str, port: int) -> bool:
+    """Whether this node can listen at host:port now (an address of its own, the port free):
+    torchrun's c10d backend makes such a node the store's host."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.bind(address)
+    except OSError:
+        return False
+    return True
+
+
+@contextmanager
+def _served_etcd(cfg: LaunchConfig, settings: EtcdSettings | None) -> Iterator[bool]:
+    """With --serve-etcd, the job's etcd, embedded, on the first endpoint (its address
+    resolved: etcd listens on an IP); stopped on the way out."""
+    if not cfg.serve_etcd or settings is None:
+        yield False
+        return
+    at = settings.endpoints[0]
+    try:
+        ip = socket.getaddrinfo(at.host, at.port, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as exc:
+        raise ConfigError(f"Cannot serve the job's etcd at {at.target}: {exc}.") from None
+    server = EmbeddedEtcd(host=str(ip), client_port=at.port)
+    try:
+        server.start()
+    except EfdlError as exc:
+        raise ConfigError(
+            f"Cannot serve the job's etcd at {at.target} (--serve-etcd, or --node-rank 0 of a "
+            f"static launch; is it an address of this host, and the port free?): {exc}"
+        ) from None
+    log.info("Serving the job's etcd at %s (its nodes' rendezvous).", at.target)
+    try:
+        yield True
+    finally:
+        server.stop()
+
+
+def _await_departures(store: EtcdStore, job_id: str, timeout_s: float) -> None:
+    """This node serves the job's etcd and is done: wait (up to ``timeout_s``) for the other
+    nodes to read how the job ended and leave, for they need etcd until then."""
+    keys = JobKeys(job_id)
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while time.monotonic() < deadline:
+        try:
+            left = len(store.get_prefix(keys.nodes).kvs)
+        except EfdlError:
+            return
+        if not left:
+            return
+        if not said:
+            log.info(
+                "Waiting up to %.0f s for the job's %d other node(s) to leave before stopping "
+                "the etcd this node serves.",
+                timeout_s,
+                left,
+            )
+            said = True
+        time.sleep(0.2)
+    log.warning("The job's other nodes did not leave within %.0f s; stopping its etcd.", timeout_s)
 
 
 def _show_defaults(command: click.Command, *configs: type) -> None:

@@ -27,6 +27,7 @@ C = TypeVar("C")
 
 PASSWORD_ENV = "EFDL_ETCD_PASSWORD"
 DEFAULT_JOB_ID = "none"  # torchrun's --rdzv-id default: jobs that name none are one job
+STATIC_PORT = 29500  # torchrun's --master-port default
 _UNIT_SUFFIXES = ("_s",)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -301,6 +302,15 @@ class LaunchConfig(EtcdClientConfig):
         duplicate_stderr_filters: the same for stderr.
         signals_to_handle: signals on which the node leaves the job gracefully.
         virtual_local_rank: every worker sees ``LOCAL_RANK=0`` and only its own GPU.
+        serve_etcd: this node serves the job's etcd (an embedded one, on ``--etcd``'s first
+            endpoint, which must be an address of this host); the job's rendezvous lives as
+            long as this node does. Set for the node of ``--node-rank`` 0 of a torchrun
+            static launch (``--nnodes N --master-addr A --master-port P``, no etcd).
+        master_addr: torchrun's static rendezvous address (with ``--nnodes`` > 1 and no etcd:
+            where the node of ``--node-rank`` 0 serves the job's etcd; default 127.0.0.1).
+        master_port: its port (default 29500); on one node, the c10d store's port.
+        node_rank: torchrun's ``--node-rank``: 0 serves the static rendezvous; the ranks
+            themselves come from the rendezvous (nodes in the order they joined).
         role: torchrun's ``--role`` (ROLE_NAME).
         cache_url: where committed state is persisted (any fsspec URL or a directory);
             default with ``--standalone``: ``<log_dir>/<job>/cache`` when ``log_dir`` is set.
@@ -339,6 +349,10 @@ class LaunchConfig(EtcdClientConfig):
     duplicate_stderr_filters: str | None = None
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
     virtual_local_rank: bool = False
+    serve_etcd: bool = False
+    master_addr: str | None = None
+    master_port: int | None = None
+    node_rank: int | None = None
     role: str = "default"
     cache_url: str | None = None
     cache_every_steps: int = 0
@@ -407,17 +421,28 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(f"--cache-keep ({self.cache_keep}) must be at least 1.")
         if self.cache_url is not None and not self.cache_url.strip():
             raise ConfigError("--cache-url is empty; expected a directory or an fsspec URL.")
+        if self.node_rank is not None and self.node_rank < 0:
+            raise ConfigError(f"--node-rank ({self.node_rank}) must not be negative.")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port ({self.master_port}) must be 1..65535.")
         if not self.standalone and not self.etcd:
             nodes = self.node_range() if self.nnodes is not None else (1, 1)
             if nodes[1] > 1:
-                raise ConfigError(
-                    f"No etcd endpoints were given, and --nnodes {self.nnodes} is more than one "
-                    "node: pass --etcd host:port[,host:port...] (or EFDL_ETCD). efdl's nodes "
-                    "find each other and their ranks through etcd, also where torchrun would "
-                    "take --master-addr and --node-rank."
-                )
-            # One node and no etcd: torchrun runs it without a rendezvous; efdl standalone.
-            object.__setattr__(self, "standalone", True)
+                # torchrun's static rendezvous: the node of --node-rank 0 serves it at
+                # --master-addr:--master-port. efdl's is an etcd that node serves there.
+                addr = self.master_addr or "127.0.0.1"
+                host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+                etcd = f"{host}:{self.master_port or STATIC_PORT}"
+                object.__setattr__(self, "etcd", etcd)
+                if not self.node_rank:
+                    object.__setattr__(self, "serve_etcd", True)
+            else:
+                # One node and no etcd: torchrun runs it without a rendezvous; efdl standalone.
+                object.__setattr__(self, "standalone", True)
+        if self.standalone and self.master_port and not self.store_port:
+            object.__setattr__(self, "store_port", self.master_port)  # torchrun's store port
+        if self.serve_etcd and self.standalone:
+            raise ConfigError("--serve-etcd is for a job of several nodes; --standalone is one.")
         if not self.standalone and not self.job_id:
             object.__setattr__(self, "job_id", DEFAULT_JOB_ID)  # torchrun's default run id
 

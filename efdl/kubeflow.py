@@ -3,10 +3,10 @@
 torchrun reads any of its options from ``PET_<OPTION>`` when the flag is not given; the
 training operator sets ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_RDZV_ENDPOINT``,
 ``PET_RDZV_ID``, ``PET_RDZV_BACKEND``, ``PET_MAX_RESTARTS`` and ``PET_RDZV_CONF`` (and
-``PET_NODE_RANK``/``PET_MASTER_*`` for static jobs, which efdl ignores as it ignores their
-flags). So a PyTorchJob whose rendezvous points at an etcd v3 service runs ``efdl-run``
-unchanged. A flag beats its ``PET_*`` variable, and efdl's own ``EFDL_*`` variable (more
-specific) beats it too.
+``PET_NODE_RANK``/``PET_MASTER_*`` for static jobs: efdl's static rendezvous, an etcd that
+the pod of rank 0 serves). So a PyTorchJob whose rendezvous points at an etcd v3 service,
+or a static one, runs ``efdl-run`` unchanged. A flag beats its ``PET_*`` variable, and
+efdl's own ``EFDL_*`` variable (more specific) beats it too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ PET = {
     "PET_RDZV_BACKEND": "rdzv_backend",
     "PET_MAX_RESTARTS": "max_restarts",
     "PET_RDZV_CONF": "rdzv_conf",
+    "PET_NODE_RANK": "node_rank",
+    "PET_MASTER_ADDR": "master_addr",
+    "PET_MASTER_PORT": "master_port",
 }
 # The parameters with an EFDL_* variable of their own (it wins over PET_*).
 _OWN_ENV = frozenset({"job_id", "max_restarts", "nproc_per_node"})

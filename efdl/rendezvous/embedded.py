@@ -92,6 +92,8 @@ class EmbeddedEtcd:
         extra_args: tuple[str, ...] = (),
         name: str = "efdl",
         cluster: str | None = None,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
     ) -> None:
         self._binary = find_etcd_binary()
         self._own_dir = data_dir is None
@@ -104,12 +106,13 @@ class EmbeddedEtcd:
         self.name = name
         self._cluster = cluster
         self._proc: subprocess.Popen[bytes] | None = None
-        self.client_port = 0
+        self.host = host  # where clients reach it (peers: 127.0.0.1, one member)
+        self.client_port = client_port
         self.peer_port = 0
 
     @property
     def endpoint(self) -> Endpoint:
-        return Endpoint("127.0.0.1", self.client_port, tls=self._tls is not None)
+        return Endpoint(self.host, self.client_port, tls=self._tls is not None)
 
     @property
     def pid(self) -> int | None:
@@ -128,7 +131,7 @@ class EmbeddedEtcd:
 
     def _command(self) -> list[str]:
         scheme = "https" if self._tls else "http"
-        client_url = f"{scheme}://127.0.0.1:{self.client_port}"
+        client_url = f"{scheme}://{self.endpoint.target}"
         peer_url = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             str(self._binary),
@@ -158,6 +161,8 @@ class EmbeddedEtcd:
         if self.running:
             return self
         fresh_ports = self.client_port == 0 and self._cluster is None
+        if self.peer_port == 0 and not fresh_ports and self._cluster is None:
+            self.peer_port = free_port()  # a client port chosen by the caller
         for attempt in range(3):
             if fresh_ports or (attempt > 0 and self._cluster is None):
                 self.client_port, self.peer_port = free_port(), free_port()

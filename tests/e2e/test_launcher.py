@@ -182,7 +182,10 @@ def test_the_digits_example_trains_each_time_and_resumes_only_an_unfinished_job(
         ),
         (["--standalone", "--min", "0", "x.py"], r"--min \(0\) must be at least 1"),
         (["--etcd", "127.0.0.1:9", "--job-id", "a/b", "x.py"], "The job id 'a/b' is not allowed"),
-        (["--nnodes", "2", "--job-id", "j", "x.py"], "--nnodes 2 is more than one node"),
+        (
+            ["--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1", "x.py"],
+            "Cannot serve the job's etcd at 192.0.2.1:29500",
+        ),
         (["--standalone", "--nproc-per-node", "many", "x.py"], "expected a positive number"),
         (
             ["--standalone", "--cache-url", "x.py/cache", "x.py"],
@@ -291,6 +294,53 @@ def test_etcd_without_a_job_id_is_torchruns_default_run_id(
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RUN none" in r.stdout, r.stdout
     assert "No --job-id was given: the job is 'none'" in r.stderr
+
+
+def test_a_static_torchrun_launch_of_two_nodes_trains_without_an_etcd(tmp_path: Path) -> None:
+    """`--nnodes 2 --node-rank N --master-addr A --master-port P`, as a SLURM script launches
+    torchrun: node 0 serves the job's etcd at A:P, both nodes train in one job of world size
+    2, and node 0 stops its etcd only once node 1 has left: both exit 0."""
+    from efdl._process import free_port
+
+    port = free_port()
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.barrier()\n"
+        "print('RANKS', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['EFDL_NODE_ID'])\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFDL_")}
+    static = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    procs = []
+    try:
+        for rank in (1, 0):  # the serving node last: the other waits for its etcd
+            argv = [*EFDL_RUN, *static, "--node-rank", str(rank), "--node-id", f"node-{rank}"]
+            procs.append(
+                subprocess.Popen(
+                    [*argv, str(script)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    cwd=tmp_path,
+                )
+            )
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    seen = sorted(
+        line.split("RANKS ", 1)[1] for o, _ in outs for line in o.splitlines() if "RANKS " in line
+    )
+    assert [s.split()[:2] for s in seen] == [["0", "2"], ["1", "2"]], seen
+    assert {s.split()[2] for s in seen} == {"node-0", "node-1"}
+    assert f"Serving the job's etcd at 127.0.0.1:{port}" in outs[1][1]
 
 
 def test_a_store_port_in_use_is_a_clear_error(tmp_path: Path) -> None:

@@ -167,17 +167,25 @@ def test_launch_config_maps_torchrun_nnodes_to_workers() -> None:
 
 def test_no_etcd_and_one_node_is_standalone_as_torchrun_runs_it() -> None:
     """torchrun runs `--nproc-per-node 2 train.py` (no rendezvous) and `--nnodes 1`: so does
-    efdl-run, standalone; more nodes without etcd are refused, saying why."""
+    efdl-run, standalone (the store on --master-port). More nodes without etcd are torchrun's
+    static rendezvous: an etcd that the node of --node-rank 0 serves at --master-addr and
+    --master-port (torchrun's defaults 127.0.0.1 and 29500)."""
     from efdl.config import LaunchConfig
 
     for flags in ({}, {"nnodes": "1"}, {"nnodes": "1:1", "store_port": 29600}):
         cfg = load(LaunchConfig, flags, env={})
-        assert cfg.standalone and not cfg.etcd, flags
+        assert cfg.standalone and not cfg.etcd and not cfg.serve_etcd, flags
+    assert load(LaunchConfig, {"master_port": 29601}, env={}).store_port == 29601
     assert not load(LaunchConfig, {"etcd": "h:1", "job_id": "j"}, env={}).standalone
     assert not load(LaunchConfig, {}, env={"EFDL_ETCD": "h:1", "EFDL_JOB_ID": "j"}).standalone
-    for nnodes in ("2", "1:4"):
-        with pytest.raises(ConfigError, match=f"--nnodes {nnodes} is more than one node"):
-            load(LaunchConfig, {"nnodes": nnodes}, env={})
+    first = load(LaunchConfig, {"nnodes": "2", "master_addr": "10.0.0.5"}, env={})
+    assert (first.etcd, first.serve_etcd, first.standalone) == ("10.0.0.5:29500", True, False)
+    other = load(LaunchConfig, {"nnodes": "1:4", "node_rank": 3, "master_port": 29555}, env={})
+    assert (other.etcd, other.serve_etcd, other.job_id) == ("127.0.0.1:29555", False, "none")
+    v6 = load(LaunchConfig, {"nnodes": "2", "master_addr": "fd00::5"}, env={})
+    assert v6.etcd == "[fd00::5]:29500"
+    with pytest.raises(ConfigError, match=r"--node-rank \(-1\) must not be negative"):
+        load(LaunchConfig, {"nnodes": "2", "node_rank": -1}, env={})
 
 
 def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) -> None:

@@ -41,9 +41,15 @@ def test_efdls_own_variable_beats_pet(var: str, own: str) -> None:
     assert pet_params(UNSET, {var: "3", own: "7"})[param] is None  # left to EFDL_*
 
 
-def test_empty_and_static_variables_are_ignored() -> None:
-    env = {"PET_NNODES": "", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0"}
-    assert pet_params(UNSET, env) == UNSET
+def test_empty_variables_are_ignored_and_static_ones_are_the_static_rendezvous() -> None:
+    assert pet_params(UNSET, {"PET_NNODES": ""}) == UNSET
+    env = {"PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456"}
+    got = pet_params(UNSET, env)
+    assert (got["node_rank"], got["master_addr"], got["master_port"]) == (
+        "1",
+        "job-master-0",
+        "23456",
+    )
 
 
 def test_a_bad_value_names_the_variable() -> None:

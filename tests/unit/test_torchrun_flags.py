@@ -153,3 +153,21 @@ def test_an_unknown_backend_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="--rdzv-backend 'zk' is not efdl's"):
         _config(["--rdzv-backend", "zk"])
+
+
+def test_c10d_without_etcd_is_served_by_the_node_that_can_listen_at_its_endpoint() -> None:
+    """torchrun's c10d: the node at --rdzv-endpoint hosts the store. efdl's static
+    rendezvous: that node (it can listen there) serves the job's etcd; the others use it."""
+    import socket
+
+    from efdl._process import free_port
+
+    port = free_port()
+    flags = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nnodes", "2"]
+    host = _config(flags)
+    assert (host.etcd, host.serve_etcd) == (f"127.0.0.1:{port}", True)
+    with socket.socket() as taken:  # served already (by another node on this host)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        other = _config(flags)
+    assert (other.etcd, other.serve_etcd) == (f"127.0.0.1:{port}", False)
