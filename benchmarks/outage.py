@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.recovery import Launcher, Run, efdl_launcher, free_port
+from benchmarks.recovery import Launcher, Lighthouse, Run, efdl_launcher, torchft_launcher
 from benchmarks.report import spread
 from efdl.rendezvous.embedded import EmbeddedEtcd, EtcdCluster
 from tests.integration.test_etcd_cluster import leader_of
@@ -79,68 +79,6 @@ def measure(rows: Rows, before_pids: set[object], t0: float, t1: float) -> Outco
     restarted = len({r["pid"] for r in rows if float(r["t"]) >= t0} - before_pids)  # type: ignore[arg-type]
     trained = min(1.0, during / max(1.0, rate * (t1 - t0)))
     return Outcome(still, trained, restarted, lost, came_back)
-
-
-def torchft_launcher(lighthouse: str) -> Launcher:
-    """Two replica groups, one torchrun each (TorchFT's examples), on ``lighthouse``."""
-    script = ROOT / "benchmarks" / "torchft_steps.py"
-
-    def cmd(node: str, i: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "1",
-            "--max-restarts",
-            "3",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(script),
-        ]
-
-    env = {"TORCHFT_LIGHTHOUSE": lighthouse}
-    return Launcher("TorchFT 0.2.0", cmd, env, True, script)
-
-
-class Lighthouse:
-    """TorchFT's lighthouse (its control plane), started and stopped by PID."""
-
-    def __init__(self, out: Path) -> None:
-        self.port = free_port()
-        self.address = f"http://127.0.0.1:{self.port}"
-        self._out = out
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("torchft_lighthouse")
-        assert binary, "torchft_lighthouse is not on PATH: pip install torchft"
-        log = open(self._out / "lighthouse.log", "ab")  # noqa: SIM115 (closed with the process)
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "--min_replicas",
-                "1",
-                "--quorum_tick_ms",
-                "100",
-                "--join_timeout_ms",
-                "1000",
-                "--bind",
-                f"127.0.0.1:{self.port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
 
 
 @contextlib.contextmanager
@@ -218,7 +156,12 @@ def one_run(kind: str, duration: float, tree: Path | None) -> dict[str, Outcome]
     out = Path(tempfile.mkdtemp(prefix=f"outage-{kind}-"))
     etcd = make_etcd(kind)
     endpoint = etcd.endpoints if isinstance(etcd, EtcdCluster) else etcd.endpoint.target
-    lighthouse = Lighthouse(out) if kind in ("hung", "killed") else None
+    # TorchFT's own heartbeat timeout (5 s), as this benchmark first measured it.
+    lighthouse = (
+        Lighthouse(out / "lighthouse.log", heartbeat_ms=5000)
+        if kind in ("hung", "killed")
+        else None
+    )
     runs: list[Run] = []
     try:
         launchers = [
@@ -229,14 +172,13 @@ def one_run(kind: str, duration: float, tree: Path | None) -> dict[str, Outcome]
             launchers.append(old_efdl(tree, endpoint, f"before-{uuid.uuid4().hex[:6]}"))
         if lighthouse is not None:
             lighthouse.start()
-            launchers.append(torchft_launcher(lighthouse.address))
+            launchers.append(torchft_launcher(lighthouse))
         for i, launcher in enumerate(launchers):
             d = out / f"job{i}"
             d.mkdir()
             run = Run(launcher, d, {"STEP_SECONDS": str(STEP_S)})
             runs.append(run)
-            for n, node in enumerate(("n1", "n2")):
-                run.env["REPLICA_ID"] = f"r{n}"  # TorchFT's replica groups
+            for node in ("n1", "n2"):
                 run.start(node)
         for run in runs:  # two workers stepping, for a while
             run.wait(lambda rs: len({r["pid"] for r in rs}) >= 2 and len(rs) > 40, 180)

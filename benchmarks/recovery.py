@@ -7,7 +7,7 @@ same two-node jobs comes from the same runs. Steady state: two workers on one no
 and a medium MLP, median step time of efdl in place vs plain torchrun DDP.
 
 Usage: python -m benchmarks.recovery [--repeat 3] [--default-repeat N] [--events join,...]
-       [--steady-repeat 3]
+       [--steady-repeat 3] [--launchers efdl,restart,default,tuned,torchft]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -43,11 +44,13 @@ ELASTIC = ROOT / "tests" / "e2e" / "scripts" / "elastic_steps.py"
 TUNED_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 Rows = list[dict[str, object]]
+TORCHFT = ROOT / "benchmarks" / "torchft_steps.py"
 LAUNCHERS = {
     "efdl": "efdl (in place)",
     "restart": "efdl (restart)",
     "default": "torchrun default",
     "tuned": "torchrun tuned",
+    "torchft": "TorchFT 0.2.0",
 }
 DESCRIPTION = (
     "A job of two nodes (one worker each, gloo on CPU, 0.05 s of sleep per step) meets an event; "
@@ -68,7 +71,12 @@ DESCRIPTION = (
     "interleaved (efdl, default, tuned, efdl, ...) so machine noise hits all three; medians of "
     "{repeat} runs (default torchrun: {default_repeat}, each costs its 30 s last-call window "
     "at start plus up to 60 s) with (min-max). A run with no step at the new size within 60 s "
-    'counts as "did not recover".\n'
+    'counts as "did not recover". TorchFT 0.2.0 (`--launchers ...,torchft`) runs '
+    "benchmarks/torchft_steps.py, the same model and sleep: each node is a replica group of one "
+    "worker under its own torchrun (`--max-restarts 3`), its Manager, DDP and optimizer "
+    "wrappers, on a lighthouse tuned as efdl is here (heartbeat timeout 3 s as `--lease-ttl 3`, "
+    "join timeout 1 s as `--settle 1`); it has no `--max`, so no spare event. Its "
+    "`world` is the quorum's replica count, its generation the quorum id.\n"
 )
 
 
@@ -85,6 +93,79 @@ class Launcher:
     env: dict[str, str]
     rebuilds_in_place: bool
     script: Path
+    close: Callable[[], None] = lambda: None  # stops what the launcher started besides agents
+
+
+class Lighthouse:
+    """TorchFT's lighthouse (its control plane), started and stopped by PID. Tuned as efdl
+    is here: a dead replica noticed after ``heartbeat_ms`` (efdl: --lease-ttl 3), a quorum
+    issued ``join_ms`` after the last replica joined (efdl: --settle 1)."""
+
+    def __init__(self, log: Path | None, heartbeat_ms: int = 3000, join_ms: int = 1000) -> None:
+        self.port = free_port()
+        self.address = f"http://127.0.0.1:{self.port}"
+        self._log = log
+        self._heartbeat_ms, self._join_ms = heartbeat_ms, join_ms
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Lighthouse:
+        binary = shutil.which("torchft_lighthouse")
+        assert binary, "torchft_lighthouse is not on PATH: pip install torchft"
+        log = open(self._log, "ab") if self._log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--min_replicas",
+                "1",
+                "--quorum_tick_ms",
+                "100",
+                "--join_timeout_ms",
+                str(self._join_ms),
+                "--heartbeat_timeout_ms",
+                str(self._heartbeat_ms),
+                "--bind",
+                f"127.0.0.1:{self.port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        if log is not subprocess.DEVNULL:
+            log.close()  # type: ignore[union-attr]
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def torchft_launcher(lighthouse: Lighthouse) -> Launcher:
+    """A replica group of one worker per node, each its own torchrun (TorchFT's examples),
+    on ``lighthouse``: benchmarks/torchft_steps.py, replica ``r<index>``."""
+
+    def cmd(node: str, i: int) -> list[str]:
+        return [
+            "env",
+            f"REPLICA_ID=r{i}",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "3",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(TORCHFT),
+        ]
+
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse.address}
+    return Launcher(LAUNCHERS["torchft"], cmd, env, True, TORCHFT, lighthouse.stop)
 
 
 def efdl_launcher(
@@ -179,6 +260,8 @@ def launcher(name: str, etcd: str, job: str, max_nodes: int) -> Launcher:
     if name in ("efdl", "restart"):  # one warm process per node: a GPU node's default
         warm = ("--warm-workers", "1")
         return efdl_launcher(etcd, job, max_nodes=max_nodes, in_place=name == "efdl", extra=warm)
+    if name == "torchft":
+        return torchft_launcher(Lighthouse(None).start())
     return torchrun_launcher(free_port(), job, name == "tuned", max_nodes)
 
 
@@ -342,6 +425,7 @@ def measure(launcher_for: Callable[[], Launcher], event: str, tmp: Path) -> tupl
         return (value - t0, stood_still(rows, t0, value), float(trained_again(rows))), startup
     finally:
         run.stop()
+        launcher.close()
 
 
 def stood_still(rows: Rows, t0: float, until: float) -> float:
@@ -379,7 +463,8 @@ def standalone_argv(launcher: str, nproc: int, script: Path = ELASTIC) -> list[s
 
 
 def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> float:
-    """Median step time (s) of two workers on one node, no sleep."""
+    """Median step time (s) of two workers on one node, no sleep (TorchFT: two replica
+    groups of one worker, each its own torchrun, on one lighthouse)."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     env = {
         **os.environ,
@@ -393,10 +478,37 @@ def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> floa
         "DIGEST": "0",
         "SNAPSHOT_EVERY": os.environ.get("SNAPSHOT_EVERY", "0"),
     }
-    argv = standalone_argv(launcher, 2)
-    subprocess.run(
-        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=True
-    )
+    if launcher == "torchft":
+        lighthouse = Lighthouse(None).start()
+        ft = torchft_launcher(lighthouse)
+        procs = [
+            subprocess.Popen(
+                ft.command(f"r{i}", i),
+                env={**env, **ft.env},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for i in range(2)
+        ]
+        try:
+            codes = [p.wait(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            lighthouse.stop()
+        assert codes == [0, 0], f"TorchFT's replica groups exited {codes}"
+    else:
+        argv = standalone_argv(launcher, 2)
+        subprocess.run(
+            argv,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=600,
+            check=True,
+        )
     rows = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     times = sorted(float(r["t"]) for r in rows if r["rank"] == 0)  # type: ignore[arg-type]
     gaps = [b - a for a, b in itertools.pairwise(times)][20:]  # skip warm-up
@@ -417,7 +529,7 @@ def column(results: list[Result], part: int) -> list[float | str]:
 
 
 def ratio(of: list[float | str], tuned: list[float | str]) -> str:
-    """Tuned torchrun's median over ``of``'s ("-" when either never recovered)."""
+    """A peer's (``tuned``) median over ``of``'s ("-" when either never recovered)."""
     e = [v for v in of if isinstance(v, float)]
     t = [v for v in tuned if isinstance(v, float)]
     if not e or not t or statistics.median(e) < 0.01:
@@ -432,15 +544,21 @@ def launcher_table(
     such column), a column per launcher that ran, then, with ``ratios``, tuned torchrun's
     median over each efdl launcher's."""
     keys = [k for k in LAUNCHERS if any(values.get(k) for values in rows.values())]
-    versus = [k for k in ("efdl", "restart") if ratios and k in keys and "tuned" in keys]
+    # (peer, efdl launcher): the peer's median over efdl's
+    versus = [
+        (peer, k)
+        for peer in ("tuned", "torchft")
+        for k in ("efdl", "restart")
+        if ratios and k in keys and peer in keys and (peer == "tuned" or k == "efdl")
+    ]
     head = [*([first] if first is not None else []), *(LAUNCHERS[k] for k in keys)]
-    head += [f"tuned / {LAUNCHERS[k]}" for k in versus]
+    head += [f"{LAUNCHERS[p] if p != 'tuned' else p} / {LAUNCHERS[k]}" for p, k in versus]
     print("| " + " | ".join(head) + " |")
     print("|" + ("---|" if first is not None else "") + "---:|" * (len(keys) + len(versus)))
     for name, values in rows.items():
         cells = [*([name] if first is not None else [])]
         cells += [fmt(values[k]) if values.get(k) else "-" for k in keys]
-        cells += [ratio(values[k], values["tuned"]) for k in versus]
+        cells += [ratio(values[k], values.get(p, [])) for p, k in versus]
         print("| " + " | ".join(cells) + " |")
     print(flush=True)
 
@@ -464,6 +582,7 @@ def plot_recovery(table: dict[str, dict[str, list[Result]]]) -> str:
     fig, ax = plt.subplots(figsize=(9, 3.8))
     colors = {"efdl": "tab:blue", "restart": "tab:green", "tuned": "tab:orange"}
     colors["default"] = "tab:gray"
+    colors["torchft"] = "tab:purple"
     events = list(table)
     names = {k: LAUNCHERS[k] for k in colors if any(table[e].get(k) for e in events)}
     width = 0.8 / len(names)
@@ -496,37 +615,64 @@ def plot_recovery(table: dict[str, dict[str, list[Result]]]) -> str:
     return save(fig, "recovery.png", "recovery time per event, efdl vs torchrun")
 
 
-def steady_section(repeat: int, tmp: Path) -> None:
+def steady_section(repeat: int, tmp: Path, peers: Sequence[str] = ()) -> None:
+    """Step time of efdl in place and plain torchrun DDP (and each of ``peers``: torchft)."""
+    names = {"torchrun": "torchrun", "efdl": "efdl", **{p: LAUNCHERS[p] for p in peers}}
     print(
         f"Steady state: 2 workers on one node, no sleep, batch 64 per worker, a 3-layer MLP "
         f"(small: width {MODELS['small'][0]}, medium: width {MODELS['medium'][0]}); median step "
         f"time of rank 0 (the first 20 steps skipped), median of {repeat} runs, launchers "
         "interleaved; efdl commits every step, with rollback copies every "
-        f"{os.environ.get('SNAPSHOT_EVERY', '0')} commits (0: none, its default).\n"
+        f"{os.environ.get('SNAPSHOT_EVERY', '0')} commits (0: none, its default)"
+        + (
+            "; TorchFT: two replica groups of one worker on one lighthouse, its DDP and "
+            "optimizer wrappers (a quorum and a commit vote per step)"
+            if "torchft" in peers
+            else ""
+        )
+        + ".\n"
     )
-    print(
-        "| model | params | torchrun step (ms) | efdl step (ms) | torchrun samples/s "
-        "| efdl samples/s | efdl / torchrun (time) |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    others = [n for n in names if n != "torchrun"]
+    head = ["model", "params", *(f"{names[n]} step (ms)" for n in names)]
+    head += [f"{names[n]} / torchrun (time)" for n in others]
+    print("| " + " | ".join(head) + " |")
+    print("|---|" + "---:|" * (len(head) - 1))
     worst = 0.0
     for name, (width, steps) in MODELS.items():
-        plain, elastic = [], []
+        times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(repeat):
-            plain.append(steady("torchrun", tmp, steps, width))
-            elastic.append(steady("efdl", tmp, steps, width))
-        p, e = statistics.median(plain), statistics.median(elastic)
-        worst = max(worst, e / p)
+            for n in names:
+                times[n].append(steady(n, tmp, steps, width))
+        medians = {n: statistics.median(v) for n, v in times.items()}
+        worst = max(worst, medians["efdl"] / medians["torchrun"])
         params = 2 * (width * width + width) + width + 1
-        print(
-            f"| {name} | {params / 1e6:.1f}M | {spread(plain, 2, 1000)} | "
-            f"{spread(elastic, 2, 1000)} | {2 * 64 / p:.0f} | {2 * 64 / e:.0f} | {e / p:.3f} |"
-        )
+        cells = [name, f"{params / 1e6:.1f}M", *(spread(times[n], 2, 1000) for n in names)]
+        cells += [f"{medians[n] / medians['torchrun']:.3f}" for n in others]
+        print("| " + " | ".join(cells) + " |")
     print(
         f"\nGoal: steady-state overhead under 1%: {verdict(worst <= 1.01)} (largest "
         f"efdl / torchrun step-time ratio {worst:.3f}; run-to-run spread on this shared machine "
         "is of the same order, see the ranges).\n"
     )
+
+
+def lines_section(peers: Sequence[str]) -> None:
+    """How many lines of the digits example's torchrun script each elastic version changes."""
+    from tests.e2e.harness import lines_changed_for_efdl
+
+    digits = ROOT / "examples" / "digits"
+    versions = {"efdl (in place)": "train_efdl.py"}
+    if "torchft" in peers:
+        versions[LAUNCHERS["torchft"]] = "train_torchft.py"
+    print(
+        "Lines a user changes: examples/digits/train_torchrun.py (a plain DDP script with "
+        "its own checkpoint) made elastic in place, lines changed, added or removed "
+        "(difflib, the module docstrings aside); efdl's restart mode changes none.\n"
+    )
+    print("| version | lines changed |\n|---|---:|")
+    for name, file in versions.items():
+        print(f"| {name} (`{file}`) | {lines_changed_for_efdl(digits, file)} |")
+    print()
 
 
 def main() -> None:
@@ -565,6 +711,7 @@ def main() -> None:
                     )
                     for name in chosen
                     if not (name == "default" and i >= default_repeat)
+                    and not (name == "torchft" and event == "spare")  # no --max to spare
                 ]
                 for name, launcher_for in runs:
                     result, startup = measure(launcher_for, event, tmp)
@@ -595,8 +742,10 @@ def main() -> None:
         "while joins keep coming and below `--max`, and binds the round's store port at once "
         "while it imports torch. The rest is process start (Python, torch import) on both.\n"
     )
+    peers = [p for p in chosen if p == "torchft"]
     if args.steady_repeat > 0:
-        steady_section(args.steady_repeat, tmp)
+        steady_section(args.steady_repeat, tmp, peers)
+    lines_section(peers)
 
 
 def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
@@ -630,6 +779,8 @@ def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
         e, t = median_of(table[event]["efdl"], 0), median_of(table[event].get("tuned", []), 0)
         if e is None:
             lines.append(f"- {what}: efdl did not recover within 60 s.")
+        elif not table[event].get("tuned"):
+            lines.append(f"- {what}: efdl {e:.2f} s.")
         elif t is None:
             lines.append(f"- {what}: efdl {e:.2f} s; tuned torchrun did not recover within 60 s.")
         else:
@@ -662,6 +813,22 @@ def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:
         + ", ".join(f"{event} {int(v)}" for event, v in lost.items())
         + "; efdl commits every step, so a crash repeats at most the step in flight."
     )
+    for event, results in table.items():  # TorchFT: efdl at or below it on every event
+        if not results.get("torchft") or not results.get("efdl"):
+            continue
+        for part, what in ((0, "to the first step at the new size"), (1, "stood still")):
+            e, f = median_of(results["efdl"], part), median_of(results["torchft"], part)
+            if e is None or f is None:
+                lines.append(
+                    f"- {event} vs TorchFT, {what}: efdl "
+                    f"{'did not recover' if e is None else f'{e:.2f} s'}, TorchFT "
+                    f"{'did not recover' if f is None else f'{f:.2f} s'}."
+                )
+                continue
+            lines.append(
+                f"- {event} vs TorchFT, {what}: efdl {e:.2f} s, TorchFT {f:.2f} s (goal: efdl "
+                f"at or below: {verdict(e <= f)})."
+            )
     for event, results in table.items():  # restart mode: plain scripts, goal 1.5x tuned
         r, t = median_of(results.get("restart", []), 0), median_of(results.get("tuned", []), 0)
         if r is None or not results.get("tuned"):

@@ -44,14 +44,15 @@ def standalone(
     )
 
 
-def lines_changed_for_efdl(example: Path) -> int:
+def lines_changed_for_efdl(example: Path, version: str = "train_efdl.py") -> int:
     """How many lines of ``example/train_torchrun.py`` the efdl version (``train_efdl.py``
-    beside it) changes, adds or removes, the module docstrings aside."""
+    beside it; or another ``version``, such as TorchFT's) changes, adds or removes, the module
+    docstrings aside."""
 
     def code(name: str) -> list[str]:
         return (example / name).read_text().split('"""', 2)[2].splitlines()
 
-    matcher = difflib.SequenceMatcher(a=code("train_torchrun.py"), b=code("train_efdl.py"))
+    matcher = difflib.SequenceMatcher(a=code("train_torchrun.py"), b=code(version))
     return sum(
         max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in matcher.get_opcodes() if tag != "equal"
     )
