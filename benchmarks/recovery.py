@@ -484,7 +484,9 @@ def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> floa
         procs = [
             subprocess.Popen(
                 ft.command(f"r{i}", i),
-                env={**env, **ft.env},
+                # one thread each, as torchrun and efdl-run give each of two workers on a node
+                # (torchrun gives a replica group of one worker all the cores)
+                env={**env, **ft.env, "OMP_NUM_THREADS": "1"},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -697,7 +699,7 @@ def main() -> None:
     table: dict[str, dict[str, list[Result]]] = {}
     startups: dict[str, list[float | str]] = {k: [] for k in chosen}
     with EmbeddedEtcd() as etcd:
-        for event in args.events.split(","):
+        for event in filter(None, args.events.split(",")):  # --events "": steady state only
             results: dict[str, list[Result]] = {k: [] for k in chosen}
             for i in range(args.repeat):  # interleaved, so noise hits all alike
                 job = f"bench-{uuid.uuid4().hex[:6]}"
@@ -719,6 +721,18 @@ def main() -> None:
                     if most == 3:
                         startups[name].append(startup)
             table[event] = results
+    if table:  # --events "": the steady state alone
+        recovery_sections(table, startups)
+    peers = [p for p in chosen if p == "torchft"]
+    if args.steady_repeat > 0:
+        steady_section(args.steady_repeat, tmp, peers)
+    lines_section(peers)
+
+
+def recovery_sections(
+    table: dict[str, dict[str, list[Result]]], startups: dict[str, list[float | str]]
+) -> None:
+    """The events' tables, figure and verdicts, and the startups measured in the same runs."""
     for part, title in (
         (0, "Event to the first step at the new world size (s)"),
         (
@@ -742,10 +756,6 @@ def main() -> None:
         "while joins keep coming and below `--max`, and binds the round's store port at once "
         "while it imports torch. The rest is process start (Python, torch import) on both.\n"
     )
-    peers = [p for p in chosen if p == "torchft"]
-    if args.steady_repeat > 0:
-        steady_section(args.steady_repeat, tmp, peers)
-    lines_section(peers)
 
 
 def verdicts(table: dict[str, dict[str, list[Result]]]) -> None:

@@ -263,8 +263,8 @@ def status(job_id: str | None, as_json: bool, config_file: Path | None, **flags:
         trained, still = stood_still(events, time.time())
         click.echo(
             f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(events[0].time))}: "
-            f"trained {trained:.0f} s, stood still {still:.1f} s (rescale pauses measured in "
-            "place, and waiting below --min)"
+            f"trained {trained:.0f} s, stood still {still:.1f} s (the pauses of rescales and "
+            "restarts, and waiting below --min)"
         )
         click.echo("last events (efdl events --job-id ... for all):")
         for e in events[-5:]:

@@ -68,8 +68,9 @@ def _first_active(events: list[Event]) -> float | None:
 
 def still_intervals(events: list[Event], now: float) -> list[tuple[float, float, str]]:
     """When training stood still, as (start, end, why): the rescales' pauses that in-place
-    workers measured (ending at the rescale event), and the time in waiting rounds (below
-    --min) until the next round. (Restart mode measures no pauses.)"""
+    workers measured (ending at the rescale event; in restart mode the node of rank 0 measures
+    them from its workers' optimizer steps, efdl.launcher.stepwatch), and the time in waiting
+    rounds (below --min) until the next round."""
     first = _first_active(events)
     if first is None:
         return []

@@ -128,6 +128,16 @@ class _StateLost:
 
 
 @dataclass(frozen=True, slots=True)
+class _Stepped:
+    """A worker's optimizer stepped (efdl.launcher.stepwatch): ``count`` steps since it
+    started, the latest at ``time`` (wall clock)."""
+
+    pid: int
+    count: int
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
 class _Hung:
     """An in-place worker made no step for the hang timeout while a peer waited on it."""
 
@@ -265,6 +275,11 @@ class NodeAgent:
         self._generation = 0  # the newest generation this node acted on
         self._restarts = RestartBudget(cfg.max_restarts)
         self._trained: int | None = None  # the last step local rank 0 reported committed
+        # Restart mode's measure of a pause: when this node's workers last stepped (wall
+        # clock), and, while workers restarted for a round have not stepped yet, the last
+        # step before it (see _stepped).
+        self._last_step = 0.0
+        self._pause_from: float | None = None
         self._trained_at = 0.0  # when (wall clock)
         self._finishing = False
         self._departing = False  # leaving the job (SIGTERM): no round is held for this node
@@ -340,6 +355,10 @@ class NodeAgent:
                     float(seconds) if isinstance(seconds, int | float) else 0.0,
                 )
             )
+        elif kind == "stepped" and isinstance(count := msg.get("count"), int):
+            at = msg.get("time")
+            stamp = float(at) if isinstance(at, int | float) else time.time()
+            self._events.put(_Stepped(pid, count, stamp))
         elif kind == "peer_failed" and isinstance(generation, int):
             self._events.put(_PeerFailed(generation))
         elif kind == "progress" and isinstance(step, int):
@@ -576,8 +595,28 @@ class NodeAgent:
             self._publish_cache(event)
         elif isinstance(event, Event):
             self._note(event)
+        elif isinstance(event, _Stepped):
+            self._stepped(event)
         elif isinstance(event, _PeerFailed) and self._rdzv is not None:
             self._rdzv.report_failure(event.generation)
+
+    def _stepped(self, ev: _Stepped) -> None:
+        """A worker of this node stepped. The first step of workers restarted for a round
+        ends the time training stood still (restart mode: plain scripts say nothing else of
+        their steps), from the last step before the event; the node of rank 0 records it,
+        as in-place rank 0 records a rescale's."""
+        group, r = self._group, self._round
+        if group is None or all(w.pid != ev.pid for w in group.running()):
+            return  # a worker of a generation that is gone
+        since, self._last_step = self._last_step, max(self._last_step, ev.time)
+        pause, self._pause_from = self._pause_from, None
+        if pause is None or ev.pid in self._in_place or r is None or r.member is None:
+            return
+        if r.member.first_rank != 0 or since <= 0:
+            return  # the node of rank 0 says it, once; a job's first steps end no pause
+        still = max(0.0, ev.time - pause)
+        text = f"training went on at world size {r.world_size} (workers restarted)"
+        self._record(EventKind.RESCALE, r.generation, text, world_size=r.world_size, seconds=still)
 
     def _record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
         self._note(self._history.event(kind, generation, text, **fields))
@@ -733,10 +772,24 @@ class NodeAgent:
             self._rebuild_in_place(r)
             return
         self._stop_workers()
+        if self._last_step > 0:  # training stands still from its last step to the next
+            self._pause_from = self._last_step
         if member is None:
-            log.info(
-                "%s: this node is a spare (the job has its %d workers).", self._tag(), r.world_size
-            )
+            if r.world_size + self._node.slots > self._policy.max_workers:
+                log.info(
+                    "%s: this node is a spare (the job has %d workers; --max %d).",
+                    self._tag(),
+                    r.world_size,
+                    self._policy.max_workers,
+                )
+            else:  # a round decided before this node joined: the next one adds it
+                log.info(
+                    "%s: round %d (world size %d) was decided without this node; waiting for "
+                    "the round that adds it.",
+                    self._tag(),
+                    r.generation,
+                    r.world_size,
+                )
             return
         self._start_workers(r, range(member.workers))
 
@@ -823,6 +876,8 @@ class NodeAgent:
                 self._ctx,
                 r,
                 local,
+                # This node's restarts after its own workers' failures, as torchrun's agents
+                # count them (a round for another node's failure or a join counts nowhere).
                 self._restarts.used,
                 self._run_dir
                 / f"gen{r.generation}"

@@ -16,6 +16,9 @@ is read first at the script's first CUDA call, as in a fresh process.
 Run as ``python -m efdl.launcher.warm``: it imports torch, then waits for one JSON line on its
 standard input, ``{"argv": [...], "env": {...}}`` (argv as after ``python``: ``script args``
 or ``-m module args``), and runs it as ``__main__``. End of input: it exits 0 unused.
+A worker started cold runs as ``python -m efdl.launcher.warm --now script args``, in its own
+environment at once: warm or cold, every Python worker's optimizer steps are watched for the
+agent (efdl.launcher.stepwatch) before its script's first line.
 """
 
 from __future__ import annotations
@@ -39,12 +42,23 @@ WARM_ENV = "EFDL_WARM"  # set in the worker's environment when it started warm (
 WARMING_NAME = "efdl-warming"
 WAITING_NAME = "efdl-warm"
 NAMES = frozenset({WARMING_NAME, WAITING_NAME})
+NOW = "--now"  # ``python -m efdl.launcher.warm --now script args``: a cold start
 
 
 def _set_name(name: str) -> None:
     """Name this process as ps, top and /proc/PID/comm show it (Linux; 15 bytes)."""
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
         f.write(name[:15])
+
+
+def cold_command(args: Sequence[str]) -> list[str]:
+    """The worker command ``args`` as a process of its own starts it: a Python script or
+    module through this module at once (its steps watched, as a warm one's), anything else
+    (``--no-python``) as it is."""
+    command = warm_command(args)
+    if command is None:
+        return list(args)
+    return [sys.executable, "-m", "efdl.launcher.warm", NOW, *command]
 
 
 def warm_command(args: Sequence[str]) -> list[str] | None:
@@ -149,8 +163,13 @@ def _close_quietly(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _run(argv: list[str]) -> None:
-    """Run ``argv`` (``script args`` or ``-m module args``) as ``python`` would."""
+    """Run ``argv`` (``script args`` or ``-m module args``) as ``python`` would, its optimizer
+    steps watched for the agent (efdl.launcher.stepwatch)."""
     import runpy
+
+    from efdl.launcher import stepwatch
+
+    stepwatch.install()
 
     if argv[0] == "-m":
         sys.argv = argv[1:]
@@ -164,6 +183,9 @@ def _run(argv: list[str]) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == [NOW]:  # a cold start: the worker's own environment, at once
+        _start(sys.argv[2:])
+        return
     _set_name(WARMING_NAME)  # told apart from a worker, and from one that is ready
     import torch
     import torch.distributed
@@ -185,7 +207,11 @@ def main() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # libgomp read the agent's at import
         torch.set_num_threads(int(threads))
-    argv = list(order["argv"])
+    _start(list(order["argv"]))
+
+
+def _start(argv: list[str]) -> None:
+    """Run the worker's command line; an exception is printed as python prints it."""
     try:
         _run(argv)
     except Exception as exc:  # printed as python would, from the script's frames on

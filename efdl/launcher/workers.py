@@ -95,7 +95,7 @@ class Worker:
         self.error_file.unlink(missing_ok=True)
         started = pool.start(args, env) if pool is not None else None
         self.warm = started is not None
-        self.proc = started or spawn_worker(args, env, subprocess.DEVNULL)
+        self.proc = started or spawn_worker(warm.cold_command(args), env, subprocess.DEVNULL)
         self.pid = self.proc.pid
         self.last_error_line = ""  # its last non-blank stderr line: a traceback's exception
         self._threads = []

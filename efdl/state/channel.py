@@ -145,8 +145,14 @@ class ChannelServer:
                     with self._lock:
                         self._conns[pid] = (conn, threading.Lock())
                     self._on_hello(int(msg.get("local_rank", -1)), pid)
-                elif pid is not None and self._on_message is not None and isinstance(msg, dict):
-                    self._on_message(pid, msg)
+                elif self._on_message is not None and isinstance(msg, dict):
+                    # Before a hello only a step report (efdl.launcher.stepwatch), which
+                    # names its process: a plain script's workers never say hello.
+                    sender = pid if pid is not None else msg.get("pid")
+                    if isinstance(sender, int) and (
+                        pid is not None or msg.get("type") == "stepped"
+                    ):
+                        self._on_message(sender, msg)
         except OSError:
             pass
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -58,9 +59,27 @@ def test_join_grow_crash_leave_and_status(job: Job) -> None:
     assert ranks3 == {**ranks2, 2: "c"}  # survivors keep their ranks, the newcomer is appended
     steps_before = max(int(r["step"]) for r in rows)
 
+    # Restart mode measures what the join cost (the workers' optimizer steps, watched for
+    # the agent): training stood still from the last step before it to the first after.
+    first3 = min(float(r["t"]) for r in rows if r["gen"] == g3)
+    last2 = max(float(r["t"]) for r in rows if r["gen"] == g2)
+
+    def restarted() -> list[dict[str, object]]:
+        out = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id, "--json")
+        events = [json.loads(line) for line in out.stdout.splitlines()]
+        return [e for e in events if e["kind"] == "rescale" and e["generation"] == g3]
+
+    wait_until("the join's pause in the history", restarted, 60)
+    (pause,) = restarted()
+    assert "workers restarted" in str(pause["text"]) and pause["world_size"] == 3
+    # measured from the steps the agent saw (reported every 0.1 s at most), about the rows'
+    assert first3 - last2 - 0.5 < float(pause["seconds"]) < first3 - last2 + 0.5, pause  # type: ignore[arg-type]
+
     status = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
     assert status.returncode == 0, status.stderr
     assert f"generation {g3}, active, world size 3" in status.stdout
+    still = float(status.stdout.split("stood still ", 1)[1].split(" s", 1)[0])
+    assert still >= float(pause["seconds"]) - 0.05 > 0, status.stdout  # type: ignore[arg-type]
     # The first to join leads (the oldest node record).
     assert f"leader {ranks2[0]}" in status.stdout and "ranks 2-2" in status.stdout
 
