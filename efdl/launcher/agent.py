@@ -173,6 +173,11 @@ def warm_pool(
     return pool
 
 
+def _how(code: int) -> str:
+    """How a worker process ended, from its exit status (negative: the signal)."""
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def leave_code(signum: int, ended: bool, others: int) -> int:
     """The exit code of a node that left its job on signal ``signum``: 0 when the job has
     ended (finished, stopped or failed: its own code is said by the nodes that saw it) or
@@ -925,6 +930,17 @@ class NodeAgent:
 
     def _stop_workers(self, grace_s: float | None = None) -> None:
         if self._group is not None:
+            # A worker that failed before this stop, its exit not handled yet (a round came
+            # first: its peers' failure made it), is a crash all the same: the history says so.
+            for w in self._group.workers:
+                code = w.proc.poll()
+                if code and w.local_rank not in self._group.exited and w.pid not in self._leaving:
+                    self._group.exited[w.local_rank] = code
+                    self._record(
+                        EventKind.CRASH,
+                        self._generation,
+                        f"worker rank {w.rank} (pid {w.pid}) failed with {_how(code)}",
+                    )
             self._group.stop(self._cfg.grace_period_s if grace_s is None else grace_s)
             self._forget_group()
 
@@ -977,7 +993,7 @@ class NodeAgent:
 
     def _worker_failed(self, group: WorkerGroup, ev: WorkerExit) -> None:
         worker = next(w for w in group.workers if w.pid == ev.pid)
-        how = f"signal {signal.Signals(-ev.code).name}" if ev.code < 0 else f"exit code {ev.code}"
+        how = _how(ev.code)
         error = worker.error_summary()
         first_line, *stack = error.splitlines() or [""]
         failed = f"Worker rank {ev.rank} failed with {how}{': ' + first_line if first_line else ''}"

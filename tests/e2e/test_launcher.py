@@ -116,6 +116,12 @@ def test_a_worker_crash_is_restarted(job: Job) -> None:
     out = agent.output()
     assert "worker rank 1 (local rank 1" in out and "failed with exit code 3" in out
     assert "restarting the workers (restart 1 of 2)" in out
+    # Every crash is in the job's history, the failed worker's (and a peer's that failed
+    # with it, if it did before its exit was handled), whichever came first: its exit or the
+    # round its failure made.
+    history = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id, "--json")
+    crashes = [json.loads(line) for line in history.stdout.splitlines() if '"crash"' in line]
+    assert any("worker rank 1 " in c["text"] and "exit code 3" in c["text"] for c in crashes)
 
 
 def test_max_restarts_exhausted_ends_with_a_clear_message(job: Job) -> None:
