@@ -59,6 +59,7 @@ class Runtime:
         self.breaker = Breaker()
         self.hang: HangWatch | None = None  # started with the agent's channel
         self.in_elastic_fn = False  # the main thread runs the @elastic function
+        self.joined_at: float | None = None  # when this rank last joined a group (monotonic)
         # For the agent's history and metrics: the last commit (time, generation) and when
         # local rank 0 last reported progress.
         self._last_commit: tuple[float, int] | None = None
@@ -106,6 +107,7 @@ class Runtime:
             quick = datetime.timedelta(seconds=2)
             self.hang.joined(lambda: ready.connect(p, quick), self.side)
         self.placement = p
+        self.joined_at = time.monotonic()
 
     def join(self, p: Placement) -> Placement | None:
         """Join ``p``'s group. If that fails because a newer generation replaced ``p`` (its

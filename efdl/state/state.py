@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"
 
 
+# A newcomer whose setup after joining the group made the others wait this long says so.
+SETUP_SAID_S = 1.0
 # DistributedDataParallel's options that efdl sets on each wrapper it builds.
 _DDP_OWN = frozenset({"process_group", "device_mesh", "init_sync", "module"})
 
@@ -473,6 +475,7 @@ class ElasticState:
         rt = runtime
         side = rt.side
         rank, world = dist.get_rank(), dist.get_world_size()
+        self._said_setup(rt)
         self.fence()  # a snapshot being persisted has copied the tensors the sync may change
         held = self._layout if self._holds else None
         mine = torch.tensor(
@@ -533,6 +536,23 @@ class ElasticState:
         self._rewrap(world > 1 or rt.elastic)
         self._generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
+
+    def _said_setup(self, rt: Any) -> None:
+        """A newcomer to a job that trains, at its first sync: the others stopped training
+        when it joined the group (efdl.init_process_group) and wait here for it; what it did
+        since (building its model, most often) they waited for. Said when that is long."""
+        p, joined = rt.placement, rt.joined_at
+        if self._generation or p is None or not p.job_step or joined is None:
+            return
+        waited = time.monotonic() - joined
+        if waited >= SETUP_SAID_S:
+            log.warning(
+                "The job's other ranks stood still %.1f s for this newcomer's setup between "
+                "efdl.init_process_group() and its training function (building its model, "
+                "most often): build the model and optimizer before efdl.init_process_group() "
+                "where the script can, and they train on meanwhile.",
+                waited,
+            )
 
     def _rewrap(self, wrapped: bool) -> None:
         """A new DDP wrapper for the new process group, with the script's options and

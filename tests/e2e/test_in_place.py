@@ -287,3 +287,18 @@ def test_ddp_options_and_a_bf16_compression_hook_hold_across_a_join(job: Job) ->
         assert r["ddp"] == [1024 * 1024, True], r  # bucket_cap_mb=1, gradient_as_bucket_view
         assert int(r["hooked"]) >= 1, r  # type: ignore[call-overload]
     check_consistent(rows)
+
+
+def test_a_newcomer_whose_setup_made_the_others_wait_says_so(job: Job) -> None:
+    """The survivors stop training when a newcomer joins the group and wait in the sync for
+    what it does before its training function: a newcomer that took long says so, and how to
+    keep them training (build the model before efdl.init_process_group)."""
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    job.env["SETUP_SECONDS"] = "1.5"
+    job.start("c", script="elastic_steps.py")
+    job.wait_for("three workers", steps_at_world(3, latest_gen(rows)))
+    out = job.agents["c"].output()
+    assert "stood still" in out and "for this newcomer's setup" in out, out[-3000:]
+    assert "for this newcomer's setup" not in job.agents["a"].output()

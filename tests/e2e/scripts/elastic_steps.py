@@ -17,7 +17,9 @@ optimizer.step() and commit()) or "collective" (entering the USER_COLLECTIVE all
 PAUSE_SKEW="rank:s" makes the agent's news reach that rank s seconds late, the first time that
 rank has news (once per job); each row says whether this rank itself had seen news at the
 commit before it ("news").
-JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining.
+JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining;
+SETUP_SECONDS=s: such a worker sleeps s seconds after joining (efdl.init_process_group), as a
+script that builds its model there.
 CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
 step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
@@ -87,6 +89,8 @@ if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start 
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
 timeout = float(os.environ.get("COLLECTIVE_TIMEOUT", "15"))
 efdl.init_process_group(os.environ.get("BACKEND", "gloo"), timeout_s=timeout)
+if spawned != "1":
+    time.sleep(float(os.environ.get("SETUP_SECONDS", "0")))
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 dev = efdl.device() if os.environ.get("DEVICE") == "cuda" else torch.device("cpu")
