@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import verdict
+from tests.procs import run_together
 
 
 def flat_model(millions: int, device: str = "cpu") -> Any:
@@ -157,27 +157,12 @@ def measure(
     }
     store = directory / f"store-{millions}m"
     argv = [sys.executable, "-m", "benchmarks.cache", "--rank-of"]
-    procs = [
-        subprocess.Popen(
-            [*argv, f"{r},{world},{store},{millions},{snapshots},{idle_s},{device}"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    try:
-        outs = [p.communicate(timeout=1800) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        if p.returncode != 0:
-            raise RuntimeError(f"a rank failed:\n{err[-3000:]}")
-    ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    arg = f"{world},{store},{millions},{snapshots},{idle_s},{device}"
+    done = run_together([[*argv, f"{r},{arg}"] for r in range(world)], 1800, env=env)
+    for d in done:
+        if d.returncode != 0:
+            raise RuntimeError(f"a rank failed:\n{d.stderr[-3000:]}")
+    ranks = [json.loads(d.stdout.strip().splitlines()[-1]) for d in done]
     nbytes = int(ranks[0]["snapshot_bytes"])
     raw = statistics.median(raw_write(directory, nbytes, world) for _ in range(3))
     shutil.rmtree(url, ignore_errors=True)

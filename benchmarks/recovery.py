@@ -37,6 +37,7 @@ import psutil
 from benchmarks.report import pyplot, save, spread, verdict
 from efdl.launcher import warm
 from efdl.rendezvous.embedded import EmbeddedEtcd
+from tests.procs import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = ROOT / "tests" / "e2e" / "scripts" / "steps.py"
@@ -478,39 +479,22 @@ def steady(launcher: str, tmp: Path, steps: int = 300, width: int = 512) -> floa
         "DIGEST": "0",
         "SNAPSHOT_EVERY": os.environ.get("SNAPSHOT_EVERY", "0"),
     }
-    if launcher == "torchft":
+    if launcher == "torchft":  # two replica groups, each its own torchrun
         lighthouse = Lighthouse(None).start()
         ft = torchft_launcher(lighthouse)
-        procs = [
-            subprocess.Popen(
-                ft.command(f"r{i}", i),
-                # one thread each, as torchrun and efdl-run give each of two workers on a node
-                # (torchrun gives a replica group of one worker all the cores)
-                env={**env, **ft.env, "OMP_NUM_THREADS": "1"},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for i in range(2)
-        ]
-        try:
-            codes = [p.wait(timeout=600) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            lighthouse.stop()
-        assert codes == [0, 0], f"TorchFT's replica groups exited {codes}"
+        commands = [ft.command(f"r{i}", i) for i in range(2)]
+        # one thread each, as torchrun and efdl-run give each of two workers on a node
+        # (torchrun gives a replica group of one worker all the cores)
+        env = {**env, **ft.env, "OMP_NUM_THREADS": "1"}
     else:
-        argv = standalone_argv(launcher, 2)
-        subprocess.run(
-            argv,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=600,
-            check=True,
-        )
+        lighthouse, commands = None, [standalone_argv(launcher, 2)]
+    try:
+        done = run_together(commands, 600, env=env)
+    finally:
+        if lighthouse is not None:
+            lighthouse.stop()
+    failed = [d for d in done if d.returncode != 0]
+    assert not failed, f"{launcher} exited {failed[0].returncode}: {failed[0].stderr[-2000:]}"
     rows = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     times = sorted(float(r["t"]) for r in rows if r["rank"] == 0)  # type: ignore[arg-type]
     gaps = [b - a for a, b in itertools.pairwise(times)][20:]  # skip warm-up
@@ -530,10 +514,10 @@ def column(results: list[Result], part: int) -> list[float | str]:
     return [r if isinstance(r, str) else r[part] for r in results]
 
 
-def ratio(of: list[float | str], tuned: list[float | str]) -> str:
-    """A peer's (``tuned``) median over ``of``'s ("-" when either never recovered)."""
+def ratio(of: list[float | str], peer: list[float | str]) -> str:
+    """A peer's median over ``of``'s ("-" when either never recovered)."""
     e = [v for v in of if isinstance(v, float)]
-    t = [v for v in tuned if isinstance(v, float)]
+    t = [v for v in peer if isinstance(v, float)]
     if not e or not t or statistics.median(e) < 0.01:
         return "-"
     return f"{statistics.median(t) / statistics.median(e):.1f}x"

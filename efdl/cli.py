@@ -994,8 +994,7 @@ def _rendezvous_flags(backend: str | None, endpoint: str | None, params: dict[st
             return
         # c10d's store is served by the node at the endpoint: efdl's etcd is, there.
         at = Endpoint.parse(endpoint if ":" in endpoint.strip("[]") else f"{endpoint}:29400")
-        params.setdefault("master_addr", None)
-        params["master_addr"] = params["master_addr"] or at.host
+        params["master_addr"] = params.get("master_addr") or at.host
         params["master_port"] = params.get("master_port") or at.port
         if params.get("node_rank") is None:
             params["node_rank"] = 0 if _can_serve(at.host, at.port) else 1
@@ -1132,27 +1131,36 @@ def _served_etcd(cfg: LaunchConfig, settings: EtcdSettings | None) -> Iterator[b
 
 def _await_departures(store: EtcdStore, job_id: str, timeout_s: float) -> None:
     """This node serves the job's etcd and is done: wait (up to ``timeout_s``) for the other
-    nodes to read how the job ended and leave, for they need etcd until then."""
+    nodes to read how the job ended and leave (their records go), for they need etcd until
+    then. Watched, not polled."""
     keys = JobKeys(job_id)
     deadline = time.monotonic() + timeout_s
-    said = False
-    while time.monotonic() < deadline:
-        try:
-            left = len(store.get_prefix(keys.nodes).kvs)
-        except EfdlError:
-            return
+    try:
+        snap = store.get_prefix(keys.nodes)
+        left = {kv.key for kv in snap.kvs}
         if not left:
             return
-        if not said:
-            log.info(
-                "Waiting up to %.0f s for the job's %d other node(s) to leave before stopping "
-                "the etcd this node serves.",
-                timeout_s,
-                left,
-            )
-            said = True
-        time.sleep(0.2)
-    log.warning("The job's other nodes did not leave within %.0f s; stopping its etcd.", timeout_s)
+        log.info(
+            "Waiting up to %.0f s for the job's %d other node(s) to leave before stopping the "
+            "etcd this node serves.",
+            timeout_s,
+            len(left),
+        )
+        with store.watch(keys.nodes, prefix=True, start_revision=snap.revision + 1) as watch:
+            while left and (remaining := deadline - time.monotonic()) > 0:
+                batch = watch.get(timeout_s=remaining)
+                if batch is None:
+                    continue
+                if batch.reset:
+                    left.clear()
+                for ev in batch.events:
+                    (left.add if ev.type is EventType.PUT else left.discard)(ev.kv.key)
+    except EfdlError:
+        return  # etcd is going with this node anyway
+    if left:
+        log.warning(
+            "The job's other nodes did not leave within %.0f s; stopping its etcd.", timeout_s
+        )
 
 
 def _show_defaults(command: click.Command, *configs: type) -> None:

@@ -129,11 +129,9 @@ class _StateLost:
 
 @dataclass(frozen=True, slots=True)
 class _Stepped:
-    """A worker's optimizer stepped (efdl.launcher.stepwatch): ``count`` steps since it
-    started, the latest at ``time`` (wall clock)."""
+    """A worker's optimizer stepped (efdl.launcher.stepwatch), at ``time`` (wall clock)."""
 
     pid: int
-    count: int
     time: float
 
 
@@ -360,10 +358,10 @@ class NodeAgent:
                     float(seconds) if isinstance(seconds, int | float) else 0.0,
                 )
             )
-        elif kind == "stepped" and isinstance(count := msg.get("count"), int):
+        elif kind == "stepped":
             at = msg.get("time")
             stamp = float(at) if isinstance(at, int | float) else time.time()
-            self._events.put(_Stepped(pid, count, stamp))
+            self._events.put(_Stepped(pid, stamp))
         elif kind == "peer_failed" and isinstance(generation, int):
             self._events.put(_PeerFailed(generation))
         elif kind == "progress" and isinstance(step, int):
@@ -613,15 +611,19 @@ class NodeAgent:
         group, r = self._group, self._round
         if group is None or all(w.pid != ev.pid for w in group.running()):
             return  # a worker of a generation that is gone
-        since, self._last_step = self._last_step, max(self._last_step, ev.time)
-        pause, self._pause_from = self._pause_from, None
+        self._last_step = max(self._last_step, ev.time)
+        pause, self._pause_from = self._pause_from, None  # set only after steps: see _on_round
         if pause is None or ev.pid in self._in_place or r is None or r.member is None:
             return
-        if r.member.first_rank != 0 or since <= 0:
-            return  # the node of rank 0 says it, once; a job's first steps end no pause
+        if r.member.first_rank != 0:
+            return  # the node of rank 0 says it, once
         still = max(0.0, ev.time - pause)
         text = f"training went on at world size {r.world_size} (workers restarted)"
         self._record(EventKind.RESCALE, r.generation, text, world_size=r.world_size, seconds=still)
+
+    def _record_crash(self, rank: int, pid: int, code: int) -> None:
+        text = f"worker rank {rank} (pid {pid}) failed with {_how(code)}"
+        self._record(EventKind.CRASH, self._generation, text)
 
     def _record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
         self._note(self._history.event(kind, generation, text, **fields))
@@ -936,11 +938,7 @@ class NodeAgent:
                 code = w.proc.poll()
                 if code and w.local_rank not in self._group.exited and w.pid not in self._leaving:
                     self._group.exited[w.local_rank] = code
-                    self._record(
-                        EventKind.CRASH,
-                        self._generation,
-                        f"worker rank {w.rank} (pid {w.pid}) failed with {_how(code)}",
-                    )
+                    self._record_crash(w.rank, w.pid, code)
             self._group.stop(self._cfg.grace_period_s if grace_s is None else grace_s)
             self._forget_group()
 
@@ -1007,11 +1005,7 @@ class NodeAgent:
             f": {first_line}" if first_line else "",
             "\n" + "\n".join(stack) if stack else "",
         )
-        self._record(
-            EventKind.CRASH,
-            self._generation,
-            f"worker rank {ev.rank} (pid {ev.pid}) failed with {how}",
-        )
+        self._record_crash(ev.rank, ev.pid, ev.code)
         in_place = ev.pid in self._in_place and self._round is not None
         if in_place:  # the others roll back and go on; only this one is replaced
             group.remove(ev.pid)

@@ -27,24 +27,19 @@ def parse_streams(text: str, flag: str) -> Mapping[int, int] | int:
         ConfigError: ``text`` is neither.
     """
     text = str(text).strip()
-
-    def bits(value: str) -> int:
-        if value.strip() not in ("0", "1", "2", "3"):
-            raise ConfigError(
-                f"{flag} is {text!r}; expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or "
-                "LOCAL_RANK:N pairs such as 0:1,1:2."
-            )
-        return int(value)
-
-    if ":" not in text:
-        return bits(text)
-    per_rank: dict[int, int] = {}
-    for item in text.split(","):
-        rank, _, value = item.partition(":")
-        if not rank.strip().isdigit():
-            bits("x")  # raises, naming the whole value
-        per_rank[int(rank)] = bits(value)
-    return per_rank
+    wrong = ConfigError(
+        f"{flag} is {text!r}; expected 0 (none), 1 (stdout), 2 (stderr), 3 (both), or "
+        "LOCAL_RANK:N pairs such as 0:1,1:2."
+    )
+    pairs = [item.partition(":")[::2] for item in text.split(",")] if ":" in text else []
+    values = [v.strip() for _, v in pairs] if pairs else [text]
+    if any(v not in ("0", "1", "2", "3") for v in values):
+        raise wrong
+    if not pairs:
+        return int(text)
+    if not all(r.strip().isdigit() for r, _ in pairs):
+        raise wrong
+    return {int(r): int(v) for r, v in pairs}
 
 
 def parse_ranks(text: str | None) -> frozenset[int] | None:

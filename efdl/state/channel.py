@@ -146,12 +146,10 @@ class ChannelServer:
                         self._conns[pid] = (conn, threading.Lock())
                     self._on_hello(int(msg.get("local_rank", -1)), pid)
                 elif self._on_message is not None and isinstance(msg, dict):
-                    # Before a hello only a step report (efdl.launcher.stepwatch), which
-                    # names its process: a plain script's workers never say hello.
+                    # Without a hello (a Reporter: a plain script's worker), a message
+                    # names its process itself.
                     sender = pid if pid is not None else msg.get("pid")
-                    if isinstance(sender, int) and (
-                        pid is not None or msg.get("type") == "stepped"
-                    ):
+                    if isinstance(sender, int):
                         self._on_message(sender, msg)
         except OSError:
             pass
@@ -186,6 +184,32 @@ class ChannelServer:
             conns = list(self._conns.values())
         for conn, _ in conns:
             conn.close()
+
+
+class Reporter:
+    """A worker's send-only line to its agent, without a hello: the worker of a plain script
+    does not rebuild in place, but says how it trains (efdl.launcher.stepwatch). Connects at
+    its first message, names its process in each, and goes quiet for good once the agent
+    cannot be reached; nothing waits on it."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._broken = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._broken:
+            return
+        try:
+            if self._sock is None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(1.0)
+                sock.connect(self._path)
+                self._sock = sock
+            _send(self._sock, {**message, "pid": os.getpid()}, self._lock)
+        except OSError:
+            self._broken = True
 
 
 class AgentChannel:

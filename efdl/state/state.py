@@ -43,7 +43,7 @@ from efdl.state.layout import Layout, byte_span, rows
 from efdl.state.persist import Persister
 from efdl.state.resume import Resumed, resume
 from efdl.state.rng import rng_state
-from efdl.state.runtime import runtime
+from efdl.state.runtime import Runtime, runtime
 from efdl.state.sampler import Position
 from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
 from efdl.state.values import StateValueError
@@ -537,7 +537,7 @@ class ElasticState:
         self._generation = rt.placement.generation if rt.placement else 0
         self._agree_work = None
 
-    def _said_setup(self, rt: Any) -> None:
+    def _said_setup(self, rt: Runtime) -> None:
         """A newcomer to a job that trains, at its first sync: the others stopped training
         when it joined the group (efdl.init_process_group) and wait here for it; what it did
         since (building its model, most often) they waited for. Said when that is long."""

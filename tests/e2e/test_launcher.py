@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     steps_at_world,
     wait_gone,
 )
+from tests.procs import run_together
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -338,34 +339,22 @@ def test_a_static_torchrun_launch_of_two_nodes_trains_without_an_etcd(tmp_path: 
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("EFDL_")}
     static = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    procs = []
-    try:
-        for rank in (1, 0):  # the serving node last: the other waits for its etcd
-            argv = [*EFDL_RUN, *static, "--node-rank", str(rank), "--node-id", f"node-{rank}"]
-            procs.append(
-                subprocess.Popen(
-                    [*argv, str(script)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                    cwd=tmp_path,
-                )
-            )
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    nodes = [
+        [*EFDL_RUN, *static, "--node-rank", str(rank), "--node-id", f"node-{rank}", str(script)]
+        for rank in (1, 0)  # the serving node last: the other waits for its etcd
+    ]
+    done = run_together(nodes, 180, env=env, cwd=tmp_path)
+    for d in done:
+        assert d.returncode == 0, d.stderr[-3000:]
     seen = sorted(
-        line.split("RANKS ", 1)[1] for o, _ in outs for line in o.splitlines() if "RANKS " in line
+        line.split("RANKS ", 1)[1]
+        for d in done
+        for line in d.stdout.splitlines()
+        if "RANKS " in line
     )
     assert [s.split()[:2] for s in seen] == [["0", "2"], ["1", "2"]], seen
     assert {s.split()[2] for s in seen} == {"node-0", "node-1"}
-    assert f"Serving the job's etcd at 127.0.0.1:{port}" in outs[1][1]
+    assert f"Serving the job's etcd at 127.0.0.1:{port}" in done[1].stderr
 
 
 def test_a_store_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
