@@ -116,6 +116,8 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                 failure: BaseException | None = None
                 try:
                     runtime.in_elastic_fn = True
+                    if not runtime.enter():  # a newcomer's generation was replaced
+                        raise Rescale()
                     state.sync()  # a peer may die in here too
                     return fn(*args, **kwargs)
                 except Rescale:

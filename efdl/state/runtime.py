@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import datetime
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +40,10 @@ from efdl.state.hang import HangWatch
 log = logging.getLogger(__name__)
 # How many CUDA events the step verdicts cycle through (Runtime.step_event).
 _STEP_EVENTS = 16
+# torch's switch for gloo groups that connect each pair of ranks at its first use.
+_GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+# Whether this torch has that switch (2.7 and later): its gloo device factory takes lazy_init.
+LAZY_GLOO = "lazy_init" in (dist.ProcessGroupGloo.create_default_device.__doc__ or "")
 
 
 class Runtime:
@@ -59,7 +65,12 @@ class Runtime:
         self.breaker = Breaker()
         self.hang: HangWatch | None = None  # started with the agent's channel
         self.in_elastic_fn = False  # the main thread runs the @elastic function
-        self.joined_at: float | None = None  # when this rank last joined a group (monotonic)
+        # When the others began to wait for this rank in its group (monotonic): at its join,
+        # or, for a newcomer that declared at its training function's entry, never.
+        self.held_up_since: float | None = None
+        # A newcomer's declaration, put off until its training function's entry (defer_join).
+        self._undeclared: tuple[Placement, Any] | None = None
+        self._connected = -1  # the generation whose groups' pairs are all connected
         # For the agent's history and metrics: the last commit (time, generation) and when
         # local rank 0 last reported progress.
         self._last_commit: tuple[float, int] | None = None
@@ -71,7 +82,12 @@ class Runtime:
     def elastic(self) -> bool:
         return self.channel is not None
 
-    def init_group(self, p: Placement) -> None:
+    def init_group(self, p: Placement, defer: bool = False) -> None:
+        """Join generation ``p``'s groups. Every rank first declares itself on the
+        generation's store and waits until all have, except with ``defer`` (a newcomer to a
+        job that trains: defer_join): its declaration waits for its training function's
+        entry (:meth:`enter`), and the others train on meanwhile. The gloo groups connect
+        their pairs at first use (:func:`_lazy_gloo`), so making them waits for nobody."""
         if self.channel is not None:  # the agent serves it; a newer round may replace it
             channel = self.channel
             store = ready.connect(p, self.timeout, lambda: channel.superseded(p.generation))
@@ -81,11 +97,11 @@ class Runtime:
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 p.master_addr, p.master_port, p.world_size, p.rank == 0, self.timeout
             )
-        if self.elastic:
+        if self.elastic and not defer:
             self.gate.declare_and_wait(p, store)
         nccl = self.backend == "nccl"
         hook = sys.excepthook
-        with self.breaker.recording(p.generation):
+        with self.breaker.recording(p.generation), _lazy_gloo():
             dist.init_process_group(
                 self.backend,
                 store=store,
@@ -107,15 +123,51 @@ class Runtime:
             quick = datetime.timedelta(seconds=2)
             self.hang.joined(lambda: ready.connect(p, quick), self.side)
         self.placement = p
-        self.joined_at = time.monotonic()
+        self._undeclared = (p, store) if self.elastic and defer else None
+        self.held_up_since = None if self._undeclared else time.monotonic()
 
-    def join(self, p: Placement) -> Placement | None:
-        """Join ``p``'s group. If that fails because a newer generation replaced ``p`` (its
-        store is closed when the next one is served: a node joined or left meanwhile), join
-        the newer one. Returns the placement joined; None if asked to leave meanwhile."""
+    def defer_join(self, p: Placement) -> bool:
+        """Whether a newcomer joining ``p`` declares itself at its training function's entry
+        rather than now: when the job has trained (the others train on while it builds its
+        model), its groups are gloo (made lazily: NCCL communicators are made eagerly with
+        the others', so an NCCL newcomer declares now), and this torch makes gloo groups
+        lazily."""
+        return self.elastic and p.job_step > 0 and self.backend == "gloo" and LAZY_GLOO
+
+    def enter(self) -> bool:
+        """At the training function's entry, before the sync: a newcomer that put off its
+        declaration makes it now and waits until every rank has (the others pause then);
+        then every pair of this generation's gloo groups is connected, with the sockets
+        recorded for the breaker (lazy groups open them at first use). False: a newer
+        generation replaced the one this newcomer joined before it declared (rebuild)."""
+        pending, self._undeclared = self._undeclared, None
+        if pending is not None:
+            joined, store = pending
+            try:
+                self.gate.declare_and_wait(joined, store)
+            except RuntimeError:
+                if self.channel is not None and self.channel.superseded(joined.generation):
+                    return False
+                raise
+            self.held_up_since = time.monotonic()
+        p = self.placement
+        if p is None or p.generation == self._connected or not dist.is_initialized():
+            return True
+        with self.breaker.recording(p.generation):
+            dist.barrier(group=self.side)  # gloo's barrier sends between every pair
+            if self.backend == "gloo":
+                dist.barrier()
+        self._connected = p.generation
+        return True
+
+    def join(self, p: Placement, defer: bool = False) -> Placement | None:
+        """Join ``p``'s group (``defer``: see :meth:`init_group`). If that fails because a
+        newer generation replaced ``p`` (its store is closed when the next one is served: a
+        node joined or left meanwhile), join the newer one. Returns the placement joined;
+        None if asked to leave meanwhile."""
         while True:
             try:
-                self.init_group(p)
+                self.init_group(p, defer)
                 return p
             except RuntimeError as exc:  # dist.DistError too
                 if self.channel is None:
@@ -282,6 +334,24 @@ def _backend_of(group: Any) -> str:
         return "?"
 
 
+@contextlib.contextmanager
+def _lazy_gloo() -> Iterator[None]:
+    """gloo groups made in here connect each pair of ranks at its first use
+    (``TORCH_GLOO_LAZY_INIT``), not all at once when made: a newcomer's groups are made
+    while the others still train in the old ones. Every rank of a generation makes its
+    groups in here (a lazy rank and an eager one cannot connect: torch crashes); the user's
+    own groups stay as torch makes them."""
+    old = os.environ.get(_GLOO_LAZY_ENV)
+    os.environ[_GLOO_LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_GLOO_LAZY_ENV, None)
+        else:
+            os.environ[_GLOO_LAZY_ENV] = old
+
+
 def _drop_later(groups: list[Any], timeout: datetime.timedelta) -> None:
     """Hold ``groups`` until their pending operations have timed out, then drop them on a
     daemon thread, so that their destructors never block training."""
@@ -352,5 +422,5 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
             if placed is None:
                 exit_left()  # sent away (or the agent is gone) before it was placed
             placement = placed
-    if rt.join(placement) is None:
+    if rt.join(placement, rt.defer_join(placement)) is None:
         exit_left()  # the agent sent this worker away before it ever trained

@@ -538,13 +538,14 @@ class ElasticState:
         self._agree_work = None
 
     def _said_setup(self, rt: Runtime) -> None:
-        """A newcomer to a job that trains, at its first sync: the others stopped training
-        when it joined the group (efdl.init_process_group) and wait here for it; what it did
-        since (building its model, most often) they waited for. Said when that is long."""
-        p, joined = rt.placement, rt.joined_at
-        if self._generation or p is None or not p.job_step or joined is None:
+        """A newcomer to a job that trains, at its first sync, if it declared itself at its
+        join (NCCL: Runtime.defer_join): the others stopped training when it joined the
+        group (efdl.init_process_group) and wait here for it; what it did since (building its
+        model, most often) they waited for. Said when that is long."""
+        p, since = rt.placement, rt.held_up_since
+        if self._generation or p is None or not p.job_step or since is None:
             return
-        waited = time.monotonic() - joined
+        waited = time.monotonic() - since
         if waited >= SETUP_SAID_S:
             log.warning(
                 "The job's other ranks stood still %.1f s for this newcomer's setup between "

@@ -19,7 +19,7 @@ rank has news (once per job); each row says whether this rank itself had seen ne
 commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining;
 SETUP_SECONDS=s: such a worker sleeps s seconds after joining (efdl.init_process_group), as a
-script that builds its model there.
+script that builds its model there, and writes when it began and ended to $OUT_DIR/setup.jsonl.
 CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
 step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
@@ -89,8 +89,11 @@ if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start 
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
 timeout = float(os.environ.get("COLLECTIVE_TIMEOUT", "15"))
 efdl.init_process_group(os.environ.get("BACKEND", "gloo"), timeout_s=timeout)
-if spawned != "1":
-    time.sleep(float(os.environ.get("SETUP_SECONDS", "0")))
+if spawned != "1" and float(os.environ.get("SETUP_SECONDS", "0")):
+    began = time.time()
+    time.sleep(float(os.environ["SETUP_SECONDS"]))
+    with open(out / "setup.jsonl", "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "began": began, "ended": time.time()}) + "\n")
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 dev = efdl.device() if os.environ.get("DEVICE") == "cuda" else torch.device("cpu")
