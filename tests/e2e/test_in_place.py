@@ -246,6 +246,29 @@ def test_the_job_finishes_while_a_newcomer_is_still_starting(job: Job) -> None:
     assert steps == list(range(1, steps[-1] + 1))  # one pass, nothing trained twice
 
 
+def test_a_round_during_a_newcomers_setup_takes_it_to_the_newer_generation(job: Job) -> None:
+    """A newcomer's setup can be long (it builds its model while the others train): a node
+    that joins meanwhile makes a newer round, and the newcomer, at its training function's
+    entry, goes to that one instead of declaring itself for the round it joined (which the
+    others have left). Both newcomers train with the survivors, on one state."""
+    job.start("a", script="elastic_steps.py")
+    job.start("b", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    done = job.out / "setup-done"
+    job.env["SETUP_UNTIL"] = str(done)
+    job.start("c", script="elastic_steps.py")
+    wait_until("c's worker in its setup", lambda: any(job.out.glob("setup-*")), 120)
+    job.start("d", script="elastic_steps.py")
+    wait_until("the round with d", lambda: "d joined" in job.agents["c"].output(), 120)
+    done.touch()
+    rows = job.wait_for("four workers", steps_at_world(4, latest_gen(rows)))
+    check_consistent(rows)
+    assert {r["node"] for r in rows if r["world"] == 4} == {"a", "b", "c", "d"}
+    assert {r["world"] for r in rows} == {2, 4}  # c's round of three never trained
+    (c_first,) = [r for r in rows if r["node"] == "c"][:1]
+    assert int(c_first["rescales"]) == 1, c_first  # type: ignore[call-overload]
+
+
 def test_a_replica_corrupted_mid_run_is_repaired_at_the_next_sync(job: Job) -> None:
     """Rank 1 changes one parameter element after step 3's update: DDP trains on with two
     replicas that differ (it averages gradients, never parameters). When a third node joins,

@@ -19,7 +19,9 @@ rank has news (once per job); each row says whether this rank itself had seen ne
 commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining;
 SETUP_SECONDS=s: such a worker sleeps s seconds after joining (efdl.init_process_group), as a
-script that builds its model there, and writes when it began and ended to $OUT_DIR/setup.jsonl.
+script that builds its model there, and writes when it began and ended to $OUT_DIR/setup.jsonl;
+SETUP_UNTIL=path: such a worker touches $OUT_DIR/setup-<pid> after joining, then waits (up to
+120 s) until path exists.
 CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
 step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
@@ -94,6 +96,11 @@ if spawned != "1" and float(os.environ.get("SETUP_SECONDS", "0")):
     time.sleep(float(os.environ["SETUP_SECONDS"]))
     with open(out / "setup.jsonl", "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "began": began, "ended": time.time()}) + "\n")
+if spawned != "1" and os.environ.get("SETUP_UNTIL"):  # the test says when setup ends
+    (out / f"setup-{os.getpid()}").touch()
+    until = time.monotonic() + 120
+    while not Path(os.environ["SETUP_UNTIL"]).exists() and time.monotonic() < until:
+        time.sleep(0.05)
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 dev = efdl.device() if os.environ.get("DEVICE") == "cuda" else torch.device("cpu")
