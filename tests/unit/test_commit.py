@@ -3,6 +3,7 @@ torch modules and optimizers, no process group."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from efdl.state.channel import Placement
+from efdl.state.runtime import Runtime
 from efdl.state.state import ElasticState
 from efdl.state.transaction import Phase, Recovery, Standing
 
@@ -91,3 +94,21 @@ def test_snapshot_every_must_be_a_count() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="snapshot_every is -1"):
         ElasticState(model, snapshot_every=-1)
+
+
+@pytest.mark.parametrize(
+    ("since_s", "said"),
+    [(2.0, True), (0.2, False), (None, False)],  # None: it declared at its entry (gloo)
+)
+def test_a_newcomer_that_held_the_others_up_says_so(
+    since_s: float | None, said: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newcomer that declared itself at its join (NCCL) made the others wait in the sync for
+    its setup: over SETUP_SAID_S it says so; one that declared at its entry held nobody up."""
+    rt = Runtime()
+    rt.placement = Placement(2, 2, 3, 0, 1, 2, 3, "127.0.0.1", 1, job_step=40)
+    rt.held_up_since = None if since_s is None else time.monotonic() - since_s
+    state, _ = trained()
+    with caplog.at_level("WARNING"):
+        state._said_setup(rt)
+    assert ("for this newcomer's setup" in caplog.text) is said
