@@ -48,7 +48,7 @@ from efdl.rendezvous.model import (
     RoundStatus,
 )
 from efdl.rendezvous.participant import Participant, end_job, parse_round
-from efdl.rendezvous.probe import ProbeListener
+from efdl.rendezvous.probe import ProbeListener, Reply, ask
 from efdl.state.cache import CacheSettings, SnapshotStorage
 from efdl.state.channel import (
     GRACE_ENV,
@@ -454,10 +454,12 @@ class NodeAgent:
                 signal.signal(sig, handler)
 
     def _await_warm(self) -> None:
-        """Joining a job that trains: let this node's warm processes finish importing torch
-        first, so that the round that admits it does not stop the others (restart mode:
-        all of them) while they do. A new job's nodes join at once: their imports overlap
-        the rendezvous."""
+        """Joining a job that trains by restarts: let this node's warm processes finish
+        importing torch first, so that the round that admits it does not stop all the
+        others while they do. A job that trains in place (its rank 0 node says so) is
+        joined at once: its workers train on until this node's have entered their training
+        functions (efdl.state.ready). A new job's nodes join at once too: their imports
+        overlap the rendezvous."""
         if not self._warm.size:
             return
         keys = JobKeys(self._job)
@@ -465,10 +467,18 @@ class NodeAgent:
             current = parse_round(self._store.get(keys.round), keys)
             # Its rank 0 alive (a job whose nodes all left, preempted, still has its last
             # active round; the nodes resuming it start together).
-            live = current is not None and self._store.get(keys.node(current.head)) is not None
+            raw = self._store.get(keys.node(current.head)) if current is not None else None
         except StoreError:
             return  # joining says what is wrong with etcd
-        if current is None or current.status is not RoundStatus.ACTIVE or not live:
+        if current is None or current.status is not RoundStatus.ACTIVE or raw is None:
+            return
+        if _trains_in_place(raw.value, keys.node(current.head)):
+            log.info(
+                "%s: the job trains in place (generation %d): joining at once; its workers "
+                "train on while this node's start.",
+                self._tag(),
+                current.generation,
+            )
             return
         log.info(
             "%s: the job trains (generation %d); joining once this node's %d warm worker "
@@ -1132,3 +1142,16 @@ class NodeAgent:
         if self._rdzv is not None:
             self._rdzv.leave()
             self._rdzv = None
+
+
+def _trains_in_place(raw: bytes, key: str) -> bool:
+    """Whether the node of record ``raw`` (at ``key``) says that its workers rebuild in
+    place, asked at its probe port (efdl.rendezvous.probe); False when it cannot say."""
+    try:
+        record = NodeRecord.from_json(raw, key)
+    except EfdlError:
+        return False
+    if not record.probe_port:
+        return False
+    reply, said = ask(record.host, record.probe_port)
+    return reply is Reply.ANSWERED and said is not None and said.get("in_place") is True

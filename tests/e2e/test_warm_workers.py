@@ -93,3 +93,31 @@ def test_no_warm_processes_with_warm_workers_0(restart: Job) -> None:
     assert not any(r["warm"] for r in rows)
     out = job.agents["a"].output()
     assert "warm worker" not in out and "of them warm" not in out, out
+
+
+def test_a_node_joins_a_job_in_place_at_once(in_place: Job) -> None:
+    """Its rank 0 node says (at its probe port) that the job trains in place: a joining
+    node does not wait for its warm processes' imports before it joins, since the others
+    train on until its workers enter their training functions."""
+    job = in_place
+    job.start("a", script="elastic_steps.py")
+    rows = job.wait_for("one worker", steps_at_world(1))
+    job.start("b", script="elastic_steps.py")
+    rows = job.wait_for("two workers", steps_at_world(2, latest_gen(rows)))
+    out = job.agents["b"].output()
+    assert "the job trains in place (generation" in out and "joining once" not in out, out
+    check_consistent(rows)
+
+
+def test_a_node_joining_a_job_by_restarts_waits_for_its_warm_processes(restart: Job) -> None:
+    """A plain script's job restarts every worker at the round that admits a node: the node
+    joins once its warm processes have imported torch, so the others stop only then (here
+    it joins as a spare: the job is at its --max)."""
+    job = restart
+    job.start("a")
+    job.wait_for("two workers", steps_at_world(2))
+    job.start("b")
+    out = job.agents["b"].output
+    wait_until("node b to join", lambda: "node b joined" in out(), 90)
+    out = job.agents["b"].output()
+    assert "joining once this node's 2 warm worker" in out and "trains in place" not in out, out
