@@ -139,9 +139,24 @@ class ReadinessGate:
                 # comes (c10d's wait cannot be interrupted, and logs every slice that times
                 # out). A superseded generation's store is also closed when the next one is
                 # served, which makes check() raise; one whose server died never answers.
+                # This rank trains on meanwhile; a newcomer that takes longer than the join
+                # timeout to reach its training function is said, once.
+                said_at = time.monotonic() + self._all_ranks.total_seconds()
                 while not store.check([GO_KEY]):
                     if self._closed.wait(0.1) or superseded():
                         return
+                    if said_at and time.monotonic() > said_at:
+                        said_at = 0.0
+                        log.warning(
+                            "Generation %d: %s of its %d ranks have declared themselves "
+                            "after %.0f s (the join timeout); the others (newcomers still "
+                            "starting, or setting up before their training functions) are "
+                            "waited for while this rank trains on in its generation.",
+                            p.generation,
+                            store.add(READY_KEY, 0),
+                            p.world_size,
+                            self._all_ranks.total_seconds(),
+                        )
             except Exception as exc:  # the store is gone, or unreachable: pause now
                 if superseded():
                     return

@@ -6,11 +6,14 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from dataclasses import replace
 
+import pytest
 import torch.distributed as dist
 
 from efdl.state.channel import Placement
 from efdl.state.ready import ReadinessGate
+from tests.wait import wait_until
 
 
 def placement(generation: int, port: int) -> Placement:
@@ -40,3 +43,27 @@ def test_a_generation_whose_store_never_answers_does_not_hold_up_the_next() -> N
     finally:
         gate.close()
         hole.close()
+
+
+def test_a_rank_missing_past_the_join_timeout_is_said_while_the_others_train_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A newcomer that has not reached its training function within the join timeout (its
+    setup hangs, say) holds up no one, but its generation waits: the survivors' watch says
+    how many ranks declared, once, and keeps waiting; when the last declares, go."""
+    server = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", 0, 1, True, datetime.timedelta(seconds=60)
+    )
+    two = Placement(2, 0, 2, 0, 1, 0, 2, "127.0.0.1", server.port)
+    gate = ReadinessGate(datetime.timedelta(seconds=30), all_ranks_s=0.3)
+    went = threading.Event()
+    try:
+        with caplog.at_level("WARNING", logger="efdl.state.ready"):
+            gate.watch(two, lambda: False, went.set)
+            wait_until("the line", lambda: "1 of its 2 ranks have declared" in caplog.text, 30)
+            assert not went.is_set()
+            ReadinessGate(datetime.timedelta(seconds=30)).declare(replace(two, rank=1))
+            assert went.wait(30), "the last declaration did not open the pause"
+        assert caplog.text.count("have declared themselves") == 1
+    finally:
+        gate.close()
