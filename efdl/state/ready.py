@@ -141,12 +141,13 @@ class ReadinessGate:
                 # served, which makes check() raise; one whose server died never answers.
                 # This rank trains on meanwhile; a newcomer that takes longer than the join
                 # timeout to reach its training function is said, once.
-                said_at = time.monotonic() + self._all_ranks.total_seconds()
+                late = time.monotonic() + self._all_ranks.total_seconds()
+                said = False
                 while not store.check([GO_KEY]):
                     if self._closed.wait(0.1) or superseded():
                         return
-                    if said_at and time.monotonic() > said_at:
-                        said_at = 0.0
+                    if not said and time.monotonic() > late:
+                        said = True
                         log.warning(
                             "Generation %d: %s of its %d ranks have declared themselves "
                             "after %.0f s (the join timeout); the others (newcomers still "

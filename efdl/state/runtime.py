@@ -123,7 +123,7 @@ class Runtime:
             quick = datetime.timedelta(seconds=2)
             self.hang.joined(lambda: ready.connect(p, quick), self.side)
         self.placement = p
-        self._undeclared = (p, store) if self.elastic and defer else None
+        self._undeclared = (p, store) if defer else None
         self.held_up_since = None if self._undeclared else time.monotonic()
 
     def defer_join(self, p: Placement) -> bool:
@@ -151,7 +151,6 @@ class Runtime:
                 if self.channel is not None and self.channel.superseded(joined.generation):
                     return False
                 raise
-            self.held_up_since = time.monotonic()
         p = self.placement
         if p is None or p.generation == self._connected or not dist.is_initialized():
             return True

@@ -18,10 +18,9 @@ PAUSE_SKEW="rank:s" makes the agent's news reach that rank s seconds late, the f
 rank has news (once per job); each row says whether this rank itself had seen news at the
 commit before it ("news").
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining;
-SETUP_SECONDS=s: such a worker sleeps s seconds after joining (efdl.init_process_group), as a
-script that builds its model there, and writes when it began and ended to $OUT_DIR/setup.jsonl;
-SETUP_UNTIL=path: such a worker touches $OUT_DIR/setup-<pid> after joining, then waits (up to
-120 s) until path exists.
+SETUP_GATE=1: such a worker, after joining (efdl.init_process_group), stands for a script that
+builds its model there: it listens on $OUT_DIR/setup-<pid>.sock and goes on when the test
+connects (up to 120 s).
 CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
 step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
@@ -42,6 +41,7 @@ row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBL
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -91,16 +91,12 @@ if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start 
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
 timeout = float(os.environ.get("COLLECTIVE_TIMEOUT", "15"))
 efdl.init_process_group(os.environ.get("BACKEND", "gloo"), timeout_s=timeout)
-if spawned != "1" and float(os.environ.get("SETUP_SECONDS", "0")):
-    began = time.time()
-    time.sleep(float(os.environ["SETUP_SECONDS"]))
-    with open(out / "setup.jsonl", "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "began": began, "ended": time.time()}) + "\n")
-if spawned != "1" and os.environ.get("SETUP_UNTIL"):  # the test says when setup ends
-    (out / f"setup-{os.getpid()}").touch()
-    until = time.monotonic() + 120
-    while not Path(os.environ["SETUP_UNTIL"]).exists() and time.monotonic() < until:
-        time.sleep(0.05)
+if spawned != "1" and os.environ.get("SETUP_GATE"):  # its setup lasts until the test says
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gate:
+        gate.bind(str(out / f"setup-{os.getpid()}.sock"))
+        gate.listen(1)
+        gate.settimeout(120)
+        gate.accept()[0].close()
 torch.manual_seed(int(os.environ.get("RANK", "0")))  # different inits: sync must fix them
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 dev = efdl.device() if os.environ.get("DEVICE") == "cuda" else torch.device("cpu")
