@@ -35,7 +35,9 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 _MASK = (1 << 63) - 1
@@ -52,8 +54,11 @@ def _mix(*parts: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)  # a reader walks a window's rows one by one
-def _permutation(n: int, seed: int) -> tuple[int, ...]:
-    return tuple(torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist())
+def _permutation(n: int, seed: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """A permutation of ``range(n)`` from ``seed`` (read-only: it is cached and shared)."""
+    out = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    out.flags.writeable = False
+    return out
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class EpochOrder:
         if self.lanes < 1 or self.window < 1:
             raise ValueError(f"lanes ({self.lanes}) and window ({self.window}) must be >= 1.")
         shards = (
-            _permutation(len(self.rows), _mix(self.seed, self.epoch))
+            tuple(_permutation(len(self.rows), _mix(self.seed, self.epoch)).tolist())
             if self.shuffle
             else tuple(range(len(self.rows)))
         )
@@ -112,7 +117,7 @@ class EpochOrder:
         """How many windows ``lane`` has (its last one may be short)."""
         return -(-self.lane_length(lane) // self.window)
 
-    def window_order(self, lane: int, j: int) -> Sequence[int]:
+    def window_order(self, lane: int, j: int) -> np.ndarray[Any, np.dtype[np.int64]]:
         """``lane``'s window ``j`` as offsets from its first row: the lane's row
         ``j * window + i`` is the window's row ``window_order(lane, j)[i]``."""
         first = j * self.window
@@ -120,7 +125,7 @@ class EpochOrder:
         if size <= 0:
             raise IndexError(f"lane {lane} has {self.windows(lane)} windows, not a window {j}.")
         if not self.shuffle:
-            return range(size)
+            return np.arange(size, dtype=np.int64)
         return _permutation(size, _mix(self.seed, self.epoch, lane, first))
 
     @staticmethod
@@ -140,7 +145,9 @@ class EpochOrder:
         if not 0 <= k < length:
             raise IndexError(f"lane {lane} has {length} rows, not a row {k}.")
         first = k - k % self.window
-        return self.lane_index(lane, first + self.window_order(lane, k // self.window)[k - first])
+        return self.lane_index(
+            lane, first + int(self.window_order(lane, k // self.window)[k - first])
+        )
 
     def segments(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """Stream indices ``[start, stop)`` as (shard, first row, end row) pieces, in order."""

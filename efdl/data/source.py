@@ -66,40 +66,48 @@ class Source(Generic[C]):
 
         return pa.concat_tables(pieces)  # type: ignore[no-any-return]
 
-    def hold(self, pieces: list[C], spare: Any = None) -> Any:
-        """Pieces joined, ready for many gathers. Arrow: columns of fixed width (numbers, and
-        lists of one length of numbers, without nulls) are copied into one numpy buffer
-        each, ``spare``'s (a held block no longer used) where they fit: so that a step's
-        rows come out of a column with one ``np.take``, into memory that is not new."""
-        return Held(pieces, spare)
+    def arrange(self, piece: C, order: Any, spare: Any = None) -> Any:
+        """A lane's window with its rows in the order the steps take them: row ``i`` of
+        the result is ``piece``'s row ``order[i]`` (an int64 numpy array). Called in a
+        reader thread, right after the window is decoded (its rows still in the cache), so
+        that each step's rows are a contiguous range of each of its lanes' windows. Arrow:
+        columns of fixed width (numbers, and lists of one length of numbers, without nulls)
+        become one 2-D numpy array each, in ``spare``'s buffers (an arranged window no
+        longer used) where they fit; the others go through Arrow's ``take``."""
+        return Arranged(piece, order, spare)
 
-    def gather(self, picks: list[tuple[Any, Any]]) -> C:
-        """One piece of the rows of each ``(held, order)`` (a held block, an int64 numpy
-        array) at ``order``, pick after pick: its own copy of the rows."""
+    def gather(self, picks: list[Pick]) -> C:
+        """One piece of the picks' rows, pick after pick: its own copy of the rows."""
         return gather_table(picks)  # type: ignore[no-any-return]
 
-    def batch(self, picks: list[tuple[Any, Any]]) -> Any:
+    def batch(self, picks: list[Pick]) -> Any:
         """The rows of the picks as a batch, where the stream has no transform of the
         user's. Arrow: a dict of tensors per column, as :func:`to_torch` makes them."""
         return gather_tensors(picks)
 
 
-class Held:
-    """Tables joined for gathers (see :meth:`Source.hold`): ``table``, and per column its
-    rows as a 2-D numpy array (``arrays[c]``), or None where Arrow's ``take`` serves."""
+# A step's rows of one arranged window (Source.arrange): rows ``start, start + step, ...``
+# before ``stop``.
+Pick = tuple[Any, int, int, int]
 
-    def __init__(self, pieces: list[Any], spare: Held | None = None) -> None:
+
+class Arranged:
+    """A window's rows arranged for the steps (see :meth:`Source.arrange`): its ``schema``,
+    and per column a 2-D numpy array of its rows (``columns[c]``, fixed-width columns) or
+    an Arrow array (the others)."""
+
+    def __init__(self, piece: Any, order: Any, spare: Arranged | None = None) -> None:
         import numpy as np
-        import pyarrow as pa
 
-        self.table = pa.concat_tables(pieces) if len(pieces) != 1 else pieces[0]
-        self.arrays: list[Any] = []
+        n = len(order)
+        self.schema = piece.schema
+        self.columns: list[Any] = []
         self._buffers: list[Any] = []  # what the arrays are views of, for a later reuse
-        n = self.table.num_rows
-        for c, col in enumerate(self.table.columns):
+        inverse = None
+        for c, col in enumerate(piece.columns):
             views = [_rows(chunk) for chunk in col.chunks]
             if not views or any(v is None for v in views):
-                self.arrays.append(None)
+                self.columns.append(col.take(order))
                 self._buffers.append(None)
                 continue
             width, dtype = views[0].shape[1], views[0].dtype
@@ -108,22 +116,33 @@ class Held:
                 buffer = old
             else:
                 buffer = np.empty((n, width), dtype=dtype)
-            np.concatenate(views, out=buffer[:n])
-            self.arrays.append(buffer[:n])
+            out = buffer[:n]
+            if len(views) == 1:
+                # mode "clip": with the default "raise", numpy buffers ``out`` and copies
+                # twice (3x the time); the order is in range by construction.
+                np.take(views[0], order, axis=0, out=out, mode="clip")
+            else:  # each chunk's rows to their places: one sequential read of each
+                if inverse is None:
+                    inverse = np.empty(n, dtype=np.int64)
+                    inverse[order] = np.arange(n, dtype=np.int64)
+                at = 0
+                for view in views:
+                    out[inverse[at : at + len(view)]] = view
+                    at += len(view)
+            self.columns.append(out)
             self._buffers.append(buffer)
 
 
-def gather_table(picks: list[tuple[Held, Any]]) -> Any:
-    """The rows of each ``(held, order)`` pick at ``order``, in one table, each column in
-    one new buffer: numpy's ``take`` for the held arrays, Arrow's for the other columns."""
+def gather_table(picks: list[Pick]) -> Any:
+    """The picks' rows in one table, each column in one new buffer."""
     import pyarrow as pa
 
-    schema = picks[0][0].table.schema
+    schema = picks[0][0].schema
     columns = []
     for c, field in enumerate(schema):
         rows = _gather_rows(picks, c)
         if rows is None:
-            columns.append(_take(picks, c))
+            columns.append(_arrow_rows(picks, c))
             continue
         flat = pa.array(rows.reshape(-1))
         if pa.types.is_fixed_size_list(field.type):
@@ -132,18 +151,18 @@ def gather_table(picks: list[tuple[Held, Any]]) -> Any:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
-def gather_tensors(picks: list[tuple[Held, Any]]) -> dict[str, Any]:
-    """:func:`gather_table`'s rows as :func:`to_torch` gives them, the held columns' tensors
-    made straight from the gathered rows (no Arrow in between)."""
+def gather_tensors(picks: list[Pick]) -> dict[str, Any]:
+    """:func:`gather_table`'s rows as :func:`to_torch` gives them, the fixed-width columns'
+    tensors made straight from the copied rows (no Arrow in between)."""
     import pyarrow as pa
     import torch
 
-    schema = picks[0][0].table.schema
+    schema = picks[0][0].schema
     out: dict[str, Any] = {}
     for c, field in enumerate(schema):
         rows = _gather_rows(picks, c)
         if rows is None:
-            out.update(to_torch(pa.table({field.name: _take(picks, c)})))
+            out.update(to_torch(pa.table({field.name: _arrow_rows(picks, c)})))
         elif pa.types.is_fixed_size_list(field.type):
             out[field.name] = torch.from_numpy(rows)
         else:
@@ -151,28 +170,41 @@ def gather_tensors(picks: list[tuple[Held, Any]]) -> dict[str, Any]:
     return out
 
 
-def _gather_rows(picks: list[tuple[Held, Any]], c: int) -> Any:
-    """Column ``c``'s rows of the picks as one new 2-D numpy array (None: not held)."""
+def _gather_rows(picks: list[Pick], c: int) -> Any:
+    """Column ``c``'s rows of the picks as one new 2-D numpy array (None: a window holds
+    that column in Arrow)."""
     import numpy as np
 
-    if any(held.arrays[c] is None for held, _ in picks):
-        return None
-    first = picks[0][0].arrays[c]
-    out = np.empty((sum(len(order) for _, order in picks), first.shape[1]), dtype=first.dtype)
-    at = 0
-    for held, order in picks:
-        np.take(held.arrays[c], order, axis=0, out=out[at : at + len(order)])
-        at += len(order)
-    return out
+    parts = []
+    for arranged, start, stop, step in picks:
+        column = arranged.columns[c]
+        if not isinstance(column, np.ndarray):
+            return None
+        parts.append(column[start:stop:step])
+    return np.concatenate(parts)  # a copy, also of one part: the batch owns its rows
 
 
-def _take(picks: list[tuple[Held, Any]], c: int) -> Any:
+def _arrow_rows(picks: list[Pick], c: int) -> Any:
+    """Column ``c``'s rows of the picks as one Arrow array."""
+    import numpy as np
     import pyarrow as pa
 
-    kind = picks[0][0].table.schema.field(c).type
-    return pa.chunked_array(
-        [ch for held, order in picks for ch in held.table.column(c).take(order).chunks], kind
-    )
+    kind = picks[0][0].schema.field(c).type
+    chunks = []
+    for arranged, start, stop, step in picks:
+        column = arranged.columns[c]
+        if isinstance(column, np.ndarray):
+            flat = pa.array(column[start:stop:step].reshape(-1))
+            chunks.append(
+                pa.FixedSizeListArray.from_arrays(flat, type=kind)
+                if pa.types.is_fixed_size_list(kind)
+                else flat
+            )
+        elif step == 1:
+            chunks.extend(column.slice(start, stop - start).chunks)
+        else:
+            chunks.extend(column.take(np.arange(start, stop, step)).chunks)
+    return pa.chunked_array(chunks, kind)
 
 
 def _rows(chunk: Any) -> Any:
@@ -483,13 +515,13 @@ class ReaderSource(Source[list[Any]]):
     def join(self, pieces: list[list[Any]]) -> list[Any]:
         return [x for p in pieces for x in p]
 
-    def hold(self, pieces: list[list[Any]], spare: Any = None) -> list[Any]:
-        return self.join(pieces)
+    def arrange(self, piece: list[Any], order: Any, spare: Any = None) -> list[Any]:
+        return [piece[i] for i in order.tolist()]
 
-    def gather(self, picks: list[tuple[Any, Any]]) -> list[Any]:
-        return [piece[i] for piece, order in picks for i in order.tolist()]
+    def gather(self, picks: list[Pick]) -> list[Any]:
+        return [x for window, start, stop, step in picks for x in window[start:stop:step]]
 
-    def batch(self, picks: list[tuple[Any, Any]]) -> Any:
+    def batch(self, picks: list[Pick]) -> Any:
         from torch.utils.data import default_collate
 
         return default_collate(self.gather(picks))

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from efdl.data.order import EpochOrder, LaneShare, lane_share
-from efdl.data.source import DataSourceError, ParquetSource, Source
+from efdl.data.source import DataSourceError, ParquetSource, Pick, Source
 
 # The shared position's fields.
 _EPOCH, _CURSOR, _RANK, _WORLD, _LANES, _WINDOW, _SEED, _SET = range(8)
@@ -454,75 +454,81 @@ def _joined(source: Source[Any], pieces: Iterator[Any]) -> Any:
 
 
 class _RankReader:
-    """This rank's lanes: blocks (window ``j`` of every lane, joined) read ahead in threads,
-    and each step's rows gathered from them."""
+    """This rank's lanes: each lane's windows read ahead in threads and arranged in the
+    order the steps take their rows (Source.arrange), so that a step's rows are a
+    contiguous range of each lane's window, copied into the batch."""
 
     def __init__(self, source: Source[Any], order: EpochOrder, share: LaneShare, threads: int):
         self.source, self.order, self.share, self.mine = source, order, share, share.lanes
         units = _Units()
         self.lanes = {lane: _Lane(source, order, lane, share.lanes, units) for lane in share.lanes}
         self._pool = ThreadPoolExecutor(max_workers=min(threads, len(share.lanes)))
-        self._windows: dict[tuple[int, int], Future[Any]] = {}
-        # Block j: the held rows, each lane's start in them, the window's shuffle.
-        self._blocks: dict[int, tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
-        self._spare: Any = None  # a block no step uses any more: its buffers are reused
+        # Each lane's arranged windows, asked for and not yet done with, by window.
+        self._windows: dict[int, dict[int, Future[Any]]] = {lane: {} for lane in share.lanes}
+        # Arranged windows no step uses any more: their buffers are reused (a deque: the
+        # main thread appends, reader threads pop).
+        self._spares: deque[Any] = deque(maxlen=2 * len(share.lanes))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
 
-    def _prefetch(self, j: int) -> None:
-        for lane, reader in self.lanes.items():
-            if j < self.order.windows(lane) and (lane, j) not in self._windows:
-                self._windows[(lane, j)] = self._pool.submit(reader.window, j)
+    def _arranged(self, lane: int, j: int) -> Any:
+        """Lane ``lane``'s window ``j``, its rows in reading order, shuffled (in a thread)."""
+        piece = self.lanes[lane].window(j)
+        order = self.order.window_order(lane, j)
+        if self.order.backward(lane):  # its window is in stream order: flip it
+            order = len(order) - 1 - order
+        try:
+            spare = self._spares.pop()
+        except IndexError:
+            spare = None
+        return self.source.arrange(piece, order, spare)
 
-    def block(self, j: int) -> tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """Window ``j`` of this rank's lanes held together; where each lane's rows begin in
-        it (by lane, from the rank's first); and the block's row of each lane's reading
-        offset ``i`` in the window, at ``begins[lane] + i`` (the window's shuffle)."""
-        if j not in self._blocks:
-            self._prefetch(j)
-            self._prefetch(j + 1)  # read ahead while this block is used
-            pieces, rows = [], []
-            begins = np.zeros(len(self.mine), dtype=np.int64)
-            at = 0
-            for i, lane in enumerate(self.mine):
-                begins[i] = at
-                future = self._windows.pop((lane, j), None)
-                if future is None:  # a lane shorter by a row has no such window
-                    continue
-                piece = future.result()
-                perm = np.asarray(self.order.window_order(lane, j), dtype=np.int64)
-                if self.order.backward(lane):  # its window is in stream order: flip it
-                    perm = len(perm) - 1 - perm
-                rows.append(at + perm)
-                at += self.source.length(piece)
-                pieces.append(piece)
-            for old in [b for b in self._blocks if b < j - 1]:  # this step may use j - 1
-                self._spare = self._blocks.pop(old)[0]  # no step uses it again
-            held = self.source.hold(pieces, self._spare)
-            self._spare = None
-            self._blocks[j] = (held, begins, np.concatenate(rows))
-        return self._blocks[j]
+    def _ask(self, lane: int, j: int) -> Future[Any]:
+        held = self._windows[lane]
+        future = held.get(j)
+        if future is None:
+            future = held[j] = self._pool.submit(self._arranged, lane, j)
+        return future
 
-    def picks(self, cursor: int, n: int) -> list[tuple[Any, np.ndarray[Any, Any]]]:
+    def _done_before(self, lane: int, j: int) -> None:
+        """No step takes rows of ``lane``'s windows before ``j`` any more."""
+        held = self._windows[lane]
+        for old in [i for i in held if i < j]:
+            future = held.pop(old)
+            if future.done() and future.exception() is None:
+                self._spares.append(future.result())
+
+    def picks(self, cursor: int, n: int) -> list[Pick]:
         """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane: the
-        blocks they are in, and their rows there."""
+        arranged windows they are in, and their ranges there."""
         order, lanes, window = self.order, self.order.lanes, self.order.window
         index, group = self.share.index, self.share.group
         stop = min(cursor + n, order.total)
-        mine = np.arange(self.mine.start, self.mine.stop, dtype=np.int64)
-        k0 = (cursor + (mine - cursor) % lanes) // lanes + index  # each lane's first row here
-        k1 = (stop - mine + lanes - 1) // lanes
-        counts = np.maximum(0, (k1 - k0 + group - 1) // group)
-        if not counts.any():  # the epoch's last step left this rank nothing: repeat one row
-            k0[0], counts[0] = order.lane_length(self.mine.start) - 1, 1
-        which = np.repeat(np.arange(len(mine)), counts)  # each row's lane (from the first)
-        ks = np.repeat(k0, counts) + group * (
-            np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)
-        )
-        picks = []
-        for j in range(int(ks.min()) // window, int(ks.max()) // window + 1):
-            held, begins, rows = self.block(j)
-            here = ks // window == j
-            picks.append((held, rows[begins[which[here]] + ks[here] - j * window]))
+        spans = []  # (lane, its first row k here, the end of its rows)
+        for lane in self.mine:
+            k0 = (cursor + (lane - cursor) % lanes) // lanes + index
+            k1 = (stop - lane + lanes - 1) // lanes
+            if k0 < k1:
+                spans.append((lane, k0, k1))
+        if not spans:  # the epoch's last step left this rank nothing: repeat one row
+            lane = self.mine.start
+            k = order.lane_length(lane) - 1
+            spans.append((lane, k, k + 1))
+        for lane, k0, _ in spans:
+            self._done_before(lane, k0 // window)
+        # Every lane's windows of this step first, then the next ones, read ahead.
+        for ahead in (0, 1):
+            for lane, k0, k1 in spans:
+                for j in range(k0 // window + ahead, (k1 - 1) // window + 1 + ahead):
+                    if j < order.windows(lane):
+                        self._ask(lane, j)
+        picks: list[Pick] = []
+        for lane, k0, k1 in spans:
+            while k0 < k1:
+                j = k0 // window
+                end = min(k1, (j + 1) * window)
+                arranged = self._windows[lane][j].result()
+                picks.append((arranged, k0 - j * window, end - j * window, group))
+                k0 += group * -(-(end - k0) // group)
         return picks
