@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 import fsspec  # type: ignore[import-untyped]
+from fsspec.spec import AbstractBufferedFile  # type: ignore[import-untyped]
 
 C = TypeVar("C")  # a source's piece of rows: a pyarrow Table, or a list of samples
 
@@ -326,6 +327,9 @@ class ParquetSource(Source[Any]):
             )
         self._rows = list(rows) if rows is not None else None
         self._footers: dict[int, Any] = {}  # each shard's metadata, once read (no re-read)
+        # Each shard's details (size, ETag) where fsspec's buffered files fetch them: from the
+        # first open, then given to the others (s3fs sent a HEAD request per open).
+        self._details: dict[int, dict[str, Any]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -369,7 +373,7 @@ class ParquetSource(Source[Any]):
             fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
             # No read-ahead cache: pyarrow asks for the byte ranges it needs (coalesced, see
             # below), and s3fs's default read-ahead fetched up to 50 MB beyond each.
-            f = fs.open(path, "rb", cache_type="none")
+            f = self._open_file(fs, path, shard)
         except (OSError, ValueError) as exc:
             raise DataSourceError(f"Cannot open the Parquet file {url!r}: {exc}") from exc
         try:
@@ -390,6 +394,20 @@ class ParquetSource(Source[Any]):
                 f"{url!r} has no column {missing[0]!r}; its columns are {pf.schema_arrow.names}."
             )
         return pf
+
+    def _open_file(self, fs: Any, path: str, shard: int) -> Any:
+        known = self._details.get(shard)
+        if known is None:
+            f = fs.open(path, "rb", cache_type="none")
+            if isinstance(f, AbstractBufferedFile):
+                self._details[shard] = f.details
+            return f
+        try:
+            f = fs.open(path, "rb", cache_type="none", size=known["size"])
+        except TypeError:  # a file system whose files take no size
+            f = fs.open(path, "rb", cache_type="none")
+        f.details = known
+        return f
 
     def _footer(self, shard: int) -> list[int]:
         pf = self._open(shard)
