@@ -1,4 +1,5 @@
-"""The local S3 stand-in (moto's server mode on 127.0.0.1), for the tests and the benchmarks."""
+"""The local S3 stand-in (moto's server mode on 127.0.0.1, its range GETs reading only the
+range: tests/s3_server.py), for the tests and the benchmarks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from efdl._process import free_port
 from tests.wait import wait_until
@@ -14,11 +16,13 @@ from tests.wait import wait_until
 
 @contextmanager
 def s3_stand_in(timeout_s: float = 60) -> Iterator[dict[str, str]]:
-    """Start moto's S3 server, wait until it accepts connections (``timeout_s``), and yield
-    the environment that points s3fs (and any boto client) at it; stop it by PID at the end."""
+    """Start moto's S3 server (tests/s3_server.py), wait until it accepts connections
+    (``timeout_s``), and yield the environment that points s3fs (and any boto client) at it;
+    stop it by PID at the end."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, "-m", "tests.s3_server", "-H", "127.0.0.1", "-p", str(port)],
+        cwd=Path(__file__).resolve().parent.parent,  # where tests/ is a package
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
