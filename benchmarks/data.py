@@ -17,7 +17,8 @@ local S3 stand-in (moto's server, on 127.0.0.1; ``--s3-gb`` of the files). Reade
   is slow).
 
 Per configuration: samples/s and decoded MB/s over all ranks (from the moment every rank is
-ready to the last rank's last batch), median of ``--repeat`` interleaved runs.
+ready to the last rank's last batch), and the ranks' CPU time per row (their DataLoader
+workers' included; not the S3 stand-in's), median of ``--repeat`` interleaved runs.
 
 The rescale: ranks that were 2 become 3 at the middle of the epoch. A survivor's stream (its
 footers already read) and a newcomer's (nothing read) are started at the cursor with the new
@@ -136,7 +137,7 @@ def rank_main(args: dict[str, Any]) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank}: no go file {args['go']} within 300 s")
         time.sleep(0.005)
-    start = time.time()
+    start, cpu = time.time(), _cpu()
     rows = nbytes = 0
     cap = args["cap"] or float("inf")
     for batch in loader:
@@ -144,7 +145,16 @@ def rank_main(args: dict[str, Any]) -> None:
         nbytes += sum(v.numel() * v.element_size() for v in batch.values())
         if rows >= cap:
             break
-    print(json.dumps({"rows": rows, "bytes": nbytes, "start": start, "end": time.time()}))
+    end, cpu = time.time(), _cpu() - cpu
+    print(json.dumps({"rows": rows, "bytes": nbytes, "start": start, "end": end, "cpu": cpu}))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its DataLoader workers (those that have exited)."""
+    import resource
+
+    own, workers = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
 
 
 def run_world(
@@ -201,7 +211,12 @@ def run_world(
         shutil.rmtree(tmp, ignore_errors=True)
     span = max(o["end"] for o in outs) - min(o["start"] for o in outs)
     rows = sum(o["rows"] for o in outs)
-    return {"rows": rows, "sps": rows / span, "mbs": sum(o["bytes"] for o in outs) / span / 1e6}
+    return {
+        "rows": rows,
+        "sps": rows / span,
+        "mbs": sum(o["bytes"] for o in outs) / span / 1e6,
+        "us_row": sum(o["cpu"] for o in outs) / rows * 1e6,
+    }
 
 
 # ---------------------------------------------------------------- the rescale
@@ -326,8 +341,8 @@ def main() -> None:
         f"{len(places[-1][1]) if len(places) > 1 else 0} files. Per-rank batch {BATCH}. Medians of "
         f"{a.repeat} interleaved runs (range).\n"
     )
-    print("| where | workers | ranks | reader | samples/s | MB/s | efdl / plain |")
-    print("|---|---|---|---|---|---|---|")
+    print("| where | workers | ranks | reader | samples/s | MB/s | CPU us/row | efdl / plain |")
+    print("|---|---|---|---|---|---|---|---|")
     ratios: dict[str, list[float]] = {}
     for place, _, _ in places:
         for workers in worker_counts:
@@ -337,7 +352,7 @@ def main() -> None:
                 for reader in readers:
                     rs = results.get((place, reader, world, workers), [])
                     if not rs:
-                        print(f"| {place} | {workers} | {world} | {reader} | failed | | |")
+                        print(f"| {place} | {workers} | {world} | {reader} | failed | | | |")
                         continue
                     sps = [r["sps"] for r in rs]
                     ratio = ""
@@ -346,7 +361,8 @@ def main() -> None:
                         ratios.setdefault(reader, []).append(statistics.median(sps) / base)
                     print(
                         f"| {place} | {workers} | {world} | {reader} | {spread(sps, 0)} | "
-                        f"{spread([r['mbs'] for r in rs], 0)} | {ratio} |"
+                        f"{spread([r['mbs'] for r in rs], 0)} | "
+                        f"{spread([r['us_row'] for r in rs], 1)} | {ratio} |"
                     )
     print()
     for reader, rs in ratios.items():
