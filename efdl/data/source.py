@@ -13,6 +13,7 @@ them), so the stream (efdl.data.stream) never looks inside a row. Two kinds:
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,18 +68,13 @@ class Source(Generic[C]):
 
         return pa.concat_tables(pieces)  # type: ignore[no-any-return]
 
-    def arrange(self, piece: C, order: Any, spare: Any = None) -> Any:
-        """A lane's window with its rows in the order the steps take them: row ``i`` of
-        the result is ``piece``'s row ``order[i]`` (an int64 numpy array). Called in a
-        reader thread, right after the window is decoded (its rows still in the cache), so
-        that each step's rows are a contiguous range of each of its lanes' windows. Arrow:
-        columns of fixed width (numbers, and lists of one length of numbers, without nulls)
-        become one 2-D numpy array each, in ``spare``'s buffers (an arranged window no
-        longer used) where they fit; the others go through Arrow's ``take``."""
-        return Arranged(piece, order, spare)
+    def block(self, lanes: int, spare: Any = None) -> Block:
+        """An empty block for one window of each of ``lanes`` lanes (see :class:`Block`);
+        ``spare``: a block no step uses any more, whose buffers may be reused."""
+        return ArrowBlock(lanes, spare)
 
     def gather(self, picks: list[Pick]) -> C:
-        """One piece of the picks' rows, pick after pick: its own copy of the rows."""
+        """One piece of the picks' rows, pick after pick."""
         return gather_table(picks)  # type: ignore[no-any-return]
 
     def batch(self, picks: list[Pick]) -> Any:
@@ -87,61 +83,138 @@ class Source(Generic[C]):
         return gather_tensors(picks)
 
 
-# A step's rows of one arranged window (Source.arrange): rows ``start, start + step, ...``
-# before ``stop``.
-Pick = tuple[Any, int, int, int]
+# A step's rows of one block: its rows ``start, start + step, ...`` before ``stop``.
+Pick = tuple["Block", int, int, int]
 
 
-class Arranged:
-    """A window's rows arranged for the steps (see :meth:`Source.arrange`): its ``schema``,
-    and per column a 2-D numpy array of its rows (``columns[c]``, fixed-width columns) or
-    an Arrow array (the others)."""
+class Block:
+    """Window ``j`` of each of a rank's ``lanes`` lanes, its rows in the order the steps take
+    them: row ``i * lanes + l`` is the ``l``-th lane's row ``i`` of the window in reading
+    order, shuffled (efdl.data.order). The epoch's positions interleave the lanes the same
+    way, so a rank's rows of a step are one range of rows of a block (two where the step
+    crosses a window's end). Each lane's reader thread puts its window in, right after
+    decoding it, while its rows are still in the CPU's cache."""
 
-    def __init__(self, piece: Any, order: Any, spare: Arranged | None = None) -> None:
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        self._lock = threading.Lock()
+
+    def put(self, lane: int, piece: Any, order: Any, rows: int) -> None:
+        """The ``lane``-th lane's window (``piece``, ``rows``: the longest window of the
+        block), its row ``order[i]`` at the lane's row ``i`` (``order``: int64 numpy)."""
+        raise NotImplementedError
+
+    def reusable(self) -> bool:
+        """Whether no batch still shares this block's memory."""
+        return False
+
+
+class ArrowBlock(Block):
+    """Arrow pieces: a 2-D numpy array per column of fixed width (numbers, and lists of one
+    length of numbers), in ``spare``'s buffers where they fit and no batch still shares
+    them; a batch's rows of it are a view of it where the step's rows are one range (no
+    copy). A lane's window whose column has nulls, and columns of other types (strings,
+    lists of varying length), keep the lane's rows as an Arrow array, taken in order."""
+
+    def __init__(self, lanes: int, spare: Block | None = None) -> None:
+        super().__init__(lanes)
+        self._spare = spare if isinstance(spare, ArrowBlock) else None
+        self.schema: Any = None
+        self.columns: list[Any] = []  # per column: the rows (numpy), or None
+        self.arrow: list[list[Any]] = []  # per column and lane: its rows in Arrow, or None
+        self.counts = [0] * lanes  # each lane's rows
+        self._buffers: list[Any] = []  # what the arrays are views of, for a later reuse
+        self._baseline: list[int] = []  # their reference counts with no batch sharing them
+
+    def _setup(self, piece: Any, rows: int) -> None:
+        """The columns, as the first lane's piece has them (under the lock)."""
         import numpy as np
 
-        n = len(order)
+        old: list[Any] = []
+        if self._spare is not None:  # take its buffers: only this block refers to them now
+            old, self._spare._buffers, self._spare.columns = self._spare._buffers, [], []
+            self._spare = None
         self.schema = piece.schema
-        self.columns: list[Any] = []
-        self._buffers: list[Any] = []  # what the arrays are views of, for a later reuse
-        inverse = None
-        for c, col in enumerate(piece.columns):
-            views = [_rows(chunk) for chunk in col.chunks]
-            if not views or any(v is None for v in views):
-                self.columns.append(col.take(order))
+        n = rows * self.lanes
+        for c, field in enumerate(piece.schema):
+            self.arrow.append([None] * self.lanes)
+            kind = _numpy_kind(field.type)
+            if kind is None:
+                self.columns.append(None)
                 self._buffers.append(None)
                 continue
-            width, dtype = views[0].shape[1], views[0].dtype
-            old = spare._buffers[c] if spare is not None and c < len(spare._buffers) else None
-            if old is not None and old.dtype == dtype and old.shape[1] == width and len(old) >= n:
-                buffer = old
-            else:
+            dtype, width = kind
+            buffer = old[c] if c < len(old) else None
+            if (
+                buffer is None
+                or buffer.dtype != dtype
+                or buffer.shape[1] != width
+                or len(buffer) < n
+            ):
                 buffer = np.empty((n, width), dtype=dtype)
-            out = buffer[:n]
-            if len(views) == 1:
-                # mode "clip": with the default "raise", numpy buffers ``out`` and copies
-                # twice (3x the time); the order is in range by construction.
-                np.take(views[0], order, axis=0, out=out, mode="clip")
-            else:  # each chunk's rows to their places: one sequential read of each
-                if inverse is None:
-                    inverse = np.empty(n, dtype=np.int64)
-                    inverse[order] = np.arange(n, dtype=np.int64)
-                at = 0
-                for view in views:
-                    out[inverse[at : at + len(view)]] = view
-                    at += len(view)
-            self.columns.append(out)
+            self.columns.append(buffer[:n])
             self._buffers.append(buffer)
+
+    def put(self, lane: int, piece: Any, order: Any, rows: int) -> None:
+        import numpy as np
+
+        with self._lock:
+            if self.schema is None:
+                self._setup(piece, rows)
+                # Counted here, where nothing but this block refers to the buffers.
+                self._baseline = _references(self._buffers)
+        if not piece.schema.equals(self.schema, check_metadata=False):
+            raise DataSourceError(
+                f"Two windows of one step have different columns: {piece.schema} and "
+                f"{self.schema}; expected every shard to have the same columns."
+            )
+        # Each row to its place: the piece's row ``order[i]`` to row ``i * lanes + lane``.
+        places = np.empty(len(order), dtype=np.int64)
+        places[order] = np.arange(len(order), dtype=np.int64) * self.lanes + lane
+        for c, col in enumerate(piece.columns):
+            column = self.columns[c]
+            views = [_rows(chunk) for chunk in col.chunks] if column is not None else []
+            if column is None or any(v is None for v in views):
+                self.arrow[c][lane] = col.take(order)
+                continue
+            at = 0
+            for view in views:
+                column[places[at : at + len(view)]] = view
+                at += len(view)
+        self.counts[lane] = len(order)
+
+    def reusable(self) -> bool:
+        now = _references(self._buffers)
+        return all(n <= base for n, base in zip(now, self._baseline, strict=True))
+
+
+def _references(buffers: list[Any]) -> list[int]:
+    """Each buffer's reference count (0 for None), counted the same way at every call, so
+    that two calls' counts compare: a batch that shares a buffer adds one."""
+    return [0 if b is None else sys.getrefcount(b) for b in buffers]
+
+
+def _numpy_kind(kind: Any) -> tuple[Any, int] | None:
+    """(numpy dtype, values per row) of an Arrow type of fixed width, or None."""
+    import pyarrow.types as pt
+
+    if pt.is_integer(kind) or pt.is_floating(kind):
+        return kind.to_pandas_dtype(), 1
+    if pt.is_fixed_size_list(kind) and (
+        pt.is_integer(kind.value_type) or pt.is_floating(kind.value_type)
+    ):
+        return kind.value_type.to_pandas_dtype(), kind.list_size
+    return None
 
 
 def gather_table(picks: list[Pick]) -> Any:
-    """The picks' rows in one table, each column in one new buffer."""
+    """The picks' rows in one table."""
     import pyarrow as pa
 
-    schema = picks[0][0].schema
+    schema = picks[0][0].schema  # type: ignore[attr-defined]
     columns = []
     for c, field in enumerate(schema):
-        rows = _gather_rows(picks, c)
+        rows = _numpy_rows(picks, c)
         if rows is None:
             columns.append(_arrow_rows(picks, c))
             continue
@@ -154,14 +227,14 @@ def gather_table(picks: list[Pick]) -> Any:
 
 def gather_tensors(picks: list[Pick]) -> dict[str, Any]:
     """:func:`gather_table`'s rows as :func:`to_torch` gives them, the fixed-width columns'
-    tensors made straight from the copied rows (no Arrow in between)."""
+    tensors made straight from the block's rows (no Arrow in between)."""
     import pyarrow as pa
     import torch
 
-    schema = picks[0][0].schema
+    schema = picks[0][0].schema  # type: ignore[attr-defined]
     out: dict[str, Any] = {}
     for c, field in enumerate(schema):
-        rows = _gather_rows(picks, c)
+        rows = _numpy_rows(picks, c)
         if rows is None:
             out.update(to_torch(pa.table({field.name: _arrow_rows(picks, c)})))
         elif pa.types.is_fixed_size_list(field.type):
@@ -171,18 +244,21 @@ def gather_tensors(picks: list[Pick]) -> dict[str, Any]:
     return out
 
 
-def _gather_rows(picks: list[Pick], c: int) -> Any:
-    """Column ``c``'s rows of the picks as one new 2-D numpy array (None: a window holds
-    that column in Arrow)."""
+def _numpy_rows(picks: list[Pick], c: int) -> Any:
+    """Column ``c``'s rows of the picks as a 2-D numpy array: a view of the block where they
+    are one range of it (the block is then not reused while the view lives), else a copy.
+    None: a block holds some of the column's rows in Arrow."""
     import numpy as np
 
     parts = []
-    for arranged, start, stop, step in picks:
-        column = arranged.columns[c]
-        if not isinstance(column, np.ndarray):
+    for block, start, stop, step in picks:
+        column = block.columns[c]  # type: ignore[attr-defined]
+        if column is None or any(a is not None for a in block.arrow[c]):  # type: ignore[attr-defined]
             return None
         parts.append(column[start:stop:step])
-    return np.concatenate(parts)  # a copy, also of one part: the batch owns its rows
+    if len(parts) == 1 and parts[0].flags.c_contiguous:
+        return parts[0]
+    return np.concatenate(parts)
 
 
 def _arrow_rows(picks: list[Pick], c: int) -> Any:
@@ -190,22 +266,31 @@ def _arrow_rows(picks: list[Pick], c: int) -> Any:
     import numpy as np
     import pyarrow as pa
 
-    kind = picks[0][0].schema.field(c).type
+    kind = picks[0][0].schema.field(c).type  # type: ignore[attr-defined]
     chunks = []
-    for arranged, start, stop, step in picks:
-        column = arranged.columns[c]
-        if isinstance(column, np.ndarray):
-            flat = pa.array(column[start:stop:step].reshape(-1))
-            chunks.append(
-                pa.FixedSizeListArray.from_arrays(flat, type=kind)
-                if pa.types.is_fixed_size_list(kind)
-                else flat
-            )
-        elif step == 1:
-            chunks.extend(column.slice(start, stop - start).chunks)
-        else:
-            chunks.extend(column.take(np.arange(start, stop, step)).chunks)
+    for block, start, stop, step in picks:
+        lanes = [_lane_rows(block, c, lane, kind) for lane in range(block.lanes)]  # type: ignore[arg-type]
+        starts = np.cumsum([0] + [len(rows) for rows in lanes])
+        joined = pa.chunked_array([ch for rows in lanes for ch in rows.chunks], kind)
+        at = np.arange(start, stop, step)  # row i * lanes + l is lane l's row i
+        chunks.extend(joined.take(starts[at % block.lanes] + at // block.lanes).chunks)
     return pa.chunked_array(chunks, kind)
+
+
+def _lane_rows(block: ArrowBlock, c: int, lane: int, kind: Any) -> Any:
+    """The ``lane``-th lane's rows of column ``c`` of ``block`` as an Arrow chunked array."""
+    import pyarrow as pa
+
+    held = block.arrow[c][lane]
+    if held is not None:
+        return held
+    column = block.columns[c]
+    if column is None:  # no window of this lane in the block
+        return pa.chunked_array([], kind)
+    flat = pa.array(column[lane :: block.lanes][: block.counts[lane]].reshape(-1))
+    if pa.types.is_fixed_size_list(kind):
+        flat = pa.FixedSizeListArray.from_arrays(flat, type=kind)
+    return pa.chunked_array([flat], kind)
 
 
 def _rows(chunk: Any) -> Any:
@@ -477,6 +562,21 @@ def _expand(urls: str | Sequence[str], storage_options: dict[str, Any]) -> list[
     return out
 
 
+class ListBlock(Block):
+    """A block of samples (see :class:`Block`): a list."""
+
+    def __init__(self, lanes: int) -> None:
+        super().__init__(lanes)
+        self.rows: list[Any] = []
+
+    def put(self, lane: int, piece: Any, order: Any, rows: int) -> None:
+        with self._lock:
+            if not self.rows:
+                self.rows = [None] * (rows * self.lanes)
+        n = len(order)
+        self.rows[lane : lane + n * self.lanes : self.lanes] = [piece[i] for i in order.tolist()]
+
+
 class ReaderSource(Source[list[Any]]):
     """Shards of any format, read by ``read(shard, start)``: the shard's samples from row
     ``start`` on, in order (the stream stops taking when it has what it needs).
@@ -533,11 +633,11 @@ class ReaderSource(Source[list[Any]]):
     def join(self, pieces: list[list[Any]]) -> list[Any]:
         return [x for p in pieces for x in p]
 
-    def arrange(self, piece: list[Any], order: Any, spare: Any = None) -> list[Any]:
-        return [piece[i] for i in order.tolist()]
+    def block(self, lanes: int, spare: Any = None) -> Block:
+        return ListBlock(lanes)
 
     def gather(self, picks: list[Pick]) -> list[Any]:
-        return [x for window, start, stop, step in picks for x in window[start:stop:step]]
+        return [x for block, start, stop, step in picks for x in block.rows[start:stop:step]]  # type: ignore[attr-defined]
 
     def batch(self, picks: list[Pick]) -> Any:
         from torch.utils.data import default_collate

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from efdl.data.order import EpochOrder, LaneShare, lane_share
-from efdl.data.source import DataSourceError, ParquetSource, Pick, Source
+from efdl.data.source import Block, DataSourceError, ParquetSource, Pick, Source
 
 # The shared position's fields.
 _EPOCH, _CURSOR, _RANK, _WORLD, _LANES, _WINDOW, _SEED, _SET = range(8)
@@ -454,81 +453,91 @@ def _joined(source: Source[Any], pieces: Iterator[Any]) -> Any:
 
 
 class _RankReader:
-    """This rank's lanes: each lane's windows read ahead in threads and arranged in the
-    order the steps take their rows (Source.arrange), so that a step's rows are a
-    contiguous range of each lane's window, copied into the batch."""
+    """This rank's lanes, read ahead in threads: block ``j`` holds window ``j`` of each of
+    them (Source.block), each lane's reader thread putting its window in as it decodes it.
+    A step's rows of a block are one range of it (rows ``(k - j * window) * lanes + l`` for
+    the ``l``-th lane's row ``k``, the order of the epoch's positions)."""
 
     def __init__(self, source: Source[Any], order: EpochOrder, share: LaneShare, threads: int):
         self.source, self.order, self.share, self.mine = source, order, share, share.lanes
         units = _Units()
         self.lanes = {lane: _Lane(source, order, lane, share.lanes, units) for lane in share.lanes}
         self._pool = ThreadPoolExecutor(max_workers=min(threads, len(share.lanes)))
-        # Each lane's arranged windows, asked for and not yet done with, by window.
-        self._windows: dict[int, dict[int, Future[Any]]] = {lane: {} for lane in share.lanes}
-        # Arranged windows no step uses any more: their buffers are reused (a deque: the
-        # main thread appends, reader threads pop).
-        self._spares: deque[Any] = deque(maxlen=2 * len(share.lanes))
+        # Blocks asked for and not yet done with: the block, and its lanes' puts.
+        self._blocks: dict[int, tuple[Block, list[Future[None]]]] = {}
+        # Blocks no step uses any more, whose memory may still be shared by batches (the
+        # last one of a block lives on in the caller's loop while the next is made).
+        self._retired: list[Block] = []
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
 
-    def _arranged(self, lane: int, j: int) -> Any:
-        """Lane ``lane``'s window ``j``, its rows in reading order, shuffled (in a thread)."""
+    def _put(self, block: Block, lane: int, j: int) -> None:
+        """Lane ``lane``'s window ``j`` into ``block`` (in a reader thread)."""
         piece = self.lanes[lane].window(j)
         order = self.order.window_order(lane, j)
         if self.order.backward(lane):  # its window is in stream order: flip it
             order = len(order) - 1 - order
-        try:
-            spare = self._spares.pop()
-        except IndexError:
-            spare = None
-        return self.source.arrange(piece, order, spare)
+        block.put(lane - self.mine.start, piece, order, self.order.window)
 
-    def _ask(self, lane: int, j: int) -> Future[Any]:
-        held = self._windows[lane]
-        future = held.get(j)
-        if future is None:
-            future = held[j] = self._pool.submit(self._arranged, lane, j)
-        return future
+    def _ask(self, j: int) -> None:
+        """Start reading block ``j`` (if it has rows, and is not read yet)."""
+        if j in self._blocks:
+            return
+        lanes = [lane for lane in self.mine if j < self.order.windows(lane)]
+        if not lanes:
+            return
+        spare = next((b for b in self._retired if b.reusable()), None)
+        if spare is not None:
+            self._retired.remove(spare)
+        block = self.source.block(len(self.mine), spare)
+        self._blocks[j] = (block, [self._pool.submit(self._put, block, lane, j) for lane in lanes])
 
-    def _done_before(self, lane: int, j: int) -> None:
-        """No step takes rows of ``lane``'s windows before ``j`` any more."""
-        held = self._windows[lane]
-        for old in [i for i in held if i < j]:
-            future = held.pop(old)
-            if future.done() and future.exception() is None:
-                self._spares.append(future.result())
+    def _block(self, j: int) -> Block:
+        self._ask(j)
+        block, puts = self._blocks[j]
+        for put in puts:
+            put.result()
+        return block
+
+    def _done_before(self, j: int) -> None:
+        """No step takes rows of blocks before ``j`` any more: the last two are kept, to be
+        reused once no batch shares their memory."""
+        for old in sorted(i for i in self._blocks if i < j):
+            block, puts = self._blocks.pop(old)
+            if all(p.done() and p.exception() is None for p in puts):
+                self._retired = [*self._retired, block][-2:]
 
     def picks(self, cursor: int, n: int) -> list[Pick]:
-        """This rank's rows of the global batch ``[cursor, cursor + n)``, lane by lane: the
-        arranged windows they are in, and their ranges there."""
+        """This rank's rows of the global batch ``[cursor, cursor + n)``: the blocks they
+        are in, and their ranges there."""
         order, lanes, window = self.order, self.order.lanes, self.order.window
-        index, group = self.share.index, self.share.group
+        index, group, first = self.share.index, self.share.group, self.mine.start
+        width = len(self.mine)  # a block row's lanes
         stop = min(cursor + n, order.total)
-        spans = []  # (lane, its first row k here, the end of its rows)
+        # A block row of the rank's l-th lane's row k: k * width + l (over all windows).
+        rows = []
         for lane in self.mine:
             k0 = (cursor + (lane - cursor) % lanes) // lanes + index
             k1 = (stop - lane + lanes - 1) // lanes
             if k0 < k1:
-                spans.append((lane, k0, k1))
-        if not spans:  # the epoch's last step left this rank nothing: repeat one row
-            lane = self.mine.start
-            k = order.lane_length(lane) - 1
-            spans.append((lane, k, k + 1))
-        for lane, k0, _ in spans:
-            self._done_before(lane, k0 // window)
-        # Every lane's windows of this step first, then the next ones, read ahead.
-        for ahead in (0, 1):
-            for lane, k0, k1 in spans:
-                for j in range(k0 // window + ahead, (k1 - 1) // window + 1 + ahead):
-                    if j < order.windows(lane):
-                        self._ask(lane, j)
+                last = k0 + (k1 - 1 - k0) // group * group
+                rows.append((k0 * width + lane - first, last * width + lane - first))
+        if rows:
+            r0, r1 = min(r[0] for r in rows), max(r[1] for r in rows) + 1
+        else:  # the epoch's last step left this rank nothing: repeat one row
+            r0 = (order.lane_length(first) - 1) * width
+            r1 = r0 + 1
+        span = window * width  # block rows per block
+        self._done_before(r0 // span)
+        # This step's blocks, then the next one, read ahead.
+        for j in range(r0 // span, (r1 - 1) // span + 2):
+            self._ask(j)
         picks: list[Pick] = []
-        for lane, k0, k1 in spans:
-            while k0 < k1:
-                j = k0 // window
-                end = min(k1, (j + 1) * window)
-                arranged = self._windows[lane][j].result()
-                picks.append((arranged, k0 - j * window, end - j * window, group))
-                k0 += group * -(-(end - k0) // group)
+        at = r0
+        while at < r1:
+            j = at // span
+            end = min(r1, (j + 1) * span)
+            picks.append((self._block(j), at - j * span, end - j * span, group))
+            at += group * -(-(end - at) // group)
         return picks

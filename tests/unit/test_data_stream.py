@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from efdl.data.source import DataSourceError, ParquetSource, ReaderSource
+from efdl.data.source import ArrowBlock, DataSourceError, ParquetSource, ReaderSource
 from efdl.data.stream import ElasticStream
 from tests.wait import wait_until
 
@@ -96,6 +96,56 @@ def test_columns_become_tensors_and_strings_lists(shards: list[str]) -> None:
     assert batch["s"] == [str(i) for i in ids(batch)]
     only = next(iter(stream(shards, columns=["id"])))
     assert list(only) == ["id"]
+
+
+def test_a_kept_batch_keeps_its_rows_and_a_dropped_one_frees_its_memory(
+    shards: list[str],
+) -> None:
+    """A batch is a view of the rank's block where its rows are one range of it: the block's
+    memory is reused only once no batch shares it."""
+    kept = [(b, ids(b), b["x"].clone()) for b in stream(shards, batch=64)]
+    assert len(kept) > 20
+    for batch, seen, x in kept:  # every block was read after these batches were made
+        assert ids(batch) == seen and torch.equal(batch["x"], x)
+    # Dropped (as a training loop does): blocks reuse the memory of blocks before them.
+    spares: list[bool] = []
+    make = ArrowBlock.__init__
+
+    def counted(self: ArrowBlock, lanes: int, spare: Any = None) -> None:
+        spares.append(spare is not None)
+        make(self, lanes, spare)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ArrowBlock, "__init__", counted)
+        for batch in stream(shards, batch=64):
+            assert len(batch["x"])
+    assert len(spares) > 5 and sum(spares) >= len(spares) - 3
+
+
+def test_nulls_in_some_windows_and_a_transform_of_the_rows(tmp_path: Path) -> None:
+    """A column with nulls in some shards comes as Python values in the steps that have
+    them; a transform gets each step's rows as an Arrow table."""
+    paths = []
+    for i in range(4):
+        ids_ = pa.array(range(i * 300, (i + 1) * 300), pa.int64())
+        v = pa.array([None if i == 2 and j % 7 == 0 else j for j in range(i * 300, (i + 1) * 300)])
+        paths.append(str(tmp_path / f"p{i}.parquet"))
+        pq.write_table(pa.table({"id": ids_, "v": v}), paths[-1], row_group_size=64)
+    seen, kinds = [], set()
+    for batch in ElasticStream(paths, 32, lanes=4, window=16, seed=1):
+        kinds.add(type(batch["v"]))
+        values = batch["v"].tolist() if torch.is_tensor(batch["v"]) else batch["v"]
+        for i, v in zip(ids(batch), values, strict=True):
+            assert v == (None if 600 <= i < 900 and i % 7 == 0 else i)
+        seen += ids(batch)
+    assert sorted(seen) == list(range(1200)) and kinds == {torch.Tensor, list}
+    tables = list(ElasticStream(paths, 32, lanes=4, window=16, seed=1, transform=lambda t: t))
+    assert all(isinstance(t, pa.Table) for t in tables)  # kept: views of blocks, too
+    rows = [r for t in tables for r in t.to_pylist()]
+    assert sorted(r["id"] for r in rows) == list(range(1200))
+    assert all(
+        r["v"] == (None if 600 <= r["id"] < 900 and r["id"] % 7 == 0 else r["id"]) for r in rows
+    )
 
 
 def run_loader(s: ElasticStream, loader: DataLoader[Any], steps: int) -> list[list[int]]:
