@@ -59,7 +59,7 @@ def _value_or_range(self: Any) -> Any:
 
 
 responses.S3Response.get_object = _get_object_of_a_range  # type: ignore[method-assign]
-models.FakeKey.value = property(_value_or_range, _value.fset)  # type: ignore[method-assign]
+models.FakeKey.value = property(_value_or_range, _value.fset)  # type: ignore[assignment, method-assign]
 
 if __name__ == "__main__":
     main()
