@@ -125,6 +125,7 @@ class ArrowBlock(Block):
         self.counts = [0] * lanes  # each lane's rows
         self._buffers: list[Any] = []  # what the arrays are views of, for a later reuse
         self._baseline: list[int] = []  # their reference counts with no batch sharing them
+        self._joined: dict[int, tuple[Any, Any]] = {}  # see joined()
 
     def _setup(self, piece: Any, rows: int) -> None:
         """The columns, as the first lane's piece has them (under the lock)."""
@@ -182,6 +183,20 @@ class ArrowBlock(Block):
                 column[places[at : at + len(view)]] = view
                 at += len(view)
         self.counts[lane] = len(order)
+
+    def joined(self, c: int) -> tuple[Any, Any]:
+        """Column ``c``'s rows, lane after lane, as one Arrow array (made once, for the
+        steps' takes), and where each lane's rows begin in it."""
+        import numpy as np
+        import pyarrow as pa
+
+        if c not in self._joined:
+            kind = self.schema.field(c).type
+            lanes = [_lane_rows(self, c, lane, kind) for lane in range(self.lanes)]
+            starts = np.cumsum([0] + [len(rows) for rows in lanes])
+            chunks = [ch for rows in lanes for ch in rows.chunks]
+            self._joined[c] = (pa.chunked_array(chunks, kind).combine_chunks(), starts)
+        return self._joined[c]
 
     def reusable(self) -> bool:
         now = _references(self._buffers)
@@ -269,11 +284,9 @@ def _arrow_rows(picks: list[Pick], c: int) -> Any:
     kind = picks[0][0].schema.field(c).type  # type: ignore[attr-defined]
     chunks = []
     for block, start, stop, step in picks:
-        lanes = [_lane_rows(block, c, lane, kind) for lane in range(block.lanes)]  # type: ignore[arg-type]
-        starts = np.cumsum([0] + [len(rows) for rows in lanes])
-        joined = pa.chunked_array([ch for rows in lanes for ch in rows.chunks], kind)
+        joined, starts = block.joined(c)  # type: ignore[attr-defined]
         at = np.arange(start, stop, step)  # row i * lanes + l is lane l's row i
-        chunks.extend(joined.take(starts[at % block.lanes] + at // block.lanes).chunks)
+        chunks.append(joined.take(starts[at % block.lanes] + at // block.lanes))
     return pa.chunked_array(chunks, kind)
 
 
