@@ -126,11 +126,17 @@ def rank_main(args: dict[str, Any]) -> None:
         loader = DataLoader(_plain_dataset(files, rank, world, storage), batch_size=None, **extra)
     else:
         loader = DataLoader(_hf_dataset(files, rank, world, storage), batch_size=BATCH, **extra)
-    # What every reader imports on its first rows (pyarrow imports pandas at its first
-    # to_numpy, 0.5 s here), before the clock starts: the setup is not the throughput.
+    # What every reader sets up on its first rows, before the clock starts: the setup is
+    # not the throughput. pyarrow imports pandas at its first to_numpy (0.5 s here); an S3
+    # client loads botocore's service models at its first request (about 0.5 s of CPU; the
+    # file system object, and with it the client, is fsspec's cached one the reader uses).
+    import fsspec
     import pyarrow as pa
 
     pa.array([0]).to_numpy()
+    if "://" in files[0]:
+        fs, path = fsspec.core.url_to_fs(files[0], **storage)
+        fs.info(path)
     Path(args["ready"]).touch()
     deadline = time.monotonic() + 300
     while not os.path.exists(args["go"]):
@@ -294,6 +300,7 @@ def main() -> None:
         "--hf-rows", type=int, default=50_000, help="rows per rank that hf reads (it is slow)"
     )
     p.add_argument("--workers", default="0", help="DataLoader worker counts, e.g. 0,2")
+    p.add_argument("--places", default="local,s3", help="local disk, the S3 stand-in, or both")
     a = p.parse_args()
     if a.rank_main:
         rank_main(json.loads(a.rank_main))
@@ -308,9 +315,12 @@ def main() -> None:
     worlds = [int(w) for w in a.worlds.split(",")]
     readers = a.readers.split(",")
     worker_counts = [int(w) for w in a.workers.split(",")]
-    places: list[tuple[str, list[str], dict[str, Any]]] = [("local", files, {})]
+    wanted = a.places.split(",")
+    places: list[tuple[str, list[str], dict[str, Any]]] = []
+    if "local" in wanted:
+        places.append(("local", files, {}))
     with contextlib.ExitStack() as stack:
-        if a.s3_gb > 0:
+        if a.s3_gb > 0 and "s3" in wanted:
             s3_env = stack.enter_context(s3_stand_in())
             os.environ.update(s3_env)  # the ranks inherit it
             places.append(("s3", upload(files, a.s3_gb, s3_env["AWS_ENDPOINT_URL"]), {}))
@@ -338,7 +348,8 @@ def main() -> None:
         f"Data: {len(files)} Parquet files, {sum(FILE_ROWS for _ in files):,} rows of "
         f"{TOKENS} int32 tokens, {on_disk / 1e9:.2f} GB on disk (snappy), "
         f"{len(files) * FILE_ROWS * TOKENS * 4 / 1e9:.2f} GB decoded; S3 stand-in: the first "
-        f"{len(places[-1][1]) if len(places) > 1 else 0} files. Per-rank batch {BATCH}. Medians of "
+        f"{next((len(u) for w, u, _ in places if w == 's3'), 0)} files. Per-rank "
+        f"batch {BATCH}. Medians of "
         f"{a.repeat} interleaved runs (range).\n"
     )
     print("| where | workers | ranks | reader | samples/s | MB/s | CPU us/row | efdl / plain |")
