@@ -58,7 +58,8 @@ class ElasticStream(IterableDataset[Any]):
             Shares are equal when ``world`` divides ``lanes`` and ``lanes`` divides
             ``global_batch_size``.
         window: rows shuffled together within a lane (a row moves less than ``window``
-            places in its lane); a rank holds about two windows of each of its lanes.
+            places in its lane); a rank holds about four windows of each of its lanes
+            (docs/data.md), more while the caller keeps batches (views of them).
         seed: the same on every rank; with the epoch, it fixes the order.
         shuffle: False: shards in their given order and rows in theirs.
         transform: makes a batch from this rank's rows (a pyarrow Table for Parquet, a list
