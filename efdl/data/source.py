@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import fsspec  # type: ignore[import-untyped]
 from fsspec.spec import AbstractBufferedFile  # type: ignore[import-untyped]
@@ -68,23 +68,26 @@ class Source(Generic[C]):
 
         return pa.concat_tables(pieces)  # type: ignore[no-any-return]
 
-    def block(self, lanes: int, spare: Any = None) -> Block:
-        """An empty block for one window of each of ``lanes`` lanes (see :class:`Block`);
-        ``spare``: a block no step uses any more, whose buffers may be reused."""
-        return ArrowBlock(lanes, spare)
+    def block(self, lanes: int, rows: int, spare: Any = None) -> Block:
+        """An empty block for a window of up to ``rows`` rows of each of ``lanes`` lanes (see
+        :class:`Block`); ``spare``: a block no step uses, whose buffers may be reused."""
+        return ArrowBlock(lanes, rows, spare)
 
     def gather(self, picks: list[Pick]) -> C:
         """One piece of the picks' rows, pick after pick."""
-        return gather_table(picks)  # type: ignore[no-any-return]
+        return gather_table(cast("list[ArrowPick]", picks))  # type: ignore[no-any-return]
 
     def batch(self, picks: list[Pick]) -> Any:
         """The rows of the picks as a batch, where the stream has no transform of the
         user's. Arrow: a dict of tensors per column, as :func:`to_torch` makes them."""
-        return gather_tensors(picks)
+        return gather_tensors(cast("list[ArrowPick]", picks))
 
 
-# A step's rows of one block: its rows ``start, start + step, ...`` before ``stop``.
+# A step's rows of one block: its rows ``start, start + step, ...`` before ``stop``. A
+# source's picks are of the blocks it makes (ArrowPick, ListPick).
 Pick = tuple["Block", int, int, int]
+ArrowPick = tuple["ArrowBlock", int, int, int]
+ListPick = tuple["ListBlock", int, int, int]
 
 
 class Block:
@@ -95,13 +98,12 @@ class Block:
     crosses a window's end). Each lane's reader thread puts its window in, right after
     decoding it, while its rows are still in the CPU's cache."""
 
-    def __init__(self, lanes: int) -> None:
-        self.lanes = lanes
-        self._lock = threading.Lock()
+    def __init__(self, lanes: int, rows: int) -> None:
+        self.lanes, self.rows = lanes, rows  # rows: of the longest window
 
-    def put(self, lane: int, piece: Any, order: Any, rows: int) -> None:
-        """The ``lane``-th lane's window (``piece``, ``rows``: the longest window of the
-        block), its row ``order[i]`` at the lane's row ``i`` (``order``: int64 numpy)."""
+    def put(self, lane: int, piece: Any, order: Any) -> None:
+        """The ``lane``-th lane's window ``piece``, its row ``order[i]`` at the lane's row
+        ``i`` (``order``: int64 numpy)."""
         raise NotImplementedError
 
     def reusable(self) -> bool:
@@ -116,8 +118,9 @@ class ArrowBlock(Block):
     copy). A lane's window whose column has nulls, and columns of other types (strings,
     lists of varying length), keep the lane's rows as an Arrow array, taken in order."""
 
-    def __init__(self, lanes: int, spare: Block | None = None) -> None:
-        super().__init__(lanes)
+    def __init__(self, lanes: int, rows: int, spare: Block | None = None) -> None:
+        super().__init__(lanes, rows)
+        self._lock = threading.Lock()  # the first put makes the columns, as its piece has
         self._spare = spare if isinstance(spare, ArrowBlock) else None
         self.schema: Any = None
         self.columns: list[Any] = []  # per column: the rows (numpy), or None
@@ -127,7 +130,7 @@ class ArrowBlock(Block):
         self._baseline: list[int] = []  # their reference counts with no batch sharing them
         self._joined: dict[int, tuple[Any, Any]] = {}  # see joined()
 
-    def _setup(self, piece: Any, rows: int) -> None:
+    def _setup(self, piece: Any) -> None:
         """The columns, as the first lane's piece has them (under the lock)."""
         import numpy as np
 
@@ -136,7 +139,7 @@ class ArrowBlock(Block):
             old, self._spare._buffers, self._spare.columns = self._spare._buffers, [], []
             self._spare = None
         self.schema = piece.schema
-        n = rows * self.lanes
+        n = self.rows * self.lanes
         for c, field in enumerate(piece.schema):
             self.arrow.append([None] * self.lanes)
             kind = _numpy_kind(field.type)
@@ -156,12 +159,12 @@ class ArrowBlock(Block):
             self.columns.append(buffer[:n])
             self._buffers.append(buffer)
 
-    def put(self, lane: int, piece: Any, order: Any, rows: int) -> None:
+    def put(self, lane: int, piece: Any, order: Any) -> None:
         import numpy as np
 
         with self._lock:
             if self.schema is None:
-                self._setup(piece, rows)
+                self._setup(piece)
                 # Counted here, where nothing but this block refers to the buffers.
                 self._baseline = _references(self._buffers)
         if not piece.schema.equals(self.schema, check_metadata=False):
@@ -222,11 +225,11 @@ def _numpy_kind(kind: Any) -> tuple[Any, int] | None:
     return None
 
 
-def gather_table(picks: list[Pick]) -> Any:
+def gather_table(picks: list[ArrowPick]) -> Any:
     """The picks' rows in one table."""
     import pyarrow as pa
 
-    schema = picks[0][0].schema  # type: ignore[attr-defined]
+    schema = picks[0][0].schema
     columns = []
     for c, field in enumerate(schema):
         rows = _numpy_rows(picks, c)
@@ -240,13 +243,13 @@ def gather_table(picks: list[Pick]) -> Any:
     return pa.Table.from_arrays(columns, schema=schema)
 
 
-def gather_tensors(picks: list[Pick]) -> dict[str, Any]:
+def gather_tensors(picks: list[ArrowPick]) -> dict[str, Any]:
     """:func:`gather_table`'s rows as :func:`to_torch` gives them, the fixed-width columns'
     tensors made straight from the block's rows (no Arrow in between)."""
     import pyarrow as pa
     import torch
 
-    schema = picks[0][0].schema  # type: ignore[attr-defined]
+    schema = picks[0][0].schema
     out: dict[str, Any] = {}
     for c, field in enumerate(schema):
         rows = _numpy_rows(picks, c)
@@ -259,7 +262,7 @@ def gather_tensors(picks: list[Pick]) -> dict[str, Any]:
     return out
 
 
-def _numpy_rows(picks: list[Pick], c: int) -> Any:
+def _numpy_rows(picks: list[ArrowPick], c: int) -> Any:
     """Column ``c``'s rows of the picks as a 2-D numpy array: a view of the block where they
     are one range of it (the block is then not reused while the view lives), else a copy.
     None: a block holds some of the column's rows in Arrow."""
@@ -267,8 +270,8 @@ def _numpy_rows(picks: list[Pick], c: int) -> Any:
 
     parts = []
     for block, start, stop, step in picks:
-        column = block.columns[c]  # type: ignore[attr-defined]
-        if column is None or any(a is not None for a in block.arrow[c]):  # type: ignore[attr-defined]
+        column = block.columns[c]
+        if column is None or any(a is not None for a in block.arrow[c]):
             return None
         parts.append(column[start:stop:step])
     if len(parts) == 1 and parts[0].flags.c_contiguous:
@@ -276,15 +279,15 @@ def _numpy_rows(picks: list[Pick], c: int) -> Any:
     return np.concatenate(parts)
 
 
-def _arrow_rows(picks: list[Pick], c: int) -> Any:
+def _arrow_rows(picks: list[ArrowPick], c: int) -> Any:
     """Column ``c``'s rows of the picks as one Arrow array."""
     import numpy as np
     import pyarrow as pa
 
-    kind = picks[0][0].schema.field(c).type  # type: ignore[attr-defined]
+    kind = picks[0][0].schema.field(c).type
     chunks = []
     for block, start, stop, step in picks:
-        joined, starts = block.joined(c)  # type: ignore[attr-defined]
+        joined, starts = block.joined(c)
         at = np.arange(start, stop, step)  # row i * lanes + l is lane l's row i
         chunks.append(joined.take(starts[at % block.lanes] + at // block.lanes))
     return pa.chunked_array(chunks, kind)
@@ -494,6 +497,7 @@ class ParquetSource(Source[Any]):
         return pf
 
     def _open_file(self, fs: Any, path: str, shard: int) -> Any:
+        """The shard's file, opened with the details its first open fetched, if any."""
         known = self._details.get(shard)
         if known is None:
             f = fs.open(path, "rb", cache_type="none")
@@ -578,16 +582,13 @@ def _expand(urls: str | Sequence[str], storage_options: dict[str, Any]) -> list[
 class ListBlock(Block):
     """A block of samples (see :class:`Block`): a list."""
 
-    def __init__(self, lanes: int) -> None:
-        super().__init__(lanes)
-        self.rows: list[Any] = []
+    def __init__(self, lanes: int, rows: int) -> None:
+        super().__init__(lanes, rows)
+        self.samples: list[Any] = [None] * (rows * lanes)
 
-    def put(self, lane: int, piece: Any, order: Any, rows: int) -> None:
-        with self._lock:
-            if not self.rows:
-                self.rows = [None] * (rows * self.lanes)
-        n = len(order)
-        self.rows[lane : lane + n * self.lanes : self.lanes] = [piece[i] for i in order.tolist()]
+    def put(self, lane: int, piece: Any, order: Any) -> None:
+        n = len(order)  # each lane its own rows of the list
+        self.samples[lane : lane + n * self.lanes : self.lanes] = [piece[i] for i in order.tolist()]
 
 
 class ReaderSource(Source[list[Any]]):
@@ -646,11 +647,12 @@ class ReaderSource(Source[list[Any]]):
     def join(self, pieces: list[list[Any]]) -> list[Any]:
         return [x for p in pieces for x in p]
 
-    def block(self, lanes: int, spare: Any = None) -> Block:
-        return ListBlock(lanes)
+    def block(self, lanes: int, rows: int, spare: Any = None) -> Block:
+        return ListBlock(lanes, rows)
 
     def gather(self, picks: list[Pick]) -> list[Any]:
-        return [x for block, start, stop, step in picks for x in block.rows[start:stop:step]]  # type: ignore[attr-defined]
+        listed = cast("list[ListPick]", picks)
+        return [x for block, start, stop, step in listed for x in block.samples[start:stop:step]]
 
     def batch(self, picks: list[Pick]) -> Any:
         from torch.utils.data import default_collate

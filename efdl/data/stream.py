@@ -479,7 +479,7 @@ class _RankReader:
         order = self.order.window_order(lane, j)
         if self.order.backward(lane):  # its window is in stream order: flip it
             order = len(order) - 1 - order
-        block.put(lane - self.mine.start, piece, order, self.order.window)
+        block.put(lane - self.mine.start, piece, order)
 
     def _ask(self, j: int) -> None:
         """Start reading block ``j`` (if it has rows, and is not read yet)."""
@@ -491,7 +491,7 @@ class _RankReader:
         spare = next((b for b in self._retired if b.reusable()), None)
         if spare is not None:
             self._retired.remove(spare)
-        block = self.source.block(len(self.mine), spare)
+        block = self.source.block(len(self.mine), self.order.window, spare)
         self._blocks[j] = (block, [self._pool.submit(self._put, block, lane, j) for lane in lanes])
 
     def _block(self, j: int) -> Block:

@@ -111,9 +111,9 @@ def test_a_kept_batch_keeps_its_rows_and_a_dropped_one_frees_its_memory(
     spares: list[bool] = []
     make = ArrowBlock.__init__
 
-    def counted(self: ArrowBlock, lanes: int, spare: Any = None) -> None:
+    def counted(self: ArrowBlock, lanes: int, rows: int, spare: Any = None) -> None:
         spares.append(spare is not None)
-        make(self, lanes, spare)
+        make(self, lanes, rows, spare)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ArrowBlock, "__init__", counted)
