@@ -13,10 +13,12 @@ them), so the stream (efdl.data.stream) never looks inside a row. Two kinds:
 
 from __future__ import annotations
 
+import pickle
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 import fsspec  # type: ignore[import-untyped]
@@ -67,6 +69,25 @@ class Source(Generic[C]):
         import pyarrow as pa
 
         return pa.concat_tables(pieces)  # type: ignore[no-any-return]
+
+    def save(self, piece: C, path: Path) -> None:
+        """Write ``piece`` to the file ``path``, for :meth:`load` in another process."""
+        import pyarrow as pa
+
+        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, piece.schema) as out:  # type: ignore[attr-defined]
+            out.write_table(piece)
+
+    def load(self, path: Path) -> C:
+        """The piece :meth:`save` wrote to ``path`` (Arrow: mapped, not copied; the mapping
+        lives while its rows do).
+
+        Raises:
+            FileNotFoundError: there is no such file (yet).
+        """
+        import pyarrow as pa
+
+        with pa.memory_map(str(path)) as f:
+            return pa.ipc.open_stream(f).read_all()  # type: ignore[no-any-return]
 
     def block(self, lanes: int, rows: int, spare: Any = None) -> Block:
         """An empty block for a window of up to ``rows`` rows of each of ``lanes`` lanes (see
@@ -646,6 +667,14 @@ class ReaderSource(Source[list[Any]]):
 
     def join(self, pieces: list[list[Any]]) -> list[Any]:
         return [x for p in pieces for x in p]
+
+    def save(self, piece: list[Any], path: Path) -> None:
+        with path.open("wb") as f:
+            pickle.dump(piece, f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def load(self, path: Path) -> list[Any]:
+        with path.open("rb") as f:
+            return cast("list[Any]", pickle.load(f))
 
     def block(self, lanes: int, rows: int, spare: Any = None) -> Block:
         return ListBlock(lanes, rows)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from efdl.data.exchange import Exchange, sweep, token
 from efdl.data.order import EpochOrder, LaneShare, lane_share
 from efdl.data.source import Block, DataSourceError, ParquetSource, Pick, Source
 
@@ -117,6 +119,10 @@ class ElasticStream(IterableDataset[Any]):
         # by the first of the loader's workers to begin the iteration, read by the others.
         self._begun = 0  # iterations this process began as a DataLoader worker
         self._record = torch.zeros(2 + len(self._local), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        # Names the windows its DataLoader workers give each other (efdl.data.exchange),
+        # removed with the stream (or when its process ends).
+        self._token = token()
+        weakref.finalize(self, _sweep_in, os.getpid(), self._token)
 
     # ---------------------------------------------------------------- the position
 
@@ -268,17 +274,32 @@ class ElasticStream(IterableDataset[Any]):
         rank, world = self._world(p)
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         threads = self.threads or _threads(workers)
-        reader = _RankReader(self.source, order, lane_share(rank, world, order.lanes), threads)
+        steps = range(p[_CURSOR], order.total, self.global_batch_size)
+        exchange = None
+        if info is not None and workers > 1:  # the iteration, and what its rows depend on
+            seeds = [(info.seed - worker) % 2**62, self._begun, p[_EPOCH], p[_SEED], self.shuffle]
+            name = "-".join(map(str, [*seeds, order.lanes, order.window, rank, world]))
+            exchange = Exchange(self.source, self._token, name, worker, workers)
+        share = lane_share(rank, world, order.lanes)
+        reader = _RankReader(
+            self.source, order, share, threads, steps, self.global_batch_size, exchange
+        )
         try:
-            steps = range(p[_CURSOR], order.total, self.global_batch_size)
             for i in range(worker, len(steps), workers):
-                picks = reader.picks(steps[i], self.global_batch_size)
+                picks = reader.picks(steps[i])
                 if self.transform is None:
                     yield self.source.batch(picks)
                 else:
                     yield self.transform(self.source.gather(picks))
+            reader.finish()
         finally:
             reader.close()
+
+
+def _sweep_in(pid: int, token: str) -> None:
+    """The stream's windows, removed by the process that made it (not a forked worker)."""
+    if os.getpid() == pid:
+        sweep(token)
 
 
 def _ints(values: torch.Tensor) -> list[int]:
@@ -346,7 +367,12 @@ class _Lane:
     lanes forward, odd lanes backward), a window at a time."""
 
     def __init__(
-        self, source: Source[Any], order: EpochOrder, lane: int, mine: range, units: _Units
+        self,
+        source: Source[Any],
+        order: EpochOrder,
+        lane: int,
+        mine: Sequence[int],
+        units: _Units,
     ) -> None:
         self.source, self.order, self.lane, self.units = source, order, lane, units
         self.lock = threading.Lock()
@@ -355,7 +381,7 @@ class _Lane:
         self._carry: Any = None  # the rest of the last piece
         self._parts = self._split(mine)
 
-    def _split(self, mine: range) -> list[_Part]:
+    def _split(self, mine: Sequence[int]) -> list[_Part]:
         """The lane's rows as parts of units, in stream order."""
         order = self.order
         lo, hi = order.lane_start(self.lane), _lane_end(order, self.lane)
@@ -457,66 +483,155 @@ class _RankReader:
     """This rank's lanes, read ahead in threads: block ``j`` holds window ``j`` of each of
     them (Source.block), each lane's reader thread putting its window in as it decodes it.
     A step's rows of a block are one range of it (rows ``(k - j * window) * lanes + l`` for
-    the ``l``-th lane's row ``k``, the order of the epoch's positions)."""
+    the ``l``-th lane's row ``k``, the order of the epoch's positions).
 
-    def __init__(self, source: Source[Any], order: EpochOrder, share: LaneShare, threads: int):
+    In DataLoader worker ``w`` of ``n`` (``exchange``), it reads the ``w``-th group of the
+    rank's lanes and takes the others' windows from the workers that read them
+    (efdl.data.exchange); each window it reads goes to the workers whose steps take rows of
+    its block. Every worker reads its lanes through the iteration's last block, also where
+    its own steps end sooner, so no worker waits for a window nobody reads.
+
+    Args:
+        steps: the iteration's steps (their cursors); worker ``w`` takes ``w, w + n, ...``.
+        n: the global batch.
+    """
+
+    def __init__(
+        self,
+        source: Source[Any],
+        order: EpochOrder,
+        share: LaneShare,
+        threads: int,
+        steps: range,
+        n: int,
+        exchange: Exchange | None = None,
+    ) -> None:
         self.source, self.order, self.share, self.mine = source, order, share, share.lanes
+        self.steps, self.n, self.exchange = steps, n, exchange
+        self.worker, self.workers = (exchange.worker, exchange.workers) if exchange else (0, 1)
+        count = len(share.lanes)
+        # The worker that reads each lane: consecutive groups (neighbours share row groups).
+        self.owner = {lane: i * self.workers // count for i, lane in enumerate(share.lanes)}
+        own = [lane for lane in share.lanes if self.owner[lane] == self.worker]
         units = _Units()
-        self.lanes = {lane: _Lane(source, order, lane, share.lanes, units) for lane in share.lanes}
-        self._pool = ThreadPoolExecutor(max_workers=min(threads, len(share.lanes)))
-        # Blocks asked for and not yet done with: the block, and its lanes' puts.
-        self._blocks: dict[int, tuple[Block, list[Future[None]]]] = {}
+        self.lanes = {lane: _Lane(source, order, lane, own, units) for lane in own}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, len(own))))
+        self._size = order.window * len(self.mine)  # block rows per block
+        # Blocks asked for and not yet done with: the block, its own lanes' puts, and the
+        # lanes whose windows are still to be taken from other workers.
+        self._blocks: dict[int, tuple[Block, list[Future[None]], list[int]]] = {}
+        # Blocks whose windows of this worker's lanes go to other workers only.
+        self._given: dict[int, list[Future[None]]] = {}
+        self._asked = self._span(steps[0])[0] // self._size - 1 if steps else -1
         # Blocks no step uses any more, whose memory may still be shared by batches (the
         # last one of a block lives on in the caller's loop while the next is made).
         self._retired: list[Block] = []
+        self._takers: dict[int, set[int]] = {}  # block -> workers whose steps take its rows
+        self._scanned = 0  # the steps whose blocks are in _takers
+        self._finished = False  # every window others take is given (finish())
 
     def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close(self._finished)  # first: a thread about to give stops
         self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
 
-    def _put(self, block: Block, lane: int, j: int) -> None:
-        """Lane ``lane``'s window ``j`` into ``block`` (in a reader thread)."""
-        piece = self.lanes[lane].window(j)
+    def finish(self) -> None:
+        """This worker's steps are done: give its windows of the blocks left to the workers
+        that take them (through the epoch's last block)."""
+        if self.exchange is None:
+            return
+        last = max(self.order.windows(lane) for lane in self.mine) - 1
+        for j in range(self._asked + 1, last + 1):
+            self._ask(j)
+        self._asked = max(self._asked, last)
+        for futures in [*self._given.values(), *(b[1] for b in self._blocks.values())]:
+            for future in futures:
+                future.result()
+        self._finished = True
+
+    def _place(self, block: Block, lane: int, j: int, piece: Any) -> None:
+        """Lane ``lane``'s window ``j`` into ``block``."""
         order = self.order.window_order(lane, j)
         if self.order.backward(lane):  # its window is in stream order: flip it
             order = len(order) - 1 - order
         block.put(lane - self.mine.start, piece, order)
 
+    def _put(self, block: Block | None, lane: int, j: int, takers: set[int]) -> None:
+        """Read lane ``lane``'s window ``j`` (in a reader thread): give it to the other
+        workers among ``takers``, and put it into ``block`` (this worker's, if it takes it)."""
+        piece = self.lanes[lane].window(j)
+        if self.exchange is not None:
+            self.exchange.give(j, lane, piece, takers)
+        if block is not None:
+            self._place(block, lane, j, piece)
+
+    def _takers_of(self, j: int) -> set[int]:
+        """The workers whose steps take rows of block ``j`` (the steps' ranges of block rows
+        only grow, so the steps are looked at once, in order)."""
+        if self.workers == 1:
+            return {0}
+        while self._scanned < len(self.steps):
+            r0, r1 = self._span(self.steps[self._scanned])
+            if r0 >= (j + 1) * self._size:
+                break
+            for b in range(r0 // self._size, (r1 - 1) // self._size + 1):
+                self._takers.setdefault(b, set()).add(self._scanned % self.workers)
+            self._scanned += 1
+        return self._takers.pop(j, set())
+
     def _ask(self, j: int) -> None:
         """Start reading block ``j`` (if it has rows, and is not read yet)."""
-        if j in self._blocks:
+        if j in self._blocks or j in self._given:
             return
         lanes = [lane for lane in self.mine if j < self.order.windows(lane)]
         if not lanes:
+            return
+        takers = self._takers_of(j)
+        own = [lane for lane in lanes if lane in self.lanes]
+        if self.worker not in takers:
+            self._given[j] = [self._pool.submit(self._put, None, lane, j, takers) for lane in own]
             return
         spare = next((b for b in self._retired if b.reusable()), None)
         if spare is not None:
             self._retired.remove(spare)
         block = self.source.block(len(self.mine), self.order.window, spare)
-        self._blocks[j] = (block, [self._pool.submit(self._put, block, lane, j) for lane in lanes])
+        puts = [self._pool.submit(self._put, block, lane, j, takers) for lane in own]
+        self._blocks[j] = (block, puts, [lane for lane in lanes if lane not in self.lanes])
 
     def _block(self, j: int) -> Block:
         self._ask(j)
-        block, puts = self._blocks[j]
+        if j not in self._blocks:
+            raise RuntimeError(f"Block {j} was read for other workers only; a step takes it.")
+        block, puts, others = self._blocks[j]
         for put in puts:
             put.result()
+        while others:
+            assert self.exchange is not None  # only other workers read lanes not ours
+            lane = others[0]
+            self._place(block, lane, j, self.exchange.take(j, lane, self.owner[lane]))
+            others.pop(0)
         return block
 
     def _done_before(self, j: int) -> None:
         """No step takes rows of blocks before ``j`` any more: the last two are kept, to be
-        reused once no batch shares their memory."""
+        reused once no batch shares their memory. A window this worker failed to give to
+        others fails its step (the others would wait for it)."""
         for old in sorted(i for i in self._blocks if i < j):
-            block, puts = self._blocks.pop(old)
+            block, puts, _ = self._blocks.pop(old)
             if all(p.done() and p.exception() is None for p in puts):
                 self._retired = [*self._retired, block][-2:]
+        for old in [i for i, gives in self._given.items() if all(g.done() for g in gives)]:
+            for give in self._given.pop(old):
+                give.result()
 
-    def picks(self, cursor: int, n: int) -> list[Pick]:
-        """This rank's rows of the global batch ``[cursor, cursor + n)``: the blocks they
-        are in, and their ranges there."""
-        order, lanes, window = self.order, self.order.lanes, self.order.window
+    def _span(self, cursor: int) -> tuple[int, int]:
+        """The block rows ``[r0, r1)`` that hold this rank's rows of the global batch from
+        ``cursor`` (a block row of the rank's l-th lane's row k: k * width + l, over all
+        windows), every ``group``-th of them."""
+        order, lanes = self.order, self.order.lanes
         index, group, first = self.share.index, self.share.group, self.mine.start
         width = len(self.mine)  # a block row's lanes
-        stop = min(cursor + n, order.total)
-        # A block row of the rank's l-th lane's row k: k * width + l (over all windows).
+        stop = min(cursor + self.n, order.total)
         rows = []
         for lane in self.mine:
             k0 = (cursor + (lane - cursor) % lanes) // lanes + index
@@ -525,20 +640,27 @@ class _RankReader:
                 last = k0 + (k1 - 1 - k0) // group * group
                 rows.append((k0 * width + lane - first, last * width + lane - first))
         if rows:
-            r0, r1 = min(r[0] for r in rows), max(r[1] for r in rows) + 1
-        else:  # the epoch's last step left this rank nothing: repeat one row
-            r0 = (order.lane_length(first) - 1) * width
-            r1 = r0 + 1
-        span = window * width  # block rows per block
-        self._done_before(r0 // span)
-        # This step's blocks, then the next one, read ahead.
-        for j in range(r0 // span, (r1 - 1) // span + 2):
+            return min(r[0] for r in rows), max(r[1] for r in rows) + 1
+        # the epoch's last step left this rank nothing: repeat one row
+        r0 = (order.lane_length(first) - 1) * width
+        return r0, r0 + 1
+
+    def picks(self, cursor: int) -> list[Pick]:
+        """This rank's rows of the global batch from ``cursor``: the blocks they are in,
+        and their ranges there."""
+        r0, r1 = self._span(cursor)
+        size, group = self._size, self.share.group
+        self._done_before(r0 // size)
+        # This step's blocks, then the next one, read ahead (and any before them).
+        ahead = (r1 - 1) // size + 1
+        for j in range(self._asked + 1, ahead + 1):
             self._ask(j)
+        self._asked = max(self._asked, ahead)
         picks: list[Pick] = []
         at = r0
         while at < r1:
-            j = at // span
-            end = min(r1, (j + 1) * span)
-            picks.append((self._block(j), at - j * span, end - j * span, group))
+            j = at // size
+            end = min(r1, (j + 1) * size)
+            picks.append((self._block(j), at - j * size, end - j * size, group))
             at += group * -(-(end - at) // group)
         return picks

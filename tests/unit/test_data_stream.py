@@ -201,13 +201,15 @@ class LateWorker(ElasticStream):
 def test_a_worker_that_begins_late_takes_its_own_steps(shards: list[str]) -> None:
     """Worker 1 begins each iteration after the main process committed worker 0's batch: it
     still yields the steps of its turn from the iteration's start, fresh workers and
-    persistent ones (whose later iterations start at the main process's cursor of then)."""
-    ref = stream(shards)
+    persistent ones (whose later iterations start at the main process's cursor of then).
+    One lane per rank: worker 0 reads it, so it makes its batch without worker 1 (a worker
+    that reads lanes gives the others their windows, so they cannot pass it)."""
+    ref = stream(shards, lanes=2)
     ref.set_world(0, 2)
     want = run_loader(ref, DataLoader(ref, batch_size=None), 6)
     want += run_loader(ref, DataLoader(ref, batch_size=None), 6)
     for persistent in (False, True):
-        s = LateWorker(shards, 128, lanes=16, window=50, seed=3)
+        s = LateWorker(shards, 128, lanes=2, window=50, seed=3)
         s.set_world(0, 2)
         loader: DataLoader[Any] = DataLoader(
             s, batch_size=None, num_workers=2, persistent_workers=persistent

@@ -1,0 +1,176 @@
+"""A rank's DataLoader workers share the windows they decode: each is decoded once.
+
+Every batch of a step holds rows of all of a rank's lanes, and DataLoader worker ``w`` of
+``n`` makes the batches of steps ``w, w + n, ...``. Were each worker to read every lane, the
+rank would read and decode its data ``n`` times. Instead worker ``w`` reads its own group of
+the rank's lanes (neighbours together: they share the row groups they meet in) and gives
+each window it decodes to the workers whose steps take rows of it (:class:`Exchange`).
+
+A window goes through a file in shared memory (``/dev/shm`` where there is one): the owner
+writes it under a temporary name, links it once under each taker's name, and removes the
+temporary name; a taker maps its name and removes it. The window's memory is freed when the
+last taker is done with its rows (the mapping holds them, not the name), and a name nobody
+took (an iteration left before its end) goes with its iteration's directory (:func:`sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from efdl.data.source import DataSourceError, Source
+
+# How long a worker waits for another's window. A worker that dies makes the DataLoader
+# fail within seconds; this bounds a worker that hangs (a read that never returns).
+WAIT_S = 600.0
+_PREFIX = "efdl-stream-"
+
+
+def base() -> Path:
+    """Where the windows go: shared memory if the machine has it, else the temp folder."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def token() -> str:
+    """A new stream's: its process and a random part (``sweep`` finds a dead process's)."""
+    return f"{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def sweep(token: str, keep: Path | None = None) -> None:
+    """Remove the stream ``token``'s iteration directories (but ``keep``): windows of
+    iterations that ended before every worker took them. Those of processes that are gone
+    (killed before they could) go too."""
+    for old in base().glob(f"{_PREFIX}*"):
+        if old == keep:
+            continue
+        if old.name.startswith(f"{_PREFIX}{token}-") or not _alive(old.name[len(_PREFIX) :]):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(name: str) -> bool:
+    """Whether the process whose stream made directory ``name`` runs (or may: unknown)."""
+    try:
+        os.kill(int(name.split("-", 1)[0]), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, OSError):  # not ours to judge, or another user's process
+        return True
+    return True
+
+
+class Exchange:
+    """One DataLoader worker's side of its rank's windows for one iteration.
+
+    Args:
+        source: writes and maps the windows (``Source.save`` / ``Source.load``).
+        token: the stream's (the same in all of its workers).
+        iteration: the same in all workers of one iteration, and naming what a window's
+            rows depend on (the order, the rank's share): an iteration that names the
+            same as an earlier one finds the same rows under the same names.
+        worker, workers: this worker, and the loader's workers.
+    """
+
+    def __init__(
+        self,
+        source: Source[Any],
+        token: str,
+        iteration: str,
+        worker: int,
+        workers: int,
+        wait_s: float = WAIT_S,
+    ) -> None:
+        self.source, self.worker, self.workers, self.wait_s = source, worker, workers, wait_s
+        self.root = base() / f"{_PREFIX}{token}-{iteration}"
+        self.root.mkdir(exist_ok=True)
+        sweep(token, keep=self.root)  # earlier iterations are over: their workers stopped
+        self._closed = threading.Event()
+        # When this worker began, by the clock of the directory's files (see left()).
+        begun = self.root / f"begun.{worker}"
+        begun.touch()
+        self._begun_ns = begun.stat().st_mtime_ns
+
+    def _name(self, j: int, lane: int, taker: int | str) -> Path:
+        return self.root / f"{j}-{lane}.{taker}"
+
+    def give(self, j: int, lane: int, piece: Any, takers: Iterable[int]) -> None:
+        """Lane ``lane``'s window ``j``, to each of ``takers`` (other workers)."""
+        takers = [t for t in takers if t != self.worker]
+        if not takers or self._closed.is_set():
+            return
+        temporary = self._name(j, lane, f"w{self.worker}")
+        self.source.save(piece, temporary)
+        try:
+            for taker in takers:  # each name appears whole: a link to a written file
+                linked = self._name(j, lane, f"w{self.worker}-{taker}")
+                os.link(temporary, linked)
+                # Over a name an earlier iteration left, which holds the same rows.
+                os.replace(linked, self._name(j, lane, taker))
+        finally:
+            temporary.unlink()
+
+    def take(self, j: int, lane: int, owner: int) -> Any:
+        """Lane ``lane``'s window ``j`` from worker ``owner``, once it gave it.
+
+        Raises:
+            DataSourceError: it did not within ``wait_s`` seconds, or this side was closed.
+        """
+        path = self._name(j, lane, self.worker)
+        deadline = time.monotonic() + self.wait_s
+        pause = 0.0002
+        while True:
+            try:
+                piece = self.source.load(path)
+            except FileNotFoundError:
+                if self._closed.is_set():
+                    raise DataSourceError("The stream's iteration was closed.") from None
+                gone = self.left()
+                if gone is not None:
+                    raise DataSourceError(
+                        f"DataLoader worker {gone} left the iteration before it gave window "
+                        f"{j} of lane {lane} (the loop over the loader ended, or it failed)."
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise DataSourceError(
+                        f"DataLoader worker {owner} of {self.workers} did not give window {j} "
+                        f"of lane {lane} within {self.wait_s:.0f} s (in {self.root}); expected "
+                        "every worker of the loader to read its lanes. Is it stuck on a read?"
+                    ) from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.005)
+                continue
+            path.unlink()
+            return piece
+
+    def left(self) -> int | None:
+        """A worker that left this iteration before its end (it will give nothing more), if
+        any. Its mark is newer than this worker's start: one as old or older is an earlier
+        iteration's of the same name (the same files' clock, not this process's)."""
+        for mark in self.root.glob("left.*"):
+            with contextlib.suppress(OSError):
+                if mark.stat().st_mtime_ns > self._begun_ns:
+                    return int(mark.suffix[1:])
+        return None
+
+    def close(self, finished: bool) -> None:
+        """This worker is done with the iteration: windows still named for it are dropped,
+        and the directory goes if it is empty (its last worker removes it). Not
+        ``finished`` (it left before its end): it marks that it left, so the others stop
+        waiting for its windows."""
+        self._closed.set()
+        if not finished:
+            (self.root / f"left.{self.worker}").touch()
+        for left in self.root.glob(f"*.{self.worker}"):
+            if not left.name.startswith("left."):
+                left.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # others' windows are still in it, or it is gone
+            self.root.rmdir()
