@@ -136,8 +136,8 @@ class Exchange:
                 gone = self.left()
                 if gone is not None:
                     raise DataSourceError(
-                        f"DataLoader worker {gone} left the iteration before it gave window "
-                        f"{j} of lane {lane} (the loop over the loader ended, or it failed)."
+                        f"DataLoader worker {gone[0]} left the iteration before it gave "
+                        f"window {j} of lane {lane}: {gone[1] or 'the loop over it ended'}."
                     ) from None
                 if time.monotonic() > deadline:
                     raise DataSourceError(
@@ -151,24 +151,25 @@ class Exchange:
             path.unlink()
             return piece
 
-    def left(self) -> int | None:
+    def left(self) -> tuple[int, str] | None:
         """A worker that left this iteration before its end (it will give nothing more), if
-        any. Its mark is newer than this worker's start: one as old or older is an earlier
-        iteration's of the same name (the same files' clock, not this process's)."""
+        any, and its error. Its mark is newer than this worker's start: one as old or older
+        is an earlier iteration's of the same name (the same files' clock, not this
+        process's)."""
         for mark in self.root.glob("left.*"):
             with contextlib.suppress(OSError):
                 if mark.stat().st_mtime_ns > self._begun_ns:
-                    return int(mark.suffix[1:])
+                    return int(mark.suffix[1:]), mark.read_text()
         return None
 
-    def close(self, finished: bool) -> None:
+    def close(self, finished: bool, error: str = "") -> None:
         """This worker is done with the iteration: windows still named for it are dropped,
         and the directory goes if it is empty (its last worker removes it). Not
-        ``finished`` (it left before its end): it marks that it left, so the others stop
-        waiting for its windows."""
+        ``finished`` (it left before its end: the loop ended, or ``error``): it marks that
+        it left, so the others stop waiting for its windows."""
         self._closed.set()
         if not finished:
-            (self.root / f"left.{self.worker}").touch()
+            (self.root / f"left.{self.worker}").write_text(error)
         for left in self.root.glob(f"*.{self.worker}"):
             if not left.name.startswith("left."):
                 left.unlink(missing_ok=True)

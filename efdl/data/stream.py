@@ -15,7 +15,9 @@ script, call ``stream.advance()`` after each step and checkpoint ``stream.state_
 The position lives in a small shared-memory tensor, so DataLoader worker processes (also
 persistent ones) start each iteration from where the main process was when it began (see
 ``ElasticStream._start``); worker ``w`` of ``n`` yields the steps ``w, w + n, ...`` of the
-iteration, which is the order DataLoader returns them in.
+iteration, which is the order DataLoader returns them in. The workers divide the rank's
+lanes between them and give each other the windows they decode (efdl.data.exchange), so the
+rank decodes each window once.
 """
 
 from __future__ import annotations
@@ -292,6 +294,9 @@ class ElasticStream(IterableDataset[Any]):
                 else:
                     yield self.transform(self.source.gather(picks))
             reader.finish()
+        except Exception as exc:
+            reader.close(f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             reader.close()
 
@@ -529,10 +534,15 @@ class _RankReader:
         self._takers: dict[int, set[int]] = {}  # block -> workers whose steps take its rows
         self._scanned = 0  # the steps whose blocks are in _takers
         self._finished = False  # every window others take is given (finish())
+        self._closed = False
 
-    def close(self) -> None:
+    def close(self, error: str = "") -> None:
+        """Stop reading (``error``: why the iteration failed, for the other workers)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.exchange is not None:
-            self.exchange.close(self._finished)  # first: a thread about to give stops
+            self.exchange.close(self._finished, error)  # first: a thread about to give stops
         self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
 
     def finish(self) -> None:

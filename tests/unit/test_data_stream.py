@@ -3,6 +3,7 @@ through rescales, DataLoader workers, reads that seek, positions, and clear erro
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from collections import Counter
@@ -16,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from efdl.data import exchange
 from efdl.data.source import ArrowBlock, DataSourceError, ParquetSource, ReaderSource
 from efdl.data.stream import ElasticStream
 from tests.wait import wait_until
@@ -270,6 +272,78 @@ def test_any_format_through_a_reader_function_also_in_workers(tmp_path: Path) ->
     got = [int(i) for batch in loader for i in batch["id"]]
     assert sorted(got) == list(range(120))
     assert torch.is_tensor(next(iter(s))["y"])
+
+
+def read_logged(path: str, start: int) -> Iterator[dict[str, Any]]:
+    """read_jsonl, writing each sample's id to ``path.reads`` as it is read (by any
+    process: small appends are whole)."""
+    with open(path + ".reads", "a") as log:
+        for sample in read_jsonl(path, start):
+            log.write(f"{sample['id']}\n")
+            log.flush()
+            yield sample
+
+
+def jsonl_shards(folder: Path, sizes: list[int]) -> tuple[list[str], list[int]]:
+    names, first = [], 0
+    for i, n in enumerate(sizes):
+        path = folder / f"{i:03d}.jsonl"
+        path.write_text("".join(json.dumps({"id": v}) + "\n" for v in range(first, first + n)))
+        names.append(str(path))
+        first += n
+    return names, sizes
+
+
+def reads(names: list[str]) -> int:
+    """Samples read since the last call (the logs are emptied)."""
+    total = 0
+    for name in names:
+        log = Path(name + ".reads")
+        if log.exists():
+            total += len(log.read_text().split())
+            log.unlink()
+    return total
+
+
+def test_dataloader_workers_read_each_row_once_between_them(tmp_path: Path) -> None:
+    """Two DataLoader workers read the rank's rows once between them (each reads its lanes
+    and gives the other its windows), not once each; and leave no files behind."""
+    names, counts = jsonl_shards(tmp_path, [25] * 40)  # 1000 rows
+    s = ElasticStream(ReaderSource(names, read_logged, counts), 40, lanes=8, window=10)
+    s.set_world(0, 2)
+    alone = sorted(int(i) for batch in s for i in batch["id"])
+    read_alone = reads(names)
+    for persistent in (False, True):
+        loader: DataLoader[Any] = DataLoader(
+            s, batch_size=None, num_workers=2, persistent_workers=persistent
+        )
+        assert sorted(int(i) for batch in loader for i in batch["id"]) == alone
+        # A shard's rows are read from its start: lanes that meet in one read it twice.
+        assert read_alone <= reads(names) <= read_alone + 3 * 25
+        assert not list(exchange.base().glob(f"efdl-stream-{s._token}-*"))
+    assert read_alone <= len(alone) + 8 * 25
+
+
+def test_a_loop_that_ends_early_leaves_nothing_behind_its_stream(shards: list[str]) -> None:
+    s = stream(shards)
+    for persistent in (False, True):
+        loader: DataLoader[Any] = DataLoader(s, batch_size=None, num_workers=2, persistent_workers=persistent)
+        assert len(run_loader(s, loader, 3)) == 3
+    token = s._token
+    assert list(exchange.base().glob(f"efdl-stream-{token}-*"))  # windows not taken
+    del s, loader
+    gc.collect()
+    assert not list(exchange.base().glob(f"efdl-stream-{token}-*"))
+
+
+def test_a_worker_that_fails_fails_the_loop_with_its_error(tmp_path: Path) -> None:
+    """A shard shorter than its count: the worker that reads it fails, and the loop raises
+    its error (not a wait for its windows in the other worker)."""
+    names, counts = jsonl_shards(tmp_path, [25] * 40)
+    counts = [*counts[:-1], 30]
+    s = ElasticStream(ReaderSource(names, read_jsonl, counts), 40, lanes=8, window=10)
+    with pytest.raises(DataSourceError, match="gave 25 samples"):
+        list(DataLoader(s, batch_size=None, num_workers=2))
 
 
 def test_the_last_step_gives_every_rank_a_row(tmp_path: Path) -> None:
