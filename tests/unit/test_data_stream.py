@@ -327,7 +327,9 @@ def test_dataloader_workers_read_each_row_once_between_them(tmp_path: Path) -> N
 def test_a_loop_that_ends_early_leaves_nothing_behind_its_stream(shards: list[str]) -> None:
     s = stream(shards)
     for persistent in (False, True):
-        loader: DataLoader[Any] = DataLoader(s, batch_size=None, num_workers=2, persistent_workers=persistent)
+        loader: DataLoader[Any] = DataLoader(
+            s, batch_size=None, num_workers=2, persistent_workers=persistent
+        )
         assert len(run_loader(s, loader, 3)) == 3
     token = s._token
     assert list(exchange.base().glob(f"efdl-stream-{token}-*"))  # windows not taken
