@@ -89,10 +89,11 @@ class Source(Generic[C]):
         with pa.memory_map(str(path)) as f:
             return pa.ipc.open_stream(f).read_all()  # type: ignore[no-any-return]
 
-    def block(self, lanes: int, rows: int, spare: Any = None) -> Block:
+    def block(self, lanes: int, rows: int, spare: Any = None, worker: bool = False) -> Block:
         """An empty block for a window of up to ``rows`` rows of each of ``lanes`` lanes (see
-        :class:`Block`); ``spare``: a block no step uses, whose buffers may be reused."""
-        return ArrowBlock(lanes, rows, spare)
+        :class:`Block`); ``spare``: a block no step uses, whose buffers may be reused;
+        ``worker``: for a DataLoader worker, whose batches are copied to the main process."""
+        return ArrowLanes(lanes, rows) if worker else ArrowBlock(lanes, rows, spare)
 
     def gather(self, picks: list[Pick]) -> C:
         """One piece of the picks' rows, pick after pick."""
@@ -107,7 +108,7 @@ class Source(Generic[C]):
 # A step's rows of one block: its rows ``start, start + step, ...`` before ``stop``. A
 # source's picks are of the blocks it makes (ArrowPick, ListPick).
 Pick = tuple["Block", int, int, int]
-ArrowPick = tuple["ArrowBlock", int, int, int]
+ArrowPick = tuple["ArrowBlock | ArrowLanes", int, int, int]
 ListPick = tuple["ListBlock", int, int, int]
 
 
@@ -188,11 +189,7 @@ class ArrowBlock(Block):
                 self._setup(piece)
                 # Counted here, where nothing but this block refers to the buffers.
                 self._baseline = _references(self._buffers)
-        if not piece.schema.equals(self.schema, check_metadata=False):
-            raise DataSourceError(
-                f"Two windows of one step have different columns: {piece.schema} and "
-                f"{self.schema}; expected every shard to have the same columns."
-            )
+        _same_columns(piece.schema, self.schema)
         # Each row to its place: the piece's row ``order[i]`` to row ``i * lanes + lane``.
         places = np.empty(len(order), dtype=np.int64)
         places[order] = np.arange(len(order), dtype=np.int64) * self.lanes + lane
@@ -211,20 +208,127 @@ class ArrowBlock(Block):
     def joined(self, c: int) -> tuple[Any, Any]:
         """Column ``c``'s rows, lane after lane, as one Arrow array (made once, for the
         steps' takes), and where each lane's rows begin in it."""
-        import numpy as np
+        if c not in self._joined:
+            self._joined[c] = _join(self, c)
+        return self._joined[c]
+
+    def lane_rows(self, c: int, lane: int) -> Any:
+        """The ``lane``-th lane's rows of column ``c``, in its order, as an Arrow chunked
+        array."""
         import pyarrow as pa
 
-        if c not in self._joined:
-            kind = self.schema.field(c).type
-            lanes = [_lane_rows(self, c, lane, kind) for lane in range(self.lanes)]
-            starts = np.cumsum([0] + [len(rows) for rows in lanes])
-            chunks = [ch for rows in lanes for ch in rows.chunks]
-            self._joined[c] = (pa.chunked_array(chunks, kind).combine_chunks(), starts)
-        return self._joined[c]
+        kind = self.schema.field(c).type
+        held = self.arrow[c][lane]
+        if held is not None:
+            return held
+        column = self.columns[c]
+        if column is None:  # no window of this lane in the block
+            return pa.chunked_array([], kind)
+        flat = pa.array(column[lane :: self.lanes][: self.counts[lane]].reshape(-1))
+        if pa.types.is_fixed_size_list(kind):
+            flat = pa.FixedSizeListArray.from_arrays(flat, type=kind)
+        return pa.chunked_array([flat], kind)
 
     def reusable(self) -> bool:
         now = _references(self._buffers)
         return all(n <= base for n, base in zip(now, self._baseline, strict=True))
+
+
+class ArrowLanes(Block):
+    """Arrow pieces kept as the lanes' windows, not copied into a block: a DataLoader
+    worker's. Its batch is copied once anyway (into shared memory, to reach the main
+    process), so a step's rows are gathered from the windows straight into the batch
+    (:func:`gather_tensors`): one copy, as a reader that does not shuffle makes."""
+
+    def __init__(self, lanes: int, rows: int) -> None:
+        super().__init__(lanes, rows)
+        self._lock = threading.Lock()
+        self.schema: Any = None
+        self.pieces: list[Any] = [None] * lanes
+        self.orders: list[Any] = [None] * lanes
+        self.counts = [0] * lanes
+        # Per lane and column: where the piece's chunks start, and each chunk's rows as
+        # numpy (None: the column is not of fixed width, or has nulls, in this window).
+        self.views: list[list[tuple[Any, list[Any]] | None]] = [[] for _ in range(lanes)]
+        self._joined: dict[int, tuple[Any, Any]] = {}
+
+    def put(self, lane: int, piece: Any, order: Any) -> None:
+        import numpy as np
+
+        with self._lock:
+            if self.schema is None:
+                self.schema = piece.schema
+        _same_columns(piece.schema, self.schema)
+        views: list[tuple[Any, list[Any]] | None] = []
+        for c, field in enumerate(piece.schema):
+            chunks = piece.column(c).chunks
+            rows = [_rows(chunk) for chunk in chunks] if _numpy_kind(field.type) else [None]
+            if chunks and all(r is not None for r in rows):
+                views.append((np.cumsum([0, *(len(chunk) for chunk in chunks)]), rows))
+            else:
+                views.append(None)
+        self.pieces[lane], self.orders[lane], self.counts[lane] = piece, order, len(order)
+        self.views[lane] = views
+
+    def joined(self, c: int) -> tuple[Any, Any]:
+        """As :meth:`ArrowBlock.joined`."""
+        if c not in self._joined:
+            self._joined[c] = _join(self, c)
+        return self._joined[c]
+
+    def lane_rows(self, c: int, lane: int) -> Any:
+        import pyarrow as pa
+
+        if self.pieces[lane] is None:  # no window of this lane in the block
+            return pa.chunked_array([], self.schema.field(c).type)
+        return self.pieces[lane].column(c).take(self.orders[lane])
+
+    def gather(self, c: int, start: int, stop: int, step: int, out: Any) -> bool:
+        """Column ``c``'s block rows ``start, start + step, ...`` before ``stop`` into the
+        numpy rows ``out`` (False, nothing gathered: a lane holds the column in Arrow)."""
+        import numpy as np
+
+        at = np.arange(start, stop, step)
+        lane_of, row = at % self.lanes, at // self.lanes
+        todo = []
+        for lane in range(self.lanes):
+            sel = np.flatnonzero(lane_of == lane)
+            if len(sel):
+                held = self.views[lane][c]
+                if held is None:
+                    return False
+                todo.append((sel, self.orders[lane][row[sel]], held))
+        for sel, src, (starts, chunks) in todo:
+            if len(chunks) == 1:
+                out[sel] = chunks[0][src]
+                continue
+            which = np.searchsorted(starts, src, side="right") - 1
+            for k, chunk in enumerate(chunks):
+                mine = which == k
+                if mine.any():
+                    out[sel[mine]] = chunk[src[mine] - starts[k]]
+        return True
+
+
+def _same_columns(schema: Any, block: Any) -> None:
+    if not schema.equals(block, check_metadata=False):
+        raise DataSourceError(
+            f"Two windows of one step have different columns: {schema} and {block}; "
+            "expected every shard to have the same columns."
+        )
+
+
+def _join(block: ArrowBlock | ArrowLanes, c: int) -> tuple[Any, Any]:
+    """Column ``c``'s rows of ``block``, lane after lane, as one Arrow array, and where each
+    lane's rows begin in it."""
+    import numpy as np
+    import pyarrow as pa
+
+    kind = block.schema.field(c).type
+    lanes = [block.lane_rows(c, lane) for lane in range(block.lanes)]
+    starts = np.cumsum([0] + [len(rows) for rows in lanes])
+    chunks = [ch for rows in lanes for ch in rows.chunks]
+    return pa.chunked_array(chunks, kind).combine_chunks(), starts
 
 
 def _references(buffers: list[Any]) -> list[int]:
@@ -273,24 +377,53 @@ def gather_tensors(picks: list[ArrowPick]) -> dict[str, Any]:
     schema = picks[0][0].schema
     out: dict[str, Any] = {}
     for c, field in enumerate(schema):
-        rows = _numpy_rows(picks, c)
+        rows = _numpy_rows(picks, c, _shared_rows)
         if rows is None:
             out.update(to_torch(pa.table({field.name: _arrow_rows(picks, c)})))
-        elif pa.types.is_fixed_size_list(field.type):
-            out[field.name] = torch.from_numpy(rows)
-        else:
-            out[field.name] = torch.from_numpy(rows.reshape(-1))
+            continue
+        if not isinstance(rows, torch.Tensor):  # else gathered into shared memory
+            rows = torch.from_numpy(rows)
+        out[field.name] = rows if pa.types.is_fixed_size_list(field.type) else rows.reshape(-1)
     return out
 
 
-def _numpy_rows(picks: list[ArrowPick], c: int) -> Any:
+def _shared_rows(rows: int, kind: tuple[Any, int]) -> tuple[Any, Any]:
+    """A tensor of ``rows`` rows of ``kind`` (dtype, width) in shared memory, as DataLoader's
+    workers make their batches (no copy on the way to the main process), and its numpy."""
+    import numpy as np
+    import torch
+
+    dtype = torch.from_numpy(np.empty(0, kind[0])).dtype
+    storage = torch.UntypedStorage._new_shared(rows * kind[1] * dtype.itemsize)  # type: ignore[no-untyped-call]
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, (rows, kind[1]), (kind[1], 1))
+    return tensor, tensor.numpy()
+
+
+def _numpy_rows(
+    picks: list[ArrowPick], c: int, make: Callable[[int, tuple[Any, int]], Any] | None = None
+) -> Any:
     """Column ``c``'s rows of the picks as a 2-D numpy array: a view of the block where they
     are one range of it (the block is then not reused while the view lives), else a copy.
-    None: a block holds some of the column's rows in Arrow."""
+    None: a block holds some of the column's rows in Arrow. From :class:`ArrowLanes`: the
+    rows gathered into what ``make(rows, kind)`` makes (the result, and its numpy), else
+    into a new numpy array."""
     import numpy as np
 
+    if isinstance(picks[0][0], ArrowLanes):
+        kind = _numpy_kind(picks[0][0].schema.field(c).type)
+        if kind is None:
+            return None
+        rows = sum(len(range(start, stop, step)) for _, start, stop, step in picks)
+        result, out = make(rows, kind) if make else (np.empty((rows, kind[1]), kind[0]),) * 2
+        at = 0
+        for lanes, start, stop, step in picks:
+            n = len(range(start, stop, step))
+            if not cast("ArrowLanes", lanes).gather(c, start, stop, step, out[at : at + n]):
+                return None
+            at += n
+        return result
     parts = []
-    for block, start, stop, step in picks:
+    for block, start, stop, step in cast("list[tuple[ArrowBlock, int, int, int]]", picks):
         column = block.columns[c]
         if column is None or any(a is not None for a in block.arrow[c]):
             return None
@@ -312,22 +445,6 @@ def _arrow_rows(picks: list[ArrowPick], c: int) -> Any:
         at = np.arange(start, stop, step)  # row i * lanes + l is lane l's row i
         chunks.append(joined.take(starts[at % block.lanes] + at // block.lanes))
     return pa.chunked_array(chunks, kind)
-
-
-def _lane_rows(block: ArrowBlock, c: int, lane: int, kind: Any) -> Any:
-    """The ``lane``-th lane's rows of column ``c`` of ``block`` as an Arrow chunked array."""
-    import pyarrow as pa
-
-    held = block.arrow[c][lane]
-    if held is not None:
-        return held
-    column = block.columns[c]
-    if column is None:  # no window of this lane in the block
-        return pa.chunked_array([], kind)
-    flat = pa.array(column[lane :: block.lanes][: block.counts[lane]].reshape(-1))
-    if pa.types.is_fixed_size_list(kind):
-        flat = pa.FixedSizeListArray.from_arrays(flat, type=kind)
-    return pa.chunked_array([flat], kind)
 
 
 def _rows(chunk: Any) -> Any:
@@ -676,7 +793,7 @@ class ReaderSource(Source[list[Any]]):
         with path.open("rb") as f:
             return cast("list[Any]", pickle.load(f))
 
-    def block(self, lanes: int, rows: int, spare: Any = None) -> Block:
+    def block(self, lanes: int, rows: int, spare: Any = None, worker: bool = False) -> Block:
         return ListBlock(lanes, rows)
 
     def gather(self, picks: list[Pick]) -> list[Any]:

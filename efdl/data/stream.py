@@ -284,7 +284,14 @@ class ElasticStream(IterableDataset[Any]):
             exchange = Exchange(self.source, self._token, name, worker, workers)
         share = lane_share(rank, world, order.lanes)
         reader = _RankReader(
-            self.source, order, share, threads, steps, self.global_batch_size, exchange
+            self.source,
+            order,
+            share,
+            threads,
+            steps,
+            self.global_batch_size,
+            exchange,
+            worker_process=info is not None,
         )
         try:
             for i in range(worker, len(steps), workers):
@@ -499,6 +506,8 @@ class _RankReader:
     Args:
         steps: the iteration's steps (their cursors); worker ``w`` takes ``w, w + n, ...``.
         n: the global batch.
+        worker_process: in a DataLoader worker: blocks keep the windows as read, and a
+            step's rows are gathered from them into its batch (Source.block).
     """
 
     def __init__(
@@ -510,8 +519,10 @@ class _RankReader:
         steps: range,
         n: int,
         exchange: Exchange | None = None,
+        worker_process: bool = False,
     ) -> None:
         self.source, self.order, self.share, self.mine = source, order, share, share.lanes
+        self.worker_process = worker_process
         self.steps, self.n, self.exchange = steps, n, exchange
         self.worker, self.workers = (exchange.worker, exchange.workers) if exchange else (0, 1)
         count = len(share.lanes)
@@ -604,7 +615,7 @@ class _RankReader:
         spare = next((b for b in self._retired if b.reusable()), None)
         if spare is not None:
             self._retired.remove(spare)
-        block = self.source.block(len(self.mine), self.order.window, spare)
+        block = self.source.block(len(self.mine), self.order.window, spare, self.worker_process)
         puts = [self._pool.submit(self._put, block, lane, j, takers) for lane in own]
         self._blocks[j] = (block, puts, [lane for lane in lanes if lane not in self.lanes])
 

@@ -92,10 +92,15 @@ def test_each_row_once_per_epoch_through_random_rescales(shards: list[str]) -> N
 
 
 def test_columns_become_tensors_and_strings_lists(shards: list[str]) -> None:
+    """Also from DataLoader workers, whose tensors are gathered into shared memory."""
     batch = next(iter(stream(shards)))
     assert batch["id"].dtype == torch.int64 and batch["x"].shape == (128, 3)
     assert torch.equal(batch["x"][:, 0].long(), batch["id"])
     assert batch["s"] == [str(i) for i in ids(batch)]
+    for got in DataLoader(stream(shards), batch_size=None, num_workers=2):
+        assert got["id"].dtype == torch.int64 and got["x"].shape == (len(got["id"]), 3)
+        assert torch.equal(got["x"], got["id"][:, None].float().expand(-1, 3))
+        assert got["s"] == [str(i) for i in ids(got)]
     only = next(iter(stream(shards, columns=["id"])))
     assert list(only) == ["id"]
 
@@ -124,9 +129,11 @@ def test_a_kept_batch_keeps_its_rows_and_a_dropped_one_frees_its_memory(
     assert len(spares) > 5 and sum(spares) >= len(spares) - 3
 
 
-def test_nulls_in_some_windows_and_a_transform_of_the_rows(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nulls_in_some_windows_and_a_transform_of_the_rows(tmp_path: Path, workers: int) -> None:
     """A column with nulls in some shards comes as Python values in the steps that have
-    them; a transform gets each step's rows as an Arrow table."""
+    them; a transform gets each step's rows as an Arrow table (in DataLoader workers too,
+    whose blocks keep the windows as read)."""
     paths = []
     for i in range(4):
         ids_ = pa.array(range(i * 300, (i + 1) * 300), pa.int64())
@@ -134,14 +141,16 @@ def test_nulls_in_some_windows_and_a_transform_of_the_rows(tmp_path: Path) -> No
         paths.append(str(tmp_path / f"p{i}.parquet"))
         pq.write_table(pa.table({"id": ids_, "v": v}), paths[-1], row_group_size=64)
     seen, kinds = [], set()
-    for batch in ElasticStream(paths, 32, lanes=4, window=16, seed=1):
+    s = ElasticStream(paths, 32, lanes=4, window=16, seed=1)
+    for batch in DataLoader(s, batch_size=None, num_workers=workers):
         kinds.add(type(batch["v"]))
         values = batch["v"].tolist() if torch.is_tensor(batch["v"]) else batch["v"]
         for i, v in zip(ids(batch), values, strict=True):
             assert v == (None if 600 <= i < 900 and i % 7 == 0 else i)
         seen += ids(batch)
     assert sorted(seen) == list(range(1200)) and kinds == {torch.Tensor, list}
-    tables = list(ElasticStream(paths, 32, lanes=4, window=16, seed=1, transform=lambda t: t))
+    s = ElasticStream(paths, 32, lanes=4, window=16, seed=1, transform=lambda t: t)
+    tables = list(DataLoader(s, batch_size=None, num_workers=workers))
     assert all(isinstance(t, pa.Table) for t in tables)  # kept: views of blocks, too
     rows = [r for t in tables for r in t.to_pylist()]
     assert sorted(r["id"] for r in rows) == list(range(1200))
