@@ -34,7 +34,11 @@ _PREFIX = "efdl-stream-"
 
 
 def base() -> Path:
-    """Where the windows go: shared memory if the machine has it, else the temp folder."""
+    """Where the windows go: ``EFDL_DATA_SHM`` if set, else shared memory if the machine has
+    it, else the temp folder."""
+    chosen = os.environ.get("EFDL_DATA_SHM")
+    if chosen:
+        return Path(chosen)
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm
@@ -49,23 +53,30 @@ def token() -> str:
 def sweep(token: str, keep: Path | None = None) -> None:
     """Remove the stream ``token``'s iteration directories (but ``keep``): windows of
     iterations that ended before every worker took them. Those of processes that are gone
-    (killed before they could) go too."""
+    (killed before they could) go too, once unchanged for ``_STALE_S``."""
     for old in base().glob(f"{_PREFIX}*"):
-        if old == keep:
-            continue
-        if old.name.startswith(f"{_PREFIX}{token}-") or not _alive(old.name[len(_PREFIX) :]):
+        if old != keep and (old.name.startswith(f"{_PREFIX}{token}-") or _stale(old)):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _alive(name: str) -> bool:
-    """Whether the process whose stream made directory ``name`` runs (or may: unknown)."""
+# A directory whose process is gone, unchanged this long, is left over. (A process of
+# another PID namespace that shares /dev/shm may look gone: its directories change while it
+# reads.)
+_STALE_S = 600.0
+
+
+def _stale(folder: Path) -> bool:
     try:
-        os.kill(int(name.split("-", 1)[0]), 0)
-    except ProcessLookupError:
+        os.kill(int(folder.name[len(_PREFIX) :].split("-", 1)[0]), 0)
         return False
+    except ProcessLookupError:
+        pass
     except (ValueError, OSError):  # not ours to judge, or another user's process
-        return True
-    return True
+        return False
+    try:
+        return time.time() - folder.stat().st_mtime > _STALE_S
+    except OSError:
+        return False
 
 
 class Exchange:
@@ -91,7 +102,7 @@ class Exchange:
     ) -> None:
         self.source, self.worker, self.workers, self.wait_s = source, worker, workers, wait_s
         self.root = base() / f"{_PREFIX}{token}-{iteration}"
-        self.root.mkdir(exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         sweep(token, keep=self.root)  # earlier iterations are over: their workers stopped
         self._closed = threading.Event()
         # When this worker began, by the clock of the directory's files (see left()).
@@ -164,7 +175,7 @@ class Exchange:
 
     def close(self, finished: bool, error: str = "") -> None:
         """This worker is done with the iteration: windows still named for it are dropped,
-        and the directory goes if it is empty (its last worker removes it). Not
+        and the directory goes with the last of its workers. Not
         ``finished`` (it left before its end: the loop ended, or ``error``): it marks that
         it left, so the others stop waiting for its windows."""
         self._closed.set()
@@ -173,5 +184,7 @@ class Exchange:
         for left in self.root.glob(f"*.{self.worker}"):
             if not left.name.startswith("left."):
                 left.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # others' windows are still in it, or it is gone
-            self.root.rmdir()
+        # The last worker out removes the directory (each removed its begun file first, so
+        # the last sees none), with any window nobody took and the marks.
+        if not any(self.root.glob("begun.*")):
+            shutil.rmtree(self.root, ignore_errors=True)

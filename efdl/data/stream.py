@@ -559,9 +559,9 @@ class _RankReader:
     def finish(self) -> None:
         """This worker's steps are done: give its windows of the blocks left to the workers
         that take them (through the epoch's last block)."""
-        if self.exchange is None:
+        if self.exchange is None or not self.steps:
             return
-        last = max(self.order.windows(lane) for lane in self.mine) - 1
+        last = (self._span(self.steps[-1])[1] - 1) // self._size  # the last step's last block
         for j in range(self._asked + 1, last + 1):
             self._ask(j)
         self._asked = max(self._asked, last)
@@ -608,6 +608,8 @@ class _RankReader:
         if not lanes:
             return
         takers = self._takers_of(j)
+        if not takers:  # no step takes its rows (past the iteration's last)
+            return
         own = [lane for lane in lanes if lane in self.lanes]
         if self.worker not in takers:
             self._given[j] = [self._pool.submit(self._put, None, lane, j, takers) for lane in own]
@@ -639,6 +641,8 @@ class _RankReader:
         others fails its step (the others would wait for it)."""
         for old in sorted(i for i in self._blocks if i < j):
             block, puts, _ = self._blocks.pop(old)
+            if self.worker_process:  # its blocks keep windows as read: nothing to reuse
+                continue
             if all(p.done() and p.exception() is None for p in puts):
                 self._retired = [*self._retired, block][-2:]
         for old in [i for i, gives in self._given.items() if all(g.done() for g in gives)]:

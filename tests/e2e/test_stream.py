@@ -53,6 +53,13 @@ def write_shards(folder: Path) -> int:
     return first
 
 
+@pytest.fixture(autouse=True)
+def windows_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataLoader workers' windows (efdl.data.exchange) in the test's folder: a rank the test
+    kills leaves its iteration's directory behind."""
+    monkeypatch.setenv("EFDL_DATA_SHM", str(tmp_path / "shm"))
+
+
 @pytest.fixture()
 def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
     j = in_place_job(tmp_path, etcd_server.endpoint.target, "stream")

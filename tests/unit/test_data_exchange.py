@@ -1,0 +1,120 @@
+"""efdl.data.exchange: DataLoader workers' windows through shared-memory files, between
+real processes' views of one directory (two Exchange objects stand for two workers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from efdl.data import exchange
+from efdl.data.exchange import Exchange, sweep, token
+from efdl.data.source import DataSourceError, ParquetSource, ReaderSource
+
+
+def arrow() -> ParquetSource:
+    """A source of Arrow pieces (its file is never read here)."""
+    return ParquetSource(["never-read.parquet"], rows=[1])
+
+
+@pytest.fixture
+def stream_token() -> Iterator[str]:
+    made = token()
+    yield made
+    sweep(made)
+
+
+def test_a_window_goes_to_each_taker_once_and_then_its_name_is_gone(stream_token: str) -> None:
+    source = arrow()
+    owner, taker = (Exchange(source, stream_token, "it", w, 3) for w in (0, 1))
+    table = pa.table({"id": pa.array(range(1000)), "s": pa.array([str(i) for i in range(1000)])})
+    owner.give(4, 7, table, takers={0, 1, 2})  # not to itself
+    names = sorted(p.name for p in owner.root.iterdir() if not p.name.startswith("begun"))
+    assert names == ["4-7.1", "4-7.2"]
+    assert taker.take(4, 7, owner=0).equals(table)
+    assert not (owner.root / "4-7.1").exists()
+    assert (owner.root / "4-7.2").exists()  # worker 2's, until it takes it
+    owner.close(finished=True)
+    taker.close(finished=True)
+    assert not owner.root.exists()  # the last worker (of those that began) took it along
+
+
+def test_lists_of_samples_go_too(stream_token: str) -> None:
+    source = ReaderSource(["a"], lambda shard, start: iter(()), [2])
+    owner, taker = (Exchange(source, stream_token, "it", w, 2) for w in (0, 1))
+    owner.give(0, 0, [{"id": 1}, {"id": 2}], takers={1})
+    assert taker.take(0, 0, owner=0) == [{"id": 1}, {"id": 2}]
+
+
+def test_a_wait_ends_at_its_deadline_or_when_the_owner_left(stream_token: str) -> None:
+    source = arrow()
+    owner = Exchange(source, stream_token, "it", 0, 2)
+    taker = Exchange(source, stream_token, "it", 1, 2, wait_s=0.2)
+    with pytest.raises(DataSourceError, match="worker 0 of 2 did not give window 3 of lane 5"):
+        taker.take(3, 5, owner=0)
+    taker.wait_s = 60
+    owner.close(finished=False, error="DataSourceError: 'x.parquet' has 10 rows")
+    with pytest.raises(DataSourceError, match=r"worker 0 left .* 'x\.parquet' has 10 rows"):
+        taker.take(3, 5, owner=0)
+
+
+def test_a_mark_of_an_earlier_iteration_of_the_same_name_is_not_a_leave(
+    stream_token: str,
+) -> None:
+    source = arrow()
+    first, _ = (Exchange(source, stream_token, "it", w, 2) for w in (0, 1))
+    first.close(finished=False)  # worker 1 is still in: the directory and the mark stay
+    assert first.left() == (0, "")
+    later = Exchange(source, stream_token, "it", 1, 2, wait_s=0.3)
+    # Where the files' clock is coarse, the later start may share the mark's time: the same
+    # time counts as earlier.
+    assert later.left() is None
+    with pytest.raises(DataSourceError, match="did not give"):
+        later.take(0, 0, owner=0)
+
+
+def test_sweep_takes_this_streams_and_dead_processes_old_directories(stream_token: str) -> None:
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    root = exchange.base()
+    mine = root / f"efdl-stream-{stream_token}-1"
+    dead_old = root / f"efdl-stream-{done.pid}-0000-1"
+    dead_new = root / f"efdl-stream-{done.pid}-0001-1"
+    alive = root / f"efdl-stream-{os.getpid()}-ffff-1"
+    try:
+        for folder in (mine, dead_old, dead_new, alive):
+            folder.mkdir()
+        old = time.time() - exchange._STALE_S - 60
+        os.utime(dead_old, (old, old))
+        sweep(stream_token)
+        assert [f.exists() for f in (mine, dead_old, dead_new, alive)] == [0, 0, 1, 1]
+    finally:
+        for folder in (dead_new, alive):
+            folder.rmdir()
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_directory_goes_with_its_last_worker(stream_token: str, finished: bool) -> None:
+    source = arrow()
+    a, b = (Exchange(source, stream_token, "it", w, 2) for w in (0, 1))
+    a.give(0, 0, pa.table({"id": [1]}), takers={1})
+    a.give(1, 0, pa.table({"id": [2]}), takers={1})  # never taken
+    b.take(0, 0, owner=0)
+    a.close(finished)
+    assert a.root.exists()
+    b.close(finished)
+    assert not a.root.exists()
+
+
+def test_the_windows_go_where_efdl_data_shm_says(
+    stream_token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EFDL_DATA_SHM", str(tmp_path))
+    made = Exchange(arrow(), stream_token, "it", 0, 2)
+    assert made.root.parent == tmp_path
