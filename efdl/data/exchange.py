@@ -119,7 +119,16 @@ class Exchange:
         if not takers or self._closed.is_set():
             return
         temporary = self._name(j, lane, f"w{self.worker}")
-        self.source.save(piece, temporary)
+        try:
+            self.source.save(piece, temporary)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            raise DataSourceError(
+                f"Cannot write a window for the other DataLoader workers to {self.root} "
+                f"({exc}); expected room for about two windows per lane there: give "
+                "/dev/shm more (docker --shm-size, a memory emptyDir) or set EFDL_DATA_SHM "
+                "to a folder with room."
+            ) from exc
         try:
             for taker in takers:  # each name appears whole: a link to a written file
                 linked = self._name(j, lane, f"w{self.worker}-{taker}")

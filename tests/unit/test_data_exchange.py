@@ -118,3 +118,15 @@ def test_the_windows_go_where_efdl_data_shm_says(
     monkeypatch.setenv("EFDL_DATA_SHM", str(tmp_path))
     made = Exchange(arrow(), stream_token, "it", 0, 2)
     assert made.root.parent == tmp_path
+
+
+def test_no_room_for_a_window_is_a_clear_error(stream_token: str) -> None:
+    class Full(ParquetSource):
+        def save(self, piece: object, path: Path) -> None:
+            path.write_bytes(b"part")
+            raise OSError(28, "No space left on device")
+
+    owner = Exchange(Full(["never-read.parquet"], rows=[1]), stream_token, "it", 0, 2)
+    with pytest.raises(DataSourceError, match=r"No space left.*EFDL_DATA_SHM"):
+        owner.give(0, 0, pa.table({"id": [1]}), takers={1})
+    assert not any(p.name.startswith("0-0") for p in owner.root.iterdir())
