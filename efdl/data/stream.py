@@ -558,7 +558,7 @@ class _RankReader:
 
     def finish(self) -> None:
         """This worker's steps are done: give its windows of the blocks left to the workers
-        that take them (through the epoch's last block)."""
+        that take them (through the iteration's last step's last block)."""
         if self.exchange is None or not self.steps:
             return
         last = (self._span(self.steps[-1])[1] - 1) // self._size  # the last step's last block
