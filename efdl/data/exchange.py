@@ -31,6 +31,7 @@ from efdl.data.source import DataSourceError, Source
 # fail within seconds; this bounds a worker that hangs (a read that never returns).
 WAIT_S = 600.0
 _PREFIX = "efdl-stream-"
+_LOOK_S = 0.05  # how often a waiting worker looks whether the owner left
 
 
 def base() -> Path:
@@ -145,7 +146,8 @@ class Exchange:
             DataSourceError: it did not within ``wait_s`` seconds, or this side was closed.
         """
         path = self._name(j, lane, self.worker)
-        deadline = time.monotonic() + self.wait_s
+        now = time.monotonic()
+        deadline, look = now + self.wait_s, now + _LOOK_S
         pause = 0.0002
         while True:
             try:
@@ -153,7 +155,9 @@ class Exchange:
             except FileNotFoundError:
                 if self._closed.is_set():
                     raise DataSourceError("The stream's iteration was closed.") from None
-                gone = self.left()
+                gone = None
+                if time.monotonic() > look:  # the marks: a directory listing, now and then
+                    gone, look = self.left(), time.monotonic() + _LOOK_S
                 if gone is not None:
                     raise DataSourceError(
                         f"DataLoader worker {gone[0]} left the iteration before it gave "

@@ -169,11 +169,13 @@ def run_loader(s: ElasticStream, loader: DataLoader[Any], steps: int) -> list[li
     return out
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_dataloader_workers_yield_the_main_process_batches(shards: list[str]) -> None:
-    """num_workers 2 (plain and persistent) yields what num_workers 0 does, from the same
-    cursor, also after the cursor, the world and the epoch change between iterations."""
+    """num_workers 2 (plain and persistent) and 3 (lanes split unevenly between them) yield
+    what num_workers 0 does, from the same cursor, also after the cursor, the world and the
+    epoch change between iterations."""
     results = []
-    for workers, persistent in ((0, False), (2, False), (2, True)):
+    for workers, persistent in ((0, False), (2, False), (2, True), (3, False)):
         s = stream(shards)
         s.set_world(1, 3)
         loader: DataLoader[Any] = DataLoader(
@@ -185,7 +187,7 @@ def test_dataloader_workers_yield_the_main_process_batches(shards: list[str]) ->
         s.set_epoch(1)
         got += run_loader(s, loader, 4)
         results.append(got)
-    assert results[0] == results[1] == results[2]
+    assert results[0] == results[1] == results[2] == results[3]
     assert len(results[0]) == 16
 
 
