@@ -288,26 +288,50 @@ class ArrowLanes(Block):
         numpy rows ``out`` (False, nothing gathered: a lane holds the column in Arrow)."""
         import numpy as np
 
-        at = np.arange(start, stop, step)
-        lane_of, row = at % self.lanes, at // self.lanes
         todo = []
-        for lane in range(self.lanes):
-            sel = np.flatnonzero(lane_of == lane)
-            if len(sel):
-                held = self.views[lane][c]
-                if held is None:
-                    return False
-                todo.append((sel, self.orders[lane][row[sel]], held))
-        for sel, src, (starts, chunks) in todo:
+        for lane, where, rows in self._shares(start, stop, step):
+            held = self.views[lane][c]
+            if held is None:
+                return False
+            todo.append((where, self.orders[lane][rows], held))
+        for where, src, (starts, chunks) in todo:
             if len(chunks) == 1:
-                out[sel] = chunks[0][src]
+                out[where] = chunks[0][src]
                 continue
             which = np.searchsorted(starts, src, side="right") - 1
+            dst = out[where] if isinstance(where, slice) else None  # a view: write through it
             for k, chunk in enumerate(chunks):
                 mine = which == k
                 if mine.any():
-                    out[sel[mine]] = chunk[src[mine] - starts[k]]
+                    part = chunk[src[mine] - starts[k]]
+                    if dst is None:
+                        out[where[mine]] = part
+                    else:
+                        dst[mine] = part
         return True
+
+    def _shares(self, start: int, stop: int, step: int) -> list[tuple[int, Any, Any]]:
+        """Each lane's part of the block rows ``start, start + step, ...`` before ``stop``
+        (block row ``i * lanes + l`` is lane ``l``'s row ``i``): the lane, where its rows go
+        among them, and which of its rows (slices where they are evenly spaced: one lane,
+        or consecutive rows)."""
+        import numpy as np
+
+        lanes = self.lanes
+        if lanes == 1:
+            return [(0, slice(None), slice(start, stop, step))]
+        if step == 1:
+            shares = []
+            for lane in range(lanes):
+                first = start + (lane - start) % lanes
+                if first < stop:
+                    rows = slice(first // lanes, (stop - 1 - lane) // lanes + 1)
+                    shares.append((lane, slice(first - start, None, lanes), rows))
+            return shares
+        at = np.arange(start, stop, step)
+        lane_of, row = at % lanes, at // lanes
+        picked = [(lane, np.flatnonzero(lane_of == lane)) for lane in range(lanes)]
+        return [(lane, where, row[where]) for lane, where in picked if len(where)]
 
 
 def _same_columns(schema: Any, block: Any) -> None:

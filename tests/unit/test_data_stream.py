@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from efdl.data import exchange
-from efdl.data.source import ArrowBlock, DataSourceError, ParquetSource, ReaderSource
+from efdl.data.source import ArrowBlock, ArrowLanes, DataSourceError, ParquetSource, ReaderSource
 from efdl.data.stream import ElasticStream
 from tests.wait import wait_until
 
@@ -127,6 +128,36 @@ def test_a_kept_batch_keeps_its_rows_and_a_dropped_one_frees_its_memory(
         for batch in stream(shards, batch=64):
             assert len(batch["x"])
     assert len(spares) > 5 and sum(spares) >= len(spares) - 3
+
+
+def test_a_workers_block_gathers_any_rows_of_its_windows() -> None:
+    """ArrowLanes (a DataLoader worker's block) gathers block rows ``start, start + step,
+    ...`` (row ``i * lanes + l``: lane ``l``'s row ``i`` in its order) from windows of one
+    or several chunks, for one lane or several, consecutive rows or every k-th."""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(500):
+        lanes, rows = rng.choice([1, 2, 3, 8]), rng.choice([5, 16, 50])
+        block = ArrowLanes(lanes, rows)
+        counts = [rows] + [rng.randint(1, rows) for _ in range(lanes - 1)]
+        want = {}
+        for lane, n in enumerate(counts):
+            values = [lane * 100_000 + 10 * v for v in range(n)]
+            cuts = sorted(rng.sample(range(1, n), min(rng.randint(0, 3), n - 1)))
+            parts = [values[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+            piece = pa.Table.from_batches([pa.record_batch({"v": pa.array(p)}) for p in parts])
+            order = rng.sample(range(n), n)
+            block.put(lane, piece, np.array(order, dtype=np.int64))
+            want.update({i * lanes + lane: values[o] for i, o in enumerate(order)})
+        start, step = rng.randrange(max(want) + 1), rng.choice([1, 1, 2, 3])
+        stop = start + step * rng.randint(1, 20)
+        if not all(r in want for r in range(start, stop, step)):
+            continue  # past a short lane's window: no step asks for those rows
+        out = np.empty((len(range(start, stop, step)), 1), np.int64)
+        assert block.gather(0, start, stop, step, out)
+        assert out[:, 0].tolist() == [want[r] for r in range(start, stop, step)]
+        checked += 1
+    assert checked > 100
 
 
 @pytest.mark.parametrize("workers", [0, 2])
