@@ -332,8 +332,9 @@ def _threads(workers: int) -> int:
 @dataclass(frozen=True)
 class _Part:
     """A lane's rows in one unit (row group): shard rows ``[a, b)`` of unit ``unit``, which
-    spans shard rows ``[first, end)``; ``readers``: how many of this rank's lanes read a part
-    of that unit (2 or more: it is decoded once, whole, for all of them)."""
+    spans shard rows ``[first, end)``; ``readers``: how many of the lanes this process reads
+    (the rank's, or a DataLoader worker's group of them) read a part of that unit (2 or more:
+    it is decoded once, whole, for all of them)."""
 
     shard: int
     unit: int
@@ -345,7 +346,7 @@ class _Part:
 
 
 class _Units:
-    """Units several of this rank's lanes read parts of, decoded once: the first lane to
+    """Units several of this process's lanes read parts of, decoded once: the first lane to
     need one reads it whole, the others take their parts of it; it is dropped when each has.
     Neighbouring lanes run in opposite directions (efdl.data.order), so they need the unit
     they meet in at the same time, and a unit is held for about one unit of progress."""
@@ -405,7 +406,7 @@ class _Lane:
             for unit, n in enumerate(self.source.units(shard)):
                 end = first + n
                 if end > a and first < b:
-                    # this rank's lanes that read part of the unit (lanes are contiguous)
+                    # this process's lanes that read part of the unit (they are contiguous)
                     u0, u1 = base + first, base + end
                     readers = sum(1 for s0, s1 in spans if s0 < u1 and s1 > u0)
                     parts.append(
