@@ -51,12 +51,13 @@ def token() -> str:
     return f"{os.getpid()}-{os.urandom(4).hex()}"
 
 
-def sweep(token: str, keep: Path | None = None) -> None:
-    """Remove the stream ``token``'s iteration directories (but ``keep``): windows of
-    iterations that ended before every worker took them. Those of processes that are gone
-    (killed before they could) go too, once unchanged for ``_STALE_S``."""
+def sweep(stream: str, keep: Path | None = None) -> None:
+    """Remove the iteration directories of the stream whose token is ``stream`` (but
+    ``keep``): windows of iterations that ended before every worker took them. Those of
+    processes that are gone (killed before they could) go too, once unchanged for
+    ``_STALE_S``."""
     for old in base().glob(f"{_PREFIX}*"):
-        if old != keep and (old.name.startswith(f"{_PREFIX}{token}-") or _stale(old)):
+        if old != keep and (old.name.startswith(f"{_PREFIX}{stream}-") or _stale(old)):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -85,7 +86,7 @@ class Exchange:
 
     Args:
         source: writes and maps the windows (``Source.save`` / ``Source.load``).
-        token: the stream's (the same in all of its workers).
+        stream: the stream's token (the same in all of its workers).
         iteration: the same in all workers of one iteration, and naming what a window's
             rows depend on (the order, the rank's share): an iteration that names the
             same as an earlier one finds the same rows under the same names.
@@ -95,16 +96,16 @@ class Exchange:
     def __init__(
         self,
         source: Source[Any],
-        token: str,
+        stream: str,
         iteration: str,
         worker: int,
         workers: int,
         wait_s: float = WAIT_S,
     ) -> None:
         self.source, self.worker, self.workers, self.wait_s = source, worker, workers, wait_s
-        self.root = base() / f"{_PREFIX}{token}-{iteration}"
+        self.root = base() / f"{_PREFIX}{stream}-{iteration}"
         self.root.mkdir(parents=True, exist_ok=True)
-        sweep(token, keep=self.root)  # earlier iterations are over: their workers stopped
+        sweep(stream, keep=self.root)  # earlier iterations are over: their workers stopped
         self._closed = threading.Event()
         # When this worker began, by the clock of the directory's files (see left()).
         begun = self.root / f"begun.{worker}"

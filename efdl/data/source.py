@@ -108,7 +108,7 @@ class Source(Generic[C]):
 # A step's rows of one block: its rows ``start, start + step, ...`` before ``stop``. A
 # source's picks are of the blocks it makes (ArrowPick, ListPick).
 Pick = tuple["Block", int, int, int]
-ArrowPick = tuple["ArrowBlock | ArrowLanes", int, int, int]
+ArrowPick = tuple["_ArrowWindows", int, int, int]
 ListPick = tuple["ListBlock", int, int, int]
 
 
@@ -128,39 +128,96 @@ class Block:
         ``i`` (``order``: int64 numpy)."""
         raise NotImplementedError
 
+    reuses = False  # whether a later block may take its memory (see reusable)
+
     def reusable(self) -> bool:
         """Whether no batch still shares this block's memory."""
         return False
 
 
-class ArrowBlock(Block):
+class _ArrowWindows(Block):
+    """A block of Arrow pieces: the columns its first piece has (every later one must have
+    them too), each lane's row count, and its rows of one column as Arrow (:meth:`joined`).
+    A step's rows of a column of fixed width come from :meth:`view` (no copy) or
+    :meth:`gather`."""
+
+    def __init__(self, lanes: int, rows: int) -> None:
+        super().__init__(lanes, rows)
+        self._lock = threading.Lock()  # the first put sets the columns, as its piece has
+        self.schema: Any = None
+        self.counts = [0] * lanes  # each lane's rows
+        self._joined: dict[int, tuple[Any, Any]] = {}  # see joined()
+
+    def _columns(self, piece: Any) -> None:
+        """Take the first piece's columns (then :meth:`_first`), or check a later one's."""
+        with self._lock:
+            if self.schema is None:
+                self.schema = piece.schema
+                self._first(piece)
+        if not piece.schema.equals(self.schema, check_metadata=False):
+            raise DataSourceError(
+                f"Two windows of one step have different columns: {piece.schema} and "
+                f"{self.schema}; expected every shard to have the same columns."
+            )
+
+    def _first(self, piece: Any) -> None:
+        """What the block sets up from its first piece (under the lock)."""
+
+    def joined(self, c: int) -> tuple[Any, Any]:
+        """Column ``c``'s rows, lane after lane, as one Arrow array (made once, for the
+        steps' takes), and where each lane's rows begin in it."""
+        import numpy as np
+        import pyarrow as pa
+
+        if c not in self._joined:
+            kind = self.schema.field(c).type
+            lanes = [self.lane_rows(c, lane) for lane in range(self.lanes)]
+            starts = np.cumsum([0] + [len(rows) for rows in lanes])
+            chunks = [ch for rows in lanes for ch in rows.chunks]
+            self._joined[c] = (pa.chunked_array(chunks, kind).combine_chunks(), starts)
+        return self._joined[c]
+
+    def lane_rows(self, c: int, lane: int) -> Any:
+        """The ``lane``-th lane's rows of column ``c``, in its order, as an Arrow chunked
+        array."""
+        raise NotImplementedError
+
+    def view(self, c: int, start: int, stop: int, step: int) -> Any:
+        """Column ``c``'s block rows ``start, start + step, ...`` before ``stop`` as a 2-D
+        numpy view of the block, or None where it has none."""
+        return None
+
+    def gather(self, c: int, start: int, stop: int, step: int, out: Any) -> bool:
+        """The same rows copied into the numpy rows ``out`` (False, nothing gathered: the
+        block holds some of the column's rows in Arrow)."""
+        raise NotImplementedError
+
+
+class ArrowBlock(_ArrowWindows):
     """Arrow pieces: a 2-D numpy array per column of fixed width (numbers, and lists of one
     length of numbers), in ``spare``'s buffers where they fit and no batch still shares
     them; a batch's rows of it are a view of it where the step's rows are one range (no
     copy). A lane's window whose column has nulls, and columns of other types (strings,
     lists of varying length), keep the lane's rows as an Arrow array, taken in order."""
 
+    reuses = True
+
     def __init__(self, lanes: int, rows: int, spare: Block | None = None) -> None:
         super().__init__(lanes, rows)
-        self._lock = threading.Lock()  # the first put makes the columns, as its piece has
         self._spare = spare if isinstance(spare, ArrowBlock) else None
-        self.schema: Any = None
         self.columns: list[Any] = []  # per column: the rows (numpy), or None
         self.arrow: list[list[Any]] = []  # per column and lane: its rows in Arrow, or None
-        self.counts = [0] * lanes  # each lane's rows
         self._buffers: list[Any] = []  # what the arrays are views of, for a later reuse
         self._baseline: list[int] = []  # their reference counts with no batch sharing them
-        self._joined: dict[int, tuple[Any, Any]] = {}  # see joined()
 
-    def _setup(self, piece: Any) -> None:
-        """The columns, as the first lane's piece has them (under the lock)."""
+    def _first(self, piece: Any) -> None:
+        """The columns' arrays, as the first lane's piece has them."""
         import numpy as np
 
         old: list[Any] = []
         if self._spare is not None:  # take its buffers: only this block refers to them now
             old, self._spare._buffers, self._spare.columns = self._spare._buffers, [], []
             self._spare = None
-        self.schema = piece.schema
         n = self.rows * self.lanes
         for c, field in enumerate(piece.schema):
             self.arrow.append([None] * self.lanes)
@@ -180,16 +237,13 @@ class ArrowBlock(Block):
                 buffer = np.empty((n, width), dtype=dtype)
             self.columns.append(buffer[:n])
             self._buffers.append(buffer)
+        # Counted here, where nothing but this block refers to the buffers.
+        self._baseline = _references(self._buffers)
 
     def put(self, lane: int, piece: Any, order: Any) -> None:
         import numpy as np
 
-        with self._lock:
-            if self.schema is None:
-                self._setup(piece)
-                # Counted here, where nothing but this block refers to the buffers.
-                self._baseline = _references(self._buffers)
-        _same_columns(piece.schema, self.schema)
+        self._columns(piece)
         # Each row to its place: the piece's row ``order[i]`` to row ``i * lanes + lane``.
         places = np.empty(len(order), dtype=np.int64)
         places[order] = np.arange(len(order), dtype=np.int64) * self.lanes + lane
@@ -205,16 +259,7 @@ class ArrowBlock(Block):
                 at += len(view)
         self.counts[lane] = len(order)
 
-    def joined(self, c: int) -> tuple[Any, Any]:
-        """Column ``c``'s rows, lane after lane, as one Arrow array (made once, for the
-        steps' takes), and where each lane's rows begin in it."""
-        if c not in self._joined:
-            self._joined[c] = _join(self, c)
-        return self._joined[c]
-
     def lane_rows(self, c: int, lane: int) -> Any:
-        """The ``lane``-th lane's rows of column ``c``, in its order, as an Arrow chunked
-        array."""
         import pyarrow as pa
 
         kind = self.schema.field(c).type
@@ -229,12 +274,29 @@ class ArrowBlock(Block):
             flat = pa.FixedSizeListArray.from_arrays(flat, type=kind)
         return pa.chunked_array([flat], kind)
 
+    def view(self, c: int, start: int, stop: int, step: int) -> Any:
+        rows = self._rows(c, start, stop, step)
+        return rows if rows is not None and rows.flags.c_contiguous else None
+
+    def gather(self, c: int, start: int, stop: int, step: int, out: Any) -> bool:
+        rows = self._rows(c, start, stop, step)
+        if rows is None:
+            return False
+        out[...] = rows
+        return True
+
+    def _rows(self, c: int, start: int, stop: int, step: int) -> Any:
+        column = self.columns[c]
+        if column is None or any(a is not None for a in self.arrow[c]):
+            return None
+        return column[start:stop:step]
+
     def reusable(self) -> bool:
         now = _references(self._buffers)
         return all(n <= base for n, base in zip(now, self._baseline, strict=True))
 
 
-class ArrowLanes(Block):
+class ArrowLanes(_ArrowWindows):
     """Arrow pieces kept as the lanes' windows, not copied into a block: a DataLoader
     worker's. Its batch is copied once anyway (into shared memory, to reach the main
     process), so a step's rows are gathered from the windows straight into the batch
@@ -242,23 +304,16 @@ class ArrowLanes(Block):
 
     def __init__(self, lanes: int, rows: int) -> None:
         super().__init__(lanes, rows)
-        self._lock = threading.Lock()
-        self.schema: Any = None
         self.pieces: list[Any] = [None] * lanes
         self.orders: list[Any] = [None] * lanes
-        self.counts = [0] * lanes
         # Per lane and column: where the piece's chunks start, and each chunk's rows as
         # numpy (None: the column is not of fixed width, or has nulls, in this window).
         self.views: list[list[tuple[Any, list[Any]] | None]] = [[] for _ in range(lanes)]
-        self._joined: dict[int, tuple[Any, Any]] = {}
 
     def put(self, lane: int, piece: Any, order: Any) -> None:
         import numpy as np
 
-        with self._lock:
-            if self.schema is None:
-                self.schema = piece.schema
-        _same_columns(piece.schema, self.schema)
+        self._columns(piece)
         views: list[tuple[Any, list[Any]] | None] = []
         for c, field in enumerate(piece.schema):
             chunks = piece.column(c).chunks
@@ -270,12 +325,6 @@ class ArrowLanes(Block):
         self.pieces[lane], self.orders[lane], self.counts[lane] = piece, order, len(order)
         self.views[lane] = views
 
-    def joined(self, c: int) -> tuple[Any, Any]:
-        """As :meth:`ArrowBlock.joined`."""
-        if c not in self._joined:
-            self._joined[c] = _join(self, c)
-        return self._joined[c]
-
     def lane_rows(self, c: int, lane: int) -> Any:
         import pyarrow as pa
 
@@ -284,8 +333,6 @@ class ArrowLanes(Block):
         return self.pieces[lane].column(c).take(self.orders[lane])
 
     def gather(self, c: int, start: int, stop: int, step: int, out: Any) -> bool:
-        """Column ``c``'s block rows ``start, start + step, ...`` before ``stop`` into the
-        numpy rows ``out`` (False, nothing gathered: a lane holds the column in Arrow)."""
         import numpy as np
 
         todo = []
@@ -334,27 +381,6 @@ class ArrowLanes(Block):
         return [(lane, where, row[where]) for lane, where in picked if len(where)]
 
 
-def _same_columns(schema: Any, block: Any) -> None:
-    if not schema.equals(block, check_metadata=False):
-        raise DataSourceError(
-            f"Two windows of one step have different columns: {schema} and {block}; "
-            "expected every shard to have the same columns."
-        )
-
-
-def _join(block: ArrowBlock | ArrowLanes, c: int) -> tuple[Any, Any]:
-    """Column ``c``'s rows of ``block``, lane after lane, as one Arrow array, and where each
-    lane's rows begin in it."""
-    import numpy as np
-    import pyarrow as pa
-
-    kind = block.schema.field(c).type
-    lanes = [block.lane_rows(c, lane) for lane in range(block.lanes)]
-    starts = np.cumsum([0] + [len(rows) for rows in lanes])
-    chunks = [ch for rows in lanes for ch in rows.chunks]
-    return pa.chunked_array(chunks, kind).combine_chunks(), starts
-
-
 def _references(buffers: list[Any]) -> list[int]:
     """Each buffer's reference count (0 for None), counted the same way at every call, so
     that two calls' counts compare: a batch that shares a buffer adds one."""
@@ -394,14 +420,17 @@ def gather_table(picks: list[ArrowPick]) -> Any:
 
 def gather_tensors(picks: list[ArrowPick]) -> dict[str, Any]:
     """:func:`gather_table`'s rows as :func:`to_torch` gives them, the fixed-width columns'
-    tensors made straight from the block's rows (no Arrow in between)."""
+    tensors made straight from the block's rows (no Arrow in between). In a DataLoader
+    worker, rows not in one view are gathered into shared memory, where DataLoader's own
+    collate puts a worker's batch (no copy on the way to the main process)."""
     import pyarrow as pa
     import torch
+    from torch.utils.data import get_worker_info
 
     schema = picks[0][0].schema
     out: dict[str, Any] = {}
     for c, field in enumerate(schema):
-        rows = _numpy_rows(picks, c, _shared_rows)
+        rows = _numpy_rows(picks, c, _shared_rows if get_worker_info() is not None else None)
         if rows is None:
             out.update(to_torch(pa.table({field.name: _arrow_rows(picks, c)})))
             continue
@@ -426,35 +455,31 @@ def _shared_rows(rows: int, kind: tuple[Any, int]) -> tuple[Any, Any]:
 def _numpy_rows(
     picks: list[ArrowPick], c: int, make: Callable[[int, tuple[Any, int]], Any] | None = None
 ) -> Any:
-    """Column ``c``'s rows of the picks as a 2-D numpy array: a view of the block where they
-    are one range of it (the block is then not reused while the view lives), else a copy.
-    None: a block holds some of the column's rows in Arrow. From :class:`ArrowLanes`: the
-    rows gathered into what ``make(rows, kind)`` makes (the result, and its numpy), else
-    into a new numpy array."""
+    """Column ``c``'s rows of the picks as 2-D numpy: a view of the block where it has one
+    (the block is then not reused while the view lives), else gathered into what
+    ``make(rows, kind)`` makes (the result, and its numpy rows), or into a new array. None:
+    a block holds some of the column's rows in Arrow, or the column is not of fixed width."""
     import numpy as np
 
-    if isinstance(picks[0][0], ArrowLanes):
-        kind = _numpy_kind(picks[0][0].schema.field(c).type)
-        if kind is None:
+    kind = _numpy_kind(picks[0][0].schema.field(c).type)
+    if kind is None:
+        return None
+    if len(picks) == 1:
+        view = picks[0][0].view(c, *picks[0][1:])
+        if view is not None:
+            return view
+    rows = sum(len(range(start, stop, step)) for _, start, stop, step in picks)
+    if make is None:
+        result = out = np.empty((rows, kind[1]), kind[0])
+    else:
+        result, out = make(rows, kind)
+    at = 0
+    for block, start, stop, step in picks:
+        n = len(range(start, stop, step))
+        if not block.gather(c, start, stop, step, out[at : at + n]):
             return None
-        rows = sum(len(range(start, stop, step)) for _, start, stop, step in picks)
-        result, out = make(rows, kind) if make else (np.empty((rows, kind[1]), kind[0]),) * 2
-        at = 0
-        for lanes, start, stop, step in picks:
-            n = len(range(start, stop, step))
-            if not cast("ArrowLanes", lanes).gather(c, start, stop, step, out[at : at + n]):
-                return None
-            at += n
-        return result
-    parts = []
-    for block, start, stop, step in cast("list[tuple[ArrowBlock, int, int, int]]", picks):
-        column = block.columns[c]
-        if column is None or any(a is not None for a in block.arrow[c]):
-            return None
-        parts.append(column[start:stop:step])
-    if len(parts) == 1 and parts[0].flags.c_contiguous:
-        return parts[0]
-    return np.concatenate(parts)
+        at += n
+    return result
 
 
 def _arrow_rows(picks: list[ArrowPick], c: int) -> Any:

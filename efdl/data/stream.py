@@ -642,9 +642,7 @@ class _RankReader:
         others fails its step (the others would wait for it)."""
         for old in sorted(i for i in self._blocks if i < j):
             block, puts, _ = self._blocks.pop(old)
-            if self.worker_process:  # its blocks keep windows as read: nothing to reuse
-                continue
-            if all(p.done() and p.exception() is None for p in puts):
+            if block.reuses and all(p.done() and p.exception() is None for p in puts):
                 self._retired = [*self._retired, block][-2:]
         for old in [i for i, gives in self._given.items() if all(g.done() for g in gives)]:
             for give in self._given.pop(old):
