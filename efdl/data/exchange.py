@@ -6,22 +6,27 @@ rank would read and decode its data ``n`` times. Instead worker ``w`` reads its 
 the rank's lanes (neighbours together: they share the row groups they meet in) and gives
 each window it decodes to the workers whose steps take rows of it (:class:`Exchange`).
 
-A window goes through a file in shared memory (``/dev/shm`` where there is one): the owner
-writes it under a temporary name, links it once under each taker's name, and removes the
-temporary name; a taker maps its name and removes it. The window's memory is freed when the
-last taker is done with its rows (the mapping holds them, not the name), and a name nobody
-took (an iteration left before its end) goes with its iteration's directory (:func:`sweep`).
+A window goes through a file in shared memory (``/dev/shm`` where there is one). Each owner
+keeps a pool of such files, mapped once: it writes a window into a free one (a copy into
+memory already there: no allocation, no fault), then links it once under each taker's name.
+A taker maps the file once too (its mapping is kept for the file's next windows), reads the
+window in place, and removes its name when its steps are done with the window's block
+(:meth:`Exchange.release`); a file whose names are all gone is free again. The pool grows
+while every file is in use (a taker behind), and goes with its iteration's directory, as
+does a name nobody took (an iteration left before its end; :func:`sweep`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +86,44 @@ def _stale(folder: Path) -> bool:
         return False
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Give the file ``fd`` ``size`` bytes of memory now: a write into a mapping of shared
+    memory that has no room kills the process (SIGBUS), where this raises ENOSPC."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+    else:  # pragma: no cover - macOS
+        os.ftruncate(fd, size)
+
+
+@dataclass
+class _File:
+    """One of an owner's pool files: its mapping, and the names it was last given under
+    (free once they are all gone)."""
+
+    path: Path
+    map: mmap.mmap | None = None
+    names: list[Path] = field(default_factory=list)
+    writing: bool = False
+
+    def free(self) -> bool:
+        if self.writing:
+            return False
+        self.names = [n for n in self.names if n.exists()]
+        return not self.names
+
+    def room(self, size: int) -> mmap.mmap:
+        """The mapping, grown to ``size`` bytes if smaller (never shrunk: a taker may still
+        map the longer file)."""
+        if self.map is None or len(self.map) < size:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                _allocate(fd, size)
+                self.map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        return self.map
+
+
 class Exchange:
     """One DataLoader worker's side of its rank's windows for one iteration.
 
@@ -107,6 +150,10 @@ class Exchange:
         self.root.mkdir(parents=True, exist_ok=True)
         sweep(stream, keep=self.root)  # earlier iterations are over: their workers stopped
         self._closed = threading.Event()
+        self._pool: list[_File] = []  # this worker's files for the windows it gives
+        self._pool_lock = threading.Lock()  # reader threads give at once
+        self._tag = os.urandom(3).hex()  # its files' names: not an earlier iteration's
+        self._maps: dict[int, mmap.mmap] = {}  # others' files this worker mapped, by inode
         # When this worker began, by the clock of the directory's files (see left()).
         begun = self.root / f"begun.{worker}"
         begun.touch()
@@ -120,25 +167,36 @@ class Exchange:
         takers = [t for t in takers if t != self.worker]
         if not takers or self._closed.is_set():
             return
-        temporary = self._name(j, lane, f"w{self.worker}")
+        with self._pool_lock:
+            if self._closed.is_set():
+                return
+            file = next((f for f in self._pool if f.free()), None)
+            if file is None:
+                file = _File(self.root / f"pool.{self.worker}.{self._tag}.{len(self._pool)}")
+                self._pool.append(file)
+            file.writing, file.names = True, [self._name(j, lane, t) for t in takers]
         try:
-            self.source.save(piece, temporary)
+            self.source.dump(piece, file.room)
         except OSError as exc:
-            temporary.unlink(missing_ok=True)
+            file.writing, file.names = False, []
             raise DataSourceError(
                 f"Cannot write a window for the other DataLoader workers to {self.root} "
-                f"({exc}); expected room for about two windows per lane there: give "
+                f"({exc}); expected room for about three windows per lane there: give "
                 "/dev/shm more (docker --shm-size, a memory emptyDir) or set EFDL_DATA_SHM "
                 "to a folder with room."
             ) from exc
         try:
-            for taker in takers:  # each name appears whole: a link to a written file
+            for taker, name in zip(takers, file.names, strict=True):
+                # Each name appears whole: a link to a written file, over a name an earlier
+                # iteration left (which holds the same rows).
                 linked = self._name(j, lane, f"w{self.worker}-{taker}")
-                os.link(temporary, linked)
-                # Over a name an earlier iteration left, which holds the same rows.
-                os.replace(linked, self._name(j, lane, taker))
+                os.link(file.path, linked)
+                os.replace(linked, name)
+        except FileNotFoundError:
+            if not self._closed.is_set():  # else close() removed the file: nobody takes it
+                raise
         finally:
-            temporary.unlink()
+            file.writing = False
 
     def take(self, j: int, lane: int, owner: int) -> Any:
         """Lane ``lane``'s window ``j`` from worker ``owner``, once it gave it.
@@ -152,7 +210,7 @@ class Exchange:
         pause = 0.0002
         while True:
             try:
-                piece = self.source.load(path)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 if self._closed.is_set():
                     raise DataSourceError("The stream's iteration was closed.") from None
@@ -173,8 +231,24 @@ class Exchange:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.005)
                 continue
-            path.unlink()
-            return piece
+            try:
+                return self.source.load(self._map(fd))
+            finally:
+                os.close(fd)
+
+    def _map(self, fd: int) -> mmap.mmap:
+        """The file ``fd`` mapped: the mapping of an earlier window of it where it is long
+        enough (a pool file lives as long as its iteration, so its inode names it)."""
+        info = os.fstat(fd)
+        mapped = self._maps.get(info.st_ino)
+        if mapped is None or len(mapped) < info.st_size:
+            mapped = self._maps[info.st_ino] = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+        return mapped
+
+    def release(self, j: int, lane: int) -> None:
+        """This worker is done with lane ``lane``'s window ``j`` (nothing refers to its rows
+        any more): its owner may write another window over it."""
+        self._name(j, lane, self.worker).unlink(missing_ok=True)
 
     def left(self) -> tuple[int, str] | None:
         """A worker that left this iteration before its end (it will give nothing more), if
@@ -193,10 +267,17 @@ class Exchange:
         ``finished`` (it left before its end: the loop ended, or ``error``): it marks that
         it left, so the others stop waiting for its windows."""
         self._closed.set()
+        self._maps.clear()  # each goes with the last rows that refer to it
         if not finished:
             (self.root / f"left.{self.worker}").write_text(error)
+        # Its pool's files (a name not yet taken keeps its file for the taker), and the
+        # windows named for it.
+        with self._pool_lock:
+            for file in self._pool:
+                file.path.unlink(missing_ok=True)
+            self._pool.clear()
         for left in self.root.glob(f"*.{self.worker}"):
-            if not left.name.startswith("left."):
+            if not left.name.startswith(("left.", "pool.")):
                 left.unlink(missing_ok=True)
         # The last worker out removes the directory (each removed its begun file first, so
         # the last sees none), with any window nobody took and the marks.

@@ -18,7 +18,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 import fsspec  # type: ignore[import-untyped]
@@ -70,24 +69,25 @@ class Source(Generic[C]):
 
         return pa.concat_tables(pieces)  # type: ignore[no-any-return]
 
-    def save(self, piece: C, path: Path) -> None:
-        """Write ``piece`` to the file ``path``, for :meth:`load` in another process."""
+    def dump(self, piece: C, room: Callable[[int], Any]) -> None:
+        """Write ``piece`` into ``room(n)`` (a writable buffer of at least ``n`` bytes, ``n``
+        the piece's size), for :meth:`load` in another process."""
         import pyarrow as pa
 
-        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, piece.schema) as out:  # type: ignore[attr-defined]
-            out.write_table(piece)
+        table: Any = piece
+        size = pa.MockOutputStream()
+        with pa.ipc.new_stream(size, table.schema) as out:
+            out.write_table(table)
+        sink = pa.FixedSizeBufferWriter(pa.py_buffer(room(size.size())))
+        with pa.ipc.new_stream(sink, table.schema) as out:
+            out.write_table(table)
 
-    def load(self, path: Path) -> C:
-        """The piece :meth:`save` wrote to ``path`` (Arrow: mapped, not copied; the mapping
-        lives while its rows do).
-
-        Raises:
-            FileNotFoundError: there is no such file (yet).
-        """
+    def load(self, buffer: Any) -> C:
+        """The piece :meth:`dump` wrote into ``buffer`` (which may go on past it); Arrow's
+        rows are read in place, not copied, and keep the buffer alive."""
         import pyarrow as pa
 
-        with pa.memory_map(str(path)) as f:
-            return pa.ipc.open_stream(f).read_all()  # type: ignore[no-any-return]
+        return pa.ipc.open_stream(pa.py_buffer(buffer)).read_all()  # type: ignore[no-any-return]
 
     def block(self, lanes: int, rows: int, spare: Any = None, worker: bool = False) -> Block:
         """An empty block for a window of up to ``rows`` rows of each of ``lanes`` lanes (see
@@ -834,13 +834,12 @@ class ReaderSource(Source[list[Any]]):
     def join(self, pieces: list[list[Any]]) -> list[Any]:
         return [x for p in pieces for x in p]
 
-    def save(self, piece: list[Any], path: Path) -> None:
-        with path.open("wb") as f:
-            pickle.dump(piece, f, protocol=pickle.HIGHEST_PROTOCOL)
+    def dump(self, piece: list[Any], room: Callable[[int], Any]) -> None:
+        data = pickle.dumps(piece, protocol=pickle.HIGHEST_PROTOCOL)
+        memoryview(room(len(data)))[: len(data)] = data
 
-    def load(self, path: Path) -> list[Any]:
-        with path.open("rb") as f:
-            return cast("list[Any]", pickle.load(f))
+    def load(self, buffer: Any) -> list[Any]:
+        return cast("list[Any]", pickle.loads(buffer))  # what follows the pickle is ignored
 
     def block(self, lanes: int, rows: int, spare: Any = None, worker: bool = False) -> Block:
         return ListBlock(lanes, rows)

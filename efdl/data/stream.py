@@ -638,12 +638,17 @@ class _RankReader:
 
     def _done_before(self, j: int) -> None:
         """No step takes rows of blocks before ``j`` any more: the last two are kept, to be
-        reused once no batch shares their memory. A window this worker failed to give to
+        reused once no batch shares their memory, and the windows other workers gave are
+        released (Exchange.release). A window this worker failed to give to
         others fails its step (the others would wait for it)."""
         for old in sorted(i for i in self._blocks if i < j):
             block, puts, _ = self._blocks.pop(old)
             if block.reuses and all(p.done() and p.exception() is None for p in puts):
                 self._retired = [*self._retired, block][-2:]
+            if self.exchange is not None:  # its batches are copies: others' windows are free
+                for lane in self.mine:
+                    if lane not in self.lanes:
+                        self.exchange.release(old, lane)
         for old in [i for i, gives in self._given.items() if all(g.done() for g in gives)]:
             for give in self._given.pop(old):
                 give.result()

@@ -35,9 +35,10 @@ def test_a_window_goes_to_each_taker_once_and_then_its_name_is_gone(stream_token
     owner, taker = (Exchange(source, stream_token, "it", w, 3) for w in (0, 1))
     table = pa.table({"id": pa.array(range(1000)), "s": pa.array([str(i) for i in range(1000)])})
     owner.give(4, 7, table, takers={0, 1, 2})  # not to itself
-    names = sorted(p.name for p in owner.root.iterdir() if not p.name.startswith("begun"))
+    names = sorted(p.name for p in owner.root.iterdir() if p.name[0].isdigit())
     assert names == ["4-7.1", "4-7.2"]
     assert taker.take(4, 7, owner=0).equals(table)
+    taker.release(4, 7)
     assert not (owner.root / "4-7.1").exists()
     assert (owner.root / "4-7.2").exists()  # worker 2's, until it takes it
     owner.close(finished=True)
@@ -45,11 +46,50 @@ def test_a_window_goes_to_each_taker_once_and_then_its_name_is_gone(stream_token
     assert not owner.root.exists()  # the last worker (of those that began) took it along
 
 
+def pool(exchange: Exchange) -> list[str]:
+    return sorted(p.name for p in exchange.root.glob(f"pool.{exchange.worker}.*"))
+
+
+def test_a_file_is_written_again_once_every_taker_released_it(stream_token: str) -> None:
+    """The owner's pool: a window goes into a file whose names are all gone, else into a
+    new one; a taker maps each file once, again only when it grew."""
+    source = arrow()
+    owner, one, two = (Exchange(source, stream_token, "it", w, 3) for w in (0, 1, 2))
+    windows = [pa.table({"id": pa.array(range(k, k + 100))}) for k in range(0, 300, 100)]
+    owner.give(0, 0, windows[0], takers={1, 2})
+    assert one.take(0, 0, owner=0).equals(windows[0])
+    one.release(0, 0)
+    owner.give(1, 0, windows[1], takers={1, 2})  # worker 2 still has window 0: a new file
+    assert len(pool(owner)) == 2
+    kept = two.take(0, 0, owner=0)
+    assert kept.equals(windows[0])
+    two.release(0, 0)
+    owner.give(2, 0, windows[2], takers={1, 2})  # into the first file again
+    assert len(pool(owner)) == 2
+    assert one.take(2, 0, owner=0).equals(windows[2])
+    assert one.take(1, 0, owner=0).equals(windows[1])
+    assert len(one._maps) == 2  # two files, each mapped once
+    bigger = pa.table({"id": pa.array(range(5000))})
+    one.release(1, 0)
+    one.release(2, 0)
+    two.take(1, 0, owner=0), two.take(2, 0, owner=0)
+    two.release(1, 0)
+    two.release(2, 0)
+    owner.give(3, 0, bigger, takers={1})  # grows a file: mapped again, whole
+    assert one.take(3, 0, owner=0).equals(bigger)
+    for side in (owner, one, two):
+        side.close(finished=True)
+
+
 def test_lists_of_samples_go_too(stream_token: str) -> None:
     source = ReaderSource(["a"], lambda shard, start: iter(()), [2])
     owner, taker = (Exchange(source, stream_token, "it", w, 2) for w in (0, 1))
     owner.give(0, 0, [{"id": 1}, {"id": 2}], takers={1})
     assert taker.take(0, 0, owner=0) == [{"id": 1}, {"id": 2}]
+    taker.release(0, 0)
+    owner.give(1, 0, [{"id": 3}], takers={1})  # over the longer pickle: its end is ignored
+    assert taker.take(1, 0, owner=0) == [{"id": 3}]
+    assert len(pool(owner)) == 1
 
 
 def test_a_wait_ends_at_its_deadline_or_when_the_owner_left(stream_token: str) -> None:
@@ -120,13 +160,18 @@ def test_the_windows_go_where_efdl_data_shm_says(
     assert made.root.parent == tmp_path
 
 
-def test_no_room_for_a_window_is_a_clear_error(stream_token: str) -> None:
-    class Full(ParquetSource):
-        def save(self, piece: object, path: Path) -> None:
-            path.write_bytes(b"part")
-            raise OSError(28, "No space left on device")
+def test_no_room_for_a_window_is_a_clear_error(
+    stream_token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
 
-    owner = Exchange(Full(["never-read.parquet"], rows=[1]), stream_token, "it", 0, 2)
-    with pytest.raises(DataSourceError, match=r"No space left.*EFDL_DATA_SHM"):
-        owner.give(0, 0, pa.table({"id": [1]}), takers={1})
+    owner = Exchange(arrow(), stream_token, "it", 0, 2)
+    with monkeypatch.context() as patched:
+        patched.setattr(exchange, "_allocate", full)
+        with pytest.raises(DataSourceError, match=r"No space left.*EFDL_DATA_SHM"):
+            owner.give(0, 0, pa.table({"id": [1]}), takers={1})
     assert not any(p.name.startswith("0-0") for p in owner.root.iterdir())
+    owner.give(0, 0, pa.table({"id": [1]}), takers={1})  # with room, the same file serves
+    assert len(pool(owner)) == 1
+    assert (owner.root / "0-0.1").exists()
