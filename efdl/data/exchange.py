@@ -115,7 +115,7 @@ class _File:
         """The mapping, grown to ``size`` bytes if smaller (never shrunk: a taker may still
         map the longer file)."""
         if self.map is None or len(self.map) < size:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR)  # gone: the exchange was closed
             try:
                 _allocate(fd, size)
                 self.map = mmap.mmap(fd, size)
@@ -173,12 +173,15 @@ class Exchange:
             file = next((f for f in self._pool if f.free()), None)
             if file is None:
                 file = _File(self.root / f"pool.{self.worker}.{self._tag}.{len(self._pool)}")
+                os.close(os.open(file.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
                 self._pool.append(file)
             file.writing, file.names = True, [self._name(j, lane, t) for t in takers]
         try:
             self.source.dump(piece, file.room)
         except OSError as exc:
             file.writing, file.names = False, []
+            if self._closed.is_set():  # close() removed the file: nobody takes the window
+                return
             raise DataSourceError(
                 f"Cannot write a window for the other DataLoader workers to {self.root} "
                 f"({exc}); expected room for about three windows per lane there: give "
@@ -193,7 +196,7 @@ class Exchange:
                 os.link(file.path, linked)
                 os.replace(linked, name)
         except FileNotFoundError:
-            if not self._closed.is_set():  # else close() removed the file: nobody takes it
+            if not self._closed.is_set():  # as above
                 raise
         finally:
             file.writing = False

@@ -175,3 +175,20 @@ def test_no_room_for_a_window_is_a_clear_error(
     owner.give(0, 0, pa.table({"id": [1]}), takers={1})  # with room, the same file serves
     assert len(pool(owner)) == 1
     assert (owner.root / "0-0.1").exists()
+
+
+def test_a_window_given_while_the_worker_closes_is_dropped(stream_token: str) -> None:
+    """A reader thread gives while the consumer thread closes the exchange (the loop ended):
+    the window goes nowhere, with no error and no file left behind."""
+
+    class Closing(ParquetSource):
+        def dump(self, piece: object, room: object) -> None:
+            owner.close(finished=False)  # between choosing a file and writing it
+            super().dump(piece, room)  # type: ignore[arg-type]
+
+    owner = Exchange(Closing(["never-read.parquet"], rows=[1]), stream_token, "it", 0, 2)
+    other = Exchange(arrow(), stream_token, "it", 1, 2)
+    owner.give(0, 0, pa.table({"id": [1]}), takers={1})
+    assert sorted(p.name for p in owner.root.iterdir()) == ["begun.1", "left.0"]
+    other.close(finished=True)
+    assert not owner.root.exists()
