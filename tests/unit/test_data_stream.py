@@ -3,8 +3,10 @@ through rescales, DataLoader workers, reads that seek, positions, and clear erro
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -462,3 +464,30 @@ def test_parquet_on_s3(s3_bucket: str, tmp_path: Path) -> None:
     got = sorted(i for s in streams for b in s for i in ids(b))
     assert got == sorted([*range(300), *range(300, 500)])
     assert streams[0].source.bytes_read() > 0
+
+
+def test_the_workers_pools_stay_small_over_a_long_epoch(
+    shards: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker's pool of window files is reused as the takers release windows: over an
+    epoch of hundreds of windows it holds a few per lane (were windows never released, it
+    would hold every window the epoch gave)."""
+    monkeypatch.setenv("EFDL_DATA_SHM", str(tmp_path))
+    s = stream(shards, batch=32, lanes=4, window=10)
+    given = sum(s.order().windows(lane) for lane in range(4))  # one taker each
+    most, got = 0, []
+    for batch in DataLoader(s, batch_size=None, num_workers=2):
+        got += ids(batch)
+        most = max(most, pool_files(tmp_path))
+    assert sorted(got) == list(range(sum(ROWS)))
+    assert given > 500 and 0 < most <= 10 * 4, (given, most)  # about 5 per lane here
+    assert not list(tmp_path.iterdir())
+
+
+def pool_files(root: Path) -> int:
+    """The window files in the iteration directories under ``root`` (one may go meanwhile)."""
+    count = 0
+    for folder in root.glob("efdl-stream-*"):
+        with contextlib.suppress(FileNotFoundError):
+            count += sum(1 for f in os.scandir(folder) if f.name.startswith("pool."))
+    return count
