@@ -128,7 +128,8 @@ class Exchange:
     """One DataLoader worker's side of its rank's windows for one iteration.
 
     Args:
-        source: writes and maps the windows (``Source.save`` / ``Source.load``).
+        source: writes the windows into its files and reads them back (``Source.dump`` /
+            ``Source.load``).
         stream: the stream's token (the same in all of its workers).
         iteration: the same in all workers of one iteration, and naming what a window's
             rows depend on (the order, the rank's share): an iteration that names the
@@ -165,10 +166,10 @@ class Exchange:
     def give(self, j: int, lane: int, piece: Any, takers: Iterable[int]) -> None:
         """Lane ``lane``'s window ``j``, to each of ``takers`` (other workers)."""
         takers = [t for t in takers if t != self.worker]
-        if not takers or self._closed.is_set():
+        if not takers:
             return
         with self._pool_lock:
-            if self._closed.is_set():
+            if self._closed.is_set():  # (under the lock: close() empties the pool)
                 return
             file = next((f for f in self._pool if f.free()), None)
             if file is None:
@@ -241,7 +242,8 @@ class Exchange:
 
     def _map(self, fd: int) -> mmap.mmap:
         """The file ``fd`` mapped: the mapping of an earlier window of it where it is long
-        enough (a pool file lives as long as its iteration, so its inode names it)."""
+        enough. Its inode names it: a file this worker maps cannot go while the mapping
+        lives, so no other file takes its inode number meanwhile."""
         info = os.fstat(fd)
         mapped = self._maps.get(info.st_ino)
         if mapped is None or len(mapped) < info.st_size:
@@ -273,16 +275,16 @@ class Exchange:
         self._maps.clear()  # each goes with the last rows that refer to it
         if not finished:
             (self.root / f"left.{self.worker}").write_text(error)
-        # Its pool's files (a name not yet taken keeps its file for the taker), and the
-        # windows named for it.
+        # Its pool's files (a name not yet taken keeps its file for the taker), the windows
+        # named for it ("{j}-{lane}.{worker}"), and last its begun file.
         with self._pool_lock:
             for file in self._pool:
                 file.path.unlink(missing_ok=True)
             self._pool.clear()
-        for left in self.root.glob(f"*.{self.worker}"):
-            if not left.name.startswith(("left.", "pool.")):
-                left.unlink(missing_ok=True)
-        # The last worker out removes the directory (each removed its begun file first, so
-        # the last sees none), with any window nobody took and the marks.
+        for name in self.root.glob(f"*-*.{self.worker}"):
+            name.unlink(missing_ok=True)
+        (self.root / f"begun.{self.worker}").unlink(missing_ok=True)
+        # The last worker out (it sees no begun file) removes the directory, with any
+        # window nobody took and the marks.
         if not any(self.root.glob("begun.*")):
             shutil.rmtree(self.root, ignore_errors=True)

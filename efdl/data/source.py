@@ -428,9 +428,10 @@ def gather_tensors(picks: list[ArrowPick]) -> dict[str, Any]:
     from torch.utils.data import get_worker_info
 
     schema = picks[0][0].schema
+    make = _shared_rows if get_worker_info() is not None else None
     out: dict[str, Any] = {}
     for c, field in enumerate(schema):
-        rows = _numpy_rows(picks, c, _shared_rows if get_worker_info() is not None else None)
+        rows = _numpy_rows(picks, c, make)
         if rows is None:
             out.update(to_torch(pa.table({field.name: _arrow_rows(picks, c)})))
             continue

@@ -532,6 +532,7 @@ class _RankReader:
         own = [lane for lane in share.lanes if self.owner[lane] == self.worker]
         units = _Units()
         self.lanes = {lane: _Lane(source, order, lane, own, units) for lane in own}
+        self._theirs = [lane for lane in share.lanes if lane not in self.lanes]
         self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, len(own))))
         self._size = order.window * len(self.mine)  # block rows per block
         # Blocks asked for and not yet done with: the block, its own lanes' puts, and the
@@ -646,9 +647,8 @@ class _RankReader:
             if block.reuses and all(p.done() and p.exception() is None for p in puts):
                 self._retired = [*self._retired, block][-2:]
             if self.exchange is not None:  # its batches are copies: others' windows are free
-                for lane in self.mine:
-                    if lane not in self.lanes:
-                        self.exchange.release(old, lane)
+                for lane in self._theirs:
+                    self.exchange.release(old, lane)
         for old in [i for i, gives in self._given.items() if all(g.done() for g in gives)]:
             for give in self._given.pop(old):
                 give.result()

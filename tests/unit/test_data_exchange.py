@@ -61,8 +61,7 @@ def test_a_file_is_written_again_once_every_taker_released_it(stream_token: str)
     one.release(0, 0)
     owner.give(1, 0, windows[1], takers={1, 2})  # worker 2 still has window 0: a new file
     assert len(pool(owner)) == 2
-    kept = two.take(0, 0, owner=0)
-    assert kept.equals(windows[0])
+    assert two.take(0, 0, owner=0).equals(windows[0])
     two.release(0, 0)
     owner.give(2, 0, windows[2], takers={1, 2})  # into the first file again
     assert len(pool(owner)) == 2
@@ -72,7 +71,8 @@ def test_a_file_is_written_again_once_every_taker_released_it(stream_token: str)
     bigger = pa.table({"id": pa.array(range(5000))})
     one.release(1, 0)
     one.release(2, 0)
-    two.take(1, 0, owner=0), two.take(2, 0, owner=0)
+    assert two.take(1, 0, owner=0).equals(windows[1])
+    assert two.take(2, 0, owner=0).equals(windows[2])
     two.release(1, 0)
     two.release(2, 0)
     owner.give(3, 0, bigger, takers={1})  # grows a file: mapped again, whole
