@@ -288,26 +288,38 @@ class EtcdCluster:
     """
 
     def __init__(self, size: int = 3) -> None:
-        names = [f"m{i}" for i in range(size)]
+        self.size = size
+        self.members = self._new_members()
+
+    def _new_members(self) -> list[EmbeddedEtcd]:
+        """Members on free ports, each with a new data directory."""
+        names = [f"m{i}" for i in range(self.size)]
         ports = [(free_port(), free_port()) for _ in names]
         initial = ",".join(
             f"{n}=http://127.0.0.1:{peer}" for n, (_, peer) in zip(names, ports, strict=True)
         )
-        self.members = []
+        members = []
         for name, (client, peer) in zip(names, ports, strict=True):
             member = EmbeddedEtcd(name=name, cluster=initial)
             member.client_port, member.peer_port = client, peer
-            self.members.append(member)
+            members.append(member)
+        return members
 
     def start(self) -> EtcdCluster:
-        for m in self.members:
-            m.launch()
-        for m in self.members:
-            if not m.wait_started():
-                error = m._failed()
-                self.stop()
-                raise error
-        return self
+        """Start every member and wait for them. A first start that fails (a port another
+        process took between its choice and etcd's bind) is tried again on new ports and
+        new directories, as EmbeddedEtcd.start does for one member, three times in all."""
+        for attempt in range(3):
+            if attempt:
+                self.members = self._new_members()
+            for m in self.members:
+                m.launch()
+            failed = next((m for m in self.members if not m.wait_started()), None)
+            if failed is None:
+                return self
+            error = failed._failed()
+            self.stop()
+        raise error
 
     @property
     def endpoints(self) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -131,3 +132,24 @@ def test_losing_the_member_in_use_keeps_the_lease_the_watch_and_requests(
     finally:
         store.close()
         writer.close()
+
+
+def test_a_cluster_whose_port_was_taken_starts_on_new_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port another process binds between its choice and etcd's: the cluster starts
+    again on new ports (real etcd members, a real socket holding the port)."""
+    from efdl.rendezvous import embedded
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = embedded.free_port
+    monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real())
+    try:
+        with EtcdCluster(3) as c:
+            assert taken.getsockname()[1] not in [m.client_port for m in c.members]
+            assert len(c.members) == 3 and all(m.running for m in c.members)
+    finally:
+        taken.close()
