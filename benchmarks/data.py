@@ -234,16 +234,14 @@ def rescale(files: list[str], storage: dict[str, Any], lanes: int) -> dict[str, 
 
     out: dict[str, float] = {}
     survivor = efdl.ElasticStream(files, BATCH * 3, lanes=lanes, storage_options=storage)
-    survivor.rows()  # read before the rescale, with the first epoch
-    half = sum(survivor.rows()) // 2 // (BATCH * 3) * (BATCH * 3)
-    for name, stream in (
-        ("survivor", survivor),
-        ("newcomer", efdl.ElasticStream(files, BATCH * 3, lanes=lanes, storage_options=storage)),
-    ):
-        before = stream.source.bytes_read()
+    half = survivor.total() // 2 // (BATCH * 3) * (BATCH * 3)
+    for name in ("survivor", "newcomer"):
         t0 = time.perf_counter()
-        if name == "newcomer":
-            stream.rows()  # a newcomer reads the footers (the sync gives it the position)
+        if name == "newcomer":  # made now: it reads the footers (the sync gives it the position)
+            stream = efdl.ElasticStream(files, BATCH * 3, lanes=lanes, storage_options=storage)
+            before = 0
+        else:  # its footers were read with the first epoch
+            stream, before = survivor, survivor.source.bytes_read()
         stream.load_state_dict({**stream.state_dict(), "cursor": half})
         stream.set_world(2, 3)
         it = iter(stream)

@@ -75,8 +75,13 @@ class ElasticStream(IterableDataset[Any]):
             workers), 1 to 8. Each reads one lane at a time; Arrow decodes outside the GIL,
             but more threads than cores contend for them and for it.
 
+    The shards' row counts are read here, once (each Parquet file's footer, 32 files at a
+    time), so that DataLoader workers, which get the stream when they start (at every epoch,
+    unless ``persistent_workers``), have them and do not read every footer again.
+
     Raises:
         ValueError: a batch smaller than ``lanes`` or than the world, or settings below 1.
+        DataSourceError: a shard that cannot be read (see the source), or no rows at all.
     """
 
     def __init__(
@@ -109,8 +114,6 @@ class ElasticStream(IterableDataset[Any]):
         self.global_batch_size = global_batch_size
         self.lanes, self.window, self.shuffle, self.threads = lanes, window, shuffle, threads
         self.transform = transform
-        self._rows: list[int] | None = None
-        self._total: int | None = None
         self._pos = torch.zeros(8, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._pos[_LANES], self._pos[_WINDOW], self._pos[_SEED] = lanes, window, seed
         # The position as a process-local copy: what a DataLoader worker process finds at
@@ -121,6 +124,10 @@ class ElasticStream(IterableDataset[Any]):
         # by the first of the loader's workers to begin the iteration, read by the others.
         self._begun = 0  # iterations this process began as a DataLoader worker
         self._record = torch.zeros(2 + len(self._local), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        self._rows = source.rows()  # here: a worker gets them (see above)
+        if not sum(self._rows):
+            raise DataSourceError(f"The shards {list(source.names())[:4]} have no rows.")
+        self._total = sum(self._rows)
         # Names the windows its DataLoader workers give each other (efdl.data.exchange),
         # removed with the stream (or when its process ends).
         self._token = token()
@@ -142,17 +149,11 @@ class ElasticStream(IterableDataset[Any]):
         return int(self._pos[_SEED])
 
     def rows(self) -> list[int]:
-        """Each shard's row count (read once, from the shards' footers for Parquet)."""
-        if self._rows is None:
-            self._rows = self.source.rows()
-            if not sum(self._rows):
-                raise DataSourceError(f"The shards {list(self.source.names())[:4]} have no rows.")
+        """Each shard's row count (read when the stream was made)."""
         return self._rows
 
     def total(self) -> int:
-        """Rows in an epoch (summed once: commit() advances the cursor every step)."""
-        if self._total is None:
-            self._total = sum(self.rows())
+        """Rows in an epoch."""
         return self._total
 
     def order(self, position: list[int] | None = None) -> EpochOrder:

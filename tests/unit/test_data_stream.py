@@ -224,6 +224,25 @@ def test_dataloader_workers_yield_the_main_process_batches(shards: list[str]) ->
     assert len(results[0]) == 16
 
 
+def test_dataloader_workers_do_not_read_the_footers_again(
+    shards: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream reads every shard's footer when it is made; its DataLoader workers (fresh
+    at every epoch) get them with it. A footer read after that fails the worker."""
+    s = stream(shards)
+    s.set_world(0, 2)
+
+    def read_again(self: ParquetSource, shard: int) -> list[int]:
+        raise AssertionError(f"footer of shard {shard} read again, in process {os.getpid()}")
+
+    monkeypatch.setattr(ParquetSource, "_footer", read_again)
+    loader: DataLoader[Any] = DataLoader(s, batch_size=None, num_workers=2)
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        got = sorted(i for batch in loader for i in ids(batch))
+        assert len(got) == len(set(got)) and len(got) >= sum(ROWS) // 2
+
+
 class LateWorker(ElasticStream):
     """A stream whose DataLoader worker 1 begins each iteration only once the main process
     has committed a step of it (from worker 0's batch): a worker late under load, made
@@ -441,7 +460,7 @@ def test_bad_settings_positions_and_files_are_clear_errors(
     bad = tmp_path / "bad.parquet"
     bad.write_text("not parquet")
     with pytest.raises(DataSourceError, match=r"bad\.parquet' is not a Parquet file"):
-        stream([str(bad)]).rows()
+        stream([str(bad)])
     with pytest.raises(DataSourceError, match="has no column"):
         next(iter(stream(shards, columns=["nope"])))
 
