@@ -71,9 +71,10 @@ class ElasticStream(IterableDataset[Any]):
             (:func:`to_torch`) for Arrow, ``default_collate`` for lists.
         columns, storage_options: for Parquet sources given as URLs.
         threads: reader threads per process. Default: this process's share of the cores
-            (the cores it may run on, over ``LOCAL_WORLD_SIZE`` and the DataLoader's
-            workers), 1 to 8. Each reads one lane at a time; Arrow decodes outside the GIL,
-            but more threads than cores contend for them and for it.
+            (the cores it may run on, over ``LOCAL_WORLD_SIZE``, and in a DataLoader worker
+            over the rank's workers and its main process, which trains), 1 to 8. Each
+            reads one lane at a time; Arrow decodes outside the GIL, but more threads than
+            cores contend for them and for it.
 
     The shards' row counts are read here, once (each Parquet file's footer, 32 files at a
     time), so that DataLoader workers, which get the stream when they start (at every epoch,
@@ -276,7 +277,7 @@ class ElasticStream(IterableDataset[Any]):
         order = self.order(p)
         rank, world = self._world(p)
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        threads = self.threads or _threads(workers)
+        threads = self.threads or _threads(workers if info is not None else 0)
         steps = range(p[_CURSOR], order.total, self.global_batch_size)
         exchange = None
         if info is not None and workers > 1:  # the iteration, and what its rows depend on
@@ -321,13 +322,17 @@ def _ints(values: torch.Tensor) -> list[int]:
 
 def _threads(workers: int) -> int:
     """This process's share of the cores it may run on: over the ranks on this node
-    (``LOCAL_WORLD_SIZE``, as torchrun and efdl-run set it) and the DataLoader's workers."""
+    (``LOCAL_WORLD_SIZE``, as torchrun and efdl-run set it) and, in one of a rank's
+    ``workers`` DataLoader workers (0: none), over them and the rank's main process. A
+    worker's own thread gathers and passes batches, and the main process trains: counting
+    it keeps each process's readers to its share of the cores (more contend for them)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    return max(1, min(8, (cores or 1) // (local * workers)))
+    processes = workers + 1 if workers else 1
+    return max(1, min(8, (cores or 1) // (local * processes)))
 
 
 @dataclass(frozen=True)

@@ -510,3 +510,19 @@ def pool_files(root: Path) -> int:
         with contextlib.suppress(FileNotFoundError):
             count += sum(1 for f in os.scandir(folder) if f.name.startswith("pool."))
     return count
+
+
+def test_readers_take_their_process_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 cores: a rank alone reads with 8 threads (the most), 4 ranks with 4 each; in
+    DataLoader workers the rank's main process counts too (4 ranks of 2 workers: 1 each,
+    not 2, which would put 3 busy threads per worker on 16 cores)."""
+    from efdl.data import stream as stream_module
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    got = {}
+    for local in (1, 2, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local))
+        got[local] = [stream_module._threads(workers) for workers in (0, 2, 7)]
+    assert got == {1: [8, 5, 2], 2: [8, 2, 1], 4: [4, 1, 1]}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert stream_module._threads(0) == 8
