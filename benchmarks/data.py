@@ -14,7 +14,12 @@ local S3 stand-in (moto's server, on 127.0.0.1; ``--s3-gb`` of the files). Reade
   its first row, see docs/data.md).
 - hf: ``datasets.load_dataset("parquet", streaming=True)``, ``split_dataset_by_node``, a
   DataLoader over ``with_format("torch")``, no shuffle; it reads ``--hf-rows`` per rank (it
-  is slow).
+  is slow), from its second batch (its first, with its start, before the clock).
+- mosaic: MosaicML streaming's ``StreamingDataset`` over the same rows written once as MDS
+  shards (uncompressed, 128 MB each; its own format: it reads no Parquet), no shuffle, local
+  disk only; ``--mosaic DIR`` where ``benchmarks/mosaic/install.sh DIR`` installed it apart
+  from this environment (it pins older numpy and transformers). It reads ``--hf-rows`` per
+  rank too, as hf does.
 
 Per configuration: samples/s and decoded MB/s over all ranks (from the moment every rank is
 ready to the last rank's last batch), and the ranks' CPU time per row (their DataLoader
@@ -26,7 +31,7 @@ world; the time to their first batch and the bytes they read for it, against wha
 without a seek re-reads (its files from their start to the position).
 
 Usage: python -m benchmarks.data [--gb 2] [--s3-gb 0.25] [--repeat 3] [--dir D]
-       [--worlds 1,2,4] [--readers plain,efdl,hf] [--workers 0]
+       [--worlds 1,2,4] [--readers plain,efdl,efdl64,hf,mosaic] [--workers 0] [--mosaic DIR]
 """
 
 from __future__ import annotations
@@ -74,6 +79,32 @@ def generate(folder: Path, gb: float) -> list[str]:
         pq.write_table(pa.table({"id": ids, "tokens": seq}), path, row_group_size=GROUP_ROWS)
     marker.touch()
     return paths
+
+
+def write_mds(files: list[str], folder: Path) -> None:
+    """The files' rows as MosaicML MDS shards in ``folder`` (in a process that imports
+    streaming; reused when already there)."""
+    import pyarrow.parquet as pq
+    from streaming import MDSWriter
+
+    marker = folder / f"done-{len(files)}"
+    if marker.exists():
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    columns = {"id": "int64", "tokens": f"ndarray:int32:{TOKENS}"}
+    with MDSWriter(out=str(folder), columns=columns, size_limit=1 << 27) as out:
+        for path in files:
+            for batch in pq.ParquetFile(path).iter_batches(GROUP_ROWS):
+                ids = batch.column(0).to_numpy()
+                tokens = batch.column(1).flatten().to_numpy().reshape(-1, TOKENS)
+                for i, tokens_i in zip(ids.tolist(), tokens, strict=True):
+                    out.write({"id": i, "tokens": tokens_i})
+    marker.touch()
+
+
+def _mosaic_env(env: dict[str, str], mosaic: str) -> dict[str, str]:
+    """``env`` with ``mosaic`` (install.sh's folder) first on the Python path."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (mosaic, env.get("PYTHONPATH")) if p)}
 
 
 # ---------------------------------------------------------------- one rank (a subprocess)
@@ -124,6 +155,12 @@ def rank_main(args: dict[str, Any]) -> None:
         loader: Any = DataLoader(stream, batch_size=None, **extra)
     elif reader == "plain":
         loader = DataLoader(_plain_dataset(files, rank, world, storage), batch_size=None, **extra)
+    elif reader == "mosaic":
+        from streaming import StreamingDataset  # type: ignore[import-not-found]
+
+        # rank and world from RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE
+        mosaic = StreamingDataset(local=args["mds"], batch_size=BATCH, shuffle=False)
+        loader = DataLoader(mosaic, batch_size=BATCH, **extra)
     else:
         loader = DataLoader(_hf_dataset(files, rank, world, storage), batch_size=BATCH, **extra)
     # What every reader sets up on its first rows, before the clock starts: the setup is
@@ -137,6 +174,9 @@ def rank_main(args: dict[str, Any]) -> None:
     if "://" in files[0]:
         fs, path = fsspec.core.url_to_fs(files[0], **storage)
         fs.info(path)
+    batches = iter(loader)
+    if args["cap"]:  # a reader measured over part of its rows: its start is not in them
+        next(batches)
     Path(args["ready"]).touch()
     deadline = time.monotonic() + 300
     while not os.path.exists(args["go"]):
@@ -146,7 +186,7 @@ def rank_main(args: dict[str, Any]) -> None:
     start, cpu = time.time(), _cpu()
     rows = nbytes = 0
     cap = args["cap"] or float("inf")
-    for batch in loader:
+    for batch in batches:
         rows += len(batch["id"])
         nbytes += sum(v.numel() * v.element_size() for v in batch.values())
         if rows >= cap:
@@ -171,9 +211,21 @@ def run_world(
     workers: int,
     env: Any,
     cap: int = 0,
+    mds: str = "",
 ) -> dict[str, float]:
-    """All ranks at once (each reading at most ``cap`` rows, 0: all); samples/s and MB/s."""
+    """All ranks at once (each reading at most ``cap`` rows, 0: all); samples/s and MB/s.
+    ``mds``: Mosaic's shards, for the reader "mosaic" (whose ``env`` has it on the path)."""
+    from efdl._process import free_port
+
     tmp = Path(tempfile.mkdtemp(prefix="efdl-data-"))
+    # the ranks of one node, as torchrun and efdl-run describe them (Mosaic makes its own
+    # process group from them)
+    node = {
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     try:
         procs = []
         for rank in range(world):
@@ -185,6 +237,7 @@ def run_world(
                 "reader": reader,
                 "workers": workers,
                 "cap": cap,
+                "mds": mds,
                 "ready": str(tmp / f"ready-{rank}"),
                 "go": str(tmp / "go"),
             }
@@ -193,8 +246,7 @@ def run_world(
                     [sys.executable, "-m", "benchmarks.data", "--rank-main", json.dumps(args)],
                     stdout=subprocess.PIPE,
                     text=True,
-                    # the ranks of one node, as torchrun and efdl-run describe them
-                    env={**env, "RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)},
+                    env={**env, **node, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 )
             )
         deadline = time.monotonic() + 300
@@ -299,9 +351,19 @@ def main() -> None:
     )
     p.add_argument("--workers", default="0", help="DataLoader worker counts, e.g. 0,2")
     p.add_argument("--places", default="local,s3", help="local disk, the S3 stand-in, or both")
+    p.add_argument(
+        "--mosaic",
+        default=os.environ.get("EFDL_BENCH_MOSAIC", "/tmp/efdl-mosaic"),
+        help="where benchmarks/mosaic/install.sh put MosaicML streaming (reader 'mosaic')",
+    )
+    p.add_argument("--write-mds", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.rank_main:
         rank_main(json.loads(a.rank_main))
+        return
+    if a.write_mds:
+        job = json.loads(a.write_mds)
+        write_mds(job["files"], Path(job["folder"]))
         return
     t0 = time.perf_counter()
     files = generate(Path(a.dir), a.gb)
@@ -317,6 +379,22 @@ def main() -> None:
     places: list[tuple[str, list[str], dict[str, Any]]] = []
     if "local" in wanted:
         places.append(("local", files, {}))
+    mds = ""
+    if "mosaic" in readers:
+        mds = str(Path(a.dir) / "mds")
+        t0 = time.perf_counter()
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.data",
+                "--write-mds",
+                json.dumps({"files": files, "folder": mds}),
+            ],
+            env=_mosaic_env(dict(os.environ), a.mosaic),
+            check=True,
+        )
+        print(f"MDS written in {time.perf_counter() - t0:.0f} s (or reused)", file=sys.stderr)
     with contextlib.ExitStack() as stack:
         if a.s3_gb > 0 and "s3" in wanted:
             s3_env = stack.enter_context(s3_stand_in())
@@ -330,9 +408,14 @@ def main() -> None:
                     for world in worlds:
                         for reader in readers:
                             key = (place, reader, world, workers)
+                            if reader == "mosaic" and place != "local":
+                                continue  # it downloads whole shards, then reads them locally
+                            run_env = _mosaic_env(env, a.mosaic) if reader == "mosaic" else env
+                            cap = a.hf_rows if reader in ("hf", "mosaic") else 0
                             try:
-                                cap = a.hf_rows if reader == "hf" else 0
-                                got = run_world(reader, world, urls, storage, workers, env, cap)
+                                got = run_world(
+                                    reader, world, urls, storage, workers, run_env, cap, mds
+                                )
                             except RuntimeError as exc:
                                 print(f"{key}: {exc}", file=sys.stderr)
                                 continue
@@ -360,6 +443,8 @@ def main() -> None:
                 base = statistics.median(r["sps"] for r in plain) if plain else None
                 for reader in readers:
                     rs = results.get((place, reader, world, workers), [])
+                    if reader == "mosaic" and place != "local":
+                        continue
                     if not rs:
                         print(f"| {place} | {workers} | {world} | {reader} | failed | | | |")
                         continue
