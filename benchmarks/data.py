@@ -191,7 +191,13 @@ def rank_main(args: dict[str, Any]) -> None:
         nbytes += sum(v.numel() * v.element_size() for v in batch.values())
         if rows >= cap:
             break
-    end, cpu = time.time(), _cpu() - cpu
+    end = time.time()
+    # A loop left early leaves its workers running: stop them (DataLoader's iterator does
+    # as it goes), so that their CPU time counts (the children's is counted once they exit).
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    cpu = _cpu() - cpu
     print(json.dumps({"rows": rows, "bytes": nbytes, "start": start, "end": end, "cpu": cpu}))
 
 
