@@ -1,9 +1,10 @@
-"""Streamed data: efdl.ElasticStream against a plain pyarrow reader and HF ``datasets``.
+"""Streamed data: efdl.ElasticStream against a plain pyarrow reader, HF datasets and Mosaic.
 
 A generated Parquet data set (``--gb``, default 2 GB: rows of a 512-token int32 sequence and
 an id, 8192-row row groups, snappy) is read by 1, 2 and 4 ranks at once, each its own process
 (a DataLoader with ``--workers`` worker processes, or none), from local disk and from the
-local S3 stand-in (moto's server, on 127.0.0.1; ``--s3-gb`` of the files). Readers:
+local S3 stand-in (moto's server, on 127.0.0.1; ``--s3-gb`` of the files, default 1 GB: 8 files,
+so that each of the plain reader's 8 workers at 4 ranks has one). Readers:
 
 - plain: a DataLoader over an IterableDataset that reads its rank's files (and its worker's
   share of them) with ``pyarrow.ParquetFile.iter_batches``, in file order, no shuffle: the
@@ -30,7 +31,7 @@ footers already read) and a newcomer's (nothing read) are started at the cursor 
 world; the time to their first batch and the bytes they read for it, against what a reader
 without a seek re-reads (its files from their start to the position).
 
-Usage: python -m benchmarks.data [--gb 2] [--s3-gb 0.25] [--repeat 3] [--dir D]
+Usage: python -m benchmarks.data [--gb 2] [--s3-gb 1] [--repeat 3] [--dir D]
        [--worlds 1,2,4] [--readers plain,efdl,efdl64,hf,mosaic] [--workers 0] [--mosaic DIR]
 """
 
@@ -347,7 +348,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rank-main", help=argparse.SUPPRESS)
     p.add_argument("--gb", type=float, default=2.0)
-    p.add_argument("--s3-gb", type=float, default=0.25, help="0: no S3 runs")
+    p.add_argument(
+        "--s3-gb",
+        type=float,
+        default=1.0,
+        help="GB of the files on the S3 stand-in (0: no S3 runs)",
+    )
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "efdl-bench-parquet"))
     p.add_argument("--worlds", default="1,2,4")
