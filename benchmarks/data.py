@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -377,6 +378,21 @@ def main() -> None:
         job = json.loads(a.write_mds)
         write_mds(job["files"], Path(job["folder"]))
         return
+    readers = a.readers.split(",")
+    wanted = a.places.split(",")
+    known = re.compile(r"plain|efdl\d*|hf|mosaic")
+    for name, values, expected in (
+        (
+            "--readers",
+            [r for r in readers if not known.fullmatch(r)],
+            "plain, efdl, efdlN, hf, mosaic",
+        ),
+        ("--places", [w for w in wanted if w not in ("local", "s3")], "local, s3"),
+    ):
+        if values:
+            sys.exit(
+                f"{name}: unknown {values[0]!r}; expected a comma-separated list of {expected}."
+            )
     t0 = time.perf_counter()
     files = generate(Path(a.dir), a.gb)
     print(
@@ -385,14 +401,25 @@ def main() -> None:
     )
     on_disk = sum(os.path.getsize(f) for f in files)
     worlds = [int(w) for w in a.worlds.split(",")]
-    readers = a.readers.split(",")
     worker_counts = [int(w) for w in a.workers.split(",")]
-    wanted = a.places.split(",")
     places: list[tuple[str, list[str], dict[str, Any]]] = []
     if "local" in wanted:
         places.append(("local", files, {}))
     mds = ""
     if "mosaic" in readers:
+        found = subprocess.run(
+            [sys.executable, "-c", "import streaming"],
+            env=_mosaic_env(dict(os.environ), a.mosaic),
+            capture_output=True,
+            text=True,
+        )
+        if found.returncode:
+            last = (found.stderr.strip().splitlines() or ["?"])[-1]
+            sys.exit(
+                f"The reader 'mosaic' needs MosaicML streaming at --mosaic {a.mosaic!r}, which "
+                f"does not import from there ({last}); expected the folder that "
+                f"'bash benchmarks/mosaic/install.sh {a.mosaic}' makes."
+            )
         mds = str(Path(a.dir) / "mds")
         t0 = time.perf_counter()
         subprocess.run(
