@@ -331,8 +331,7 @@ def _threads(workers: int) -> int:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    processes = workers + 1 if workers else 1
-    return max(1, min(8, (cores or 1) // (local * processes)))
+    return max(1, min(8, (cores or 1) // (local * (workers + 1))))
 
 
 @dataclass(frozen=True)
