@@ -14,6 +14,11 @@ window in place, and removes its name when its steps are done with the window's 
 (:meth:`Exchange.release`); a file whose names are all gone is free again. The pool grows
 while every file is in use (a taker behind), and goes with its iteration's directory, as
 does a name nobody took (an iteration left before its end; :func:`sweep`).
+
+The directory goes when every one of the loader's workers has closed its side (each marks
+it), not when the last of those that began does: a worker may begin after the others gave
+it all its windows and closed (near an epoch's end an iteration's steps are few, and the
+first batch of the worker slowest to start is the last one asked for).
 """
 
 from __future__ import annotations
@@ -159,9 +164,21 @@ class Exchange:
         begun = self.root / f"begun.{worker}"
         begun.touch()
         self._begun_ns = begun.stat().st_mtime_ns
+        # Only this worker marks that it closed this iteration: a mark here is older.
+        self._closed_mark(worker).unlink(missing_ok=True)
 
     def _name(self, j: int, lane: int, taker: int | str) -> Path:
         return self.root / f"{j}-{lane}.{taker}"
+
+    def _closed_mark(self, worker: int) -> Path:
+        """Where ``worker`` marks that it closed its side: "finished" or "left"."""
+        return self.root / f"closed.{worker}"
+
+    def _finished(self, worker: int) -> bool:
+        try:
+            return self._closed_mark(worker).read_text() == "finished"
+        except FileNotFoundError:
+            return False
 
     def give(self, j: int, lane: int, piece: Any, takers: Iterable[int]) -> None:
         """Lane ``lane``'s window ``j``, to each of ``takers`` (other workers)."""
@@ -221,6 +238,17 @@ class Exchange:
                 gone = None
                 if time.monotonic() > look:  # the marks: a directory listing, now and then
                     gone, look = self.left(), time.monotonic() + _LOOK_S
+                    if gone is None and self._finished(owner):
+                        # It gave all it had to, linking the names before it marked that
+                        # it finished: a name not there now will not come.
+                        if path.exists():
+                            continue
+                        raise DataSourceError(
+                            f"DataLoader worker {owner} of {self.workers} finished the "
+                            f"iteration without window {j} of lane {lane} for worker "
+                            f"{self.worker} (in {self.root}); expected every window a "
+                            "worker's steps take to be given. Please report this."
+                        ) from None
                 if gone is not None:
                     raise DataSourceError(
                         f"DataLoader worker {gone[0]} left the iteration before it gave "
@@ -260,7 +288,15 @@ class Exchange:
         any, and its error. Its mark is newer than this worker's start: one as old or older
         is an earlier iteration's of the same name (the same files' clock, not this
         process's)."""
-        for mark in self.root.glob("left.*"):
+        try:
+            marks = [self.root / n for n in os.listdir(self.root) if n.startswith("left.")]
+        except FileNotFoundError:
+            raise DataSourceError(
+                f"The directory of this iteration's windows, {self.root}, was removed while "
+                "its DataLoader workers read: by another iteration over the same stream? "
+                "Iterate one loader over a stream at a time."
+            ) from None
+        for mark in marks:
             with contextlib.suppress(OSError):
                 if mark.stat().st_mtime_ns > self._begun_ns:
                     return int(mark.suffix[1:]), mark.read_text()
@@ -268,23 +304,26 @@ class Exchange:
 
     def close(self, finished: bool, error: str = "") -> None:
         """This worker is done with the iteration: windows still named for it are dropped,
-        and the directory goes with the last of its workers. Not
+        and the directory goes with the last of the loader's workers to close. Not
         ``finished`` (it left before its end: the loop ended, or ``error``): it marks that
         it left, so the others stop waiting for its windows."""
         self._closed.set()
         self._maps.clear()  # each goes with the last rows that refer to it
+        # Nothing removes the directory before this worker marks that it closed (below).
         if not finished:
             (self.root / f"left.{self.worker}").write_text(error)
-        # Its pool's files (a name not yet taken keeps its file for the taker), the windows
-        # named for it ("{j}-{lane}.{worker}"), and last its begun file.
+        # Its pool's files (a name not yet taken keeps its file for the taker), and the
+        # windows named for it ("{j}-{lane}.{worker}").
         with self._pool_lock:
             for file in self._pool:
                 file.path.unlink(missing_ok=True)
             self._pool.clear()
-        for name in self.root.glob(f"*-*.{self.worker}"):
-            name.unlink(missing_ok=True)
-        (self.root / f"begun.{self.worker}").unlink(missing_ok=True)
-        # The last worker out (it sees no begun file) removes the directory, with any
-        # window nobody took and the marks.
-        if not any(self.root.glob("begun.*")):
+        mine = f".{self.worker}"
+        for name in os.listdir(self.root):
+            if name.endswith(mine) and name[0].isdigit():
+                (self.root / name).unlink(missing_ok=True)
+        self._closed_mark(self.worker).write_text("finished" if finished else "left")
+        # The last of the loader's workers to close removes the directory, with any window
+        # nobody took and the marks. (Two that close at once may both: that is no error.)
+        if all(self._closed_mark(w).exists() for w in range(self.workers)):
             shutil.rmtree(self.root, ignore_errors=True)

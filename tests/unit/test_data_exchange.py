@@ -43,7 +43,43 @@ def test_a_window_goes_to_each_taker_once_and_then_its_name_is_gone(stream_token
     assert (owner.root / "4-7.2").exists()  # worker 2's, until it takes it
     owner.close(finished=True)
     taker.close(finished=True)
-    assert not owner.root.exists()  # the last worker (of those that began) took it along
+    assert (owner.root / "4-7.2").exists()  # worker 2 has not begun: its window waits for it
+    late = Exchange(source, stream_token, "it", 2, 3)
+    assert late.take(4, 7, owner=0).equals(table)
+    late.release(4, 7)
+    late.close(finished=True)
+    assert not owner.root.exists()  # the last of the loader's workers took it along
+
+
+def test_a_worker_that_begins_after_the_others_closed_finds_their_windows(
+    stream_token: str,
+) -> None:
+    """A worker slow to start (its first batch is the last asked for): the others may read
+    and give all they had to and close before it begins (near an epoch's end, an
+    iteration's steps are few). Their windows wait for it."""
+    source = arrow()
+    table = pa.table({"id": pa.array(range(10))})
+    owner = Exchange(source, stream_token, "it", 0, 2)
+    owner.give(3, 1, table, takers={1})
+    owner.close(finished=True)
+    late = Exchange(source, stream_token, "it", 1, 2, wait_s=30)
+    assert late.take(3, 1, owner=0).equals(table)
+    late.release(3, 1)
+    late.close(finished=True)
+    assert not late.root.exists()
+
+
+def test_a_window_its_owner_finished_without_is_an_error_at_once(stream_token: str) -> None:
+    """An owner that closed having given all it had to: a window not there will not come.
+    The taker says so, rather than wait out ``wait_s`` (which bounds an owner stuck on a
+    read)."""
+    source = arrow()
+    owner = Exchange(source, stream_token, "it", 0, 2)
+    taker = Exchange(source, stream_token, "it", 1, 2, wait_s=600)
+    owner.close(finished=True)
+    with pytest.raises(DataSourceError, match=r"worker 0 of 2 finished .* without window 5"):
+        taker.take(5, 2, owner=0)
+    taker.close(finished=True)
 
 
 def pool(exchange: Exchange) -> list[str]:
@@ -189,6 +225,11 @@ def test_a_window_given_while_the_worker_closes_is_dropped(stream_token: str) ->
     owner = Exchange(Closing(["never-read.parquet"], rows=[1]), stream_token, "it", 0, 2)
     other = Exchange(arrow(), stream_token, "it", 1, 2)
     owner.give(0, 0, pa.table({"id": [1]}), takers={1})
-    assert sorted(p.name for p in owner.root.iterdir()) == ["begun.1", "left.0"]
+    assert sorted(p.name for p in owner.root.iterdir()) == [
+        "begun.0",
+        "begun.1",
+        "closed.0",
+        "left.0",
+    ]
     other.close(finished=True)
     assert not owner.root.exists()

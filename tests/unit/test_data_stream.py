@@ -375,16 +375,19 @@ def test_dataloader_workers_read_each_row_once_between_them(tmp_path: Path) -> N
     s = ElasticStream(ReaderSource(names, read_logged, counts), 40, lanes=8, window=10)
     s.set_world(0, 2)
     alone = sorted(int(i) for batch in s for i in batch["id"])
-    read_alone = reads(names)
+    # Each of the rank's rows once, and a shard's rows before a lane's first, as a shard is
+    # read from its start. (Lanes meeting in a shard share its read when their threads come
+    # close enough in time: how many do depends on the machine's load, so no closer bound.)
+    # Read once per worker, it would be twice the rows.
+    once = range(len(alone), len(alone) + 8 * 25 + 1)
+    assert reads(names) in once
     for persistent in (False, True):
         loader: DataLoader[Any] = DataLoader(
             s, batch_size=None, num_workers=2, persistent_workers=persistent
         )
         assert sorted(int(i) for batch in loader for i in batch["id"]) == alone
-        # A shard's rows are read from its start: lanes that meet in one read it twice.
-        assert read_alone <= reads(names) <= read_alone + 3 * 25
+        assert reads(names) in once
         assert not list(exchange.base().glob(f"efdl-stream-{s._token}-*"))
-    assert read_alone <= len(alone) + 8 * 25
 
 
 def test_a_loop_that_ends_early_leaves_nothing_behind_its_stream(shards: list[str]) -> None:
