@@ -119,6 +119,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                     if not runtime.enter():  # a newcomer's generation was replaced
                         raise Rescale()
                     state.sync()  # a peer may die in here too
+                    runtime.trains()
                     return fn(*args, **kwargs)
                 except Rescale:
                     pass

@@ -4,10 +4,13 @@ A worker whose main thread is stuck outside any collective (a DataLoader deadloc
 stuck in the CUDA driver after a GPU fault, a sleep) still answers its agent and is counted
 in for every new generation; its peers wait in their next collective until it times out,
 and then the healthy ones fail. So each in-place worker watches its own progress on a thread
-of its own. Once it has made no commit for the hang timeout, and a peer has entered a
-collective that it has not entered itself, it is the rank the others wait on: it tells its
-agent, which kills it and reports it down; the job shrinks, then grows back with a
-replacement (efdl.launcher.agent).
+of its own. Once it has made no commit for the hang timeout (in a new generation: since its
+state was synced and its training function called), and a peer has entered a collective that
+it has not entered itself, it is the rank the others wait on: it tells its agent, which kills
+it and reports it down; the job shrinks, then grows back with a replacement
+(efdl.launcher.agent). A rank stuck at its first batch after a rescale (a DataLoader worker
+that waits on a read) is one: were it spared until its first commit, its peers would fail
+at every generation and their nodes leave, and it would hold the job alone.
 
 "Entered" is counted by the collectives' sequence numbers (every process group counts the
 collectives it was asked for, in the same order on every rank). A rank that has stood still
@@ -21,8 +24,9 @@ collective timeout, and at least five times the longest step seen: a rank that h
 peers longer than that would make their collectives time out anyway, so efdl acts first and
 replaces the rank that holds the job, not the ones that wait. A step slower than usual on one
 rank while the others wait (rank 0's evaluation or checkpoint) is therefore allowed what the
-collective timeout allows; raise both for longer ones. No rank is judged before its first
-commit in a generation (the state sync, a compile, the first batches).
+collective timeout allows; raise both for longer ones. No rank is judged during the state
+sync of a generation (a newcomer's setup before it, and the transfers in it, make peers wait
+on purpose).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class HangWatch:
         self._lock = threading.Lock()
         self._steps: deque[float] = deque(maxlen=64)
         self._last: float | None = None  # the last commit in this generation; None: none yet
+        self._since: float | None = None  # when it began to train in it (after the sync)
         self._step = 0
         self._connect: Callable[[], Any] | None = None  # the generation's store, if in one
         self._skip: Any = None
@@ -148,18 +153,25 @@ class HangWatch:
 
     def joined(self, connect: Callable[[], Any], skip: Any) -> None:
         """This worker is in a new generation: ``connect`` gives a client of its store;
-        ``skip`` is efdl's side group. Nothing is judged until the first commit in it."""
+        ``skip`` is efdl's side group. Nothing is judged until it trains in it (trains())."""
         with self._lock:
             self._connect, self._skip = connect, skip
-            self._store, self._marked, self._last = None, -1, None
+            self._store, self._marked, self._last, self._since = None, -1, None, None
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="efdl-hang", daemon=True)
             self._thread.start()
 
+    def trains(self) -> None:
+        """The state is synced and the training function called (the main thread): from now
+        on, standing still while a peer waits holds the job, before its first commit too."""
+        with self._lock:
+            if self._connect is not None:
+                self._since = self._clock()
+
     def left(self) -> None:
         """This worker left its generation (a rescale, a failure): nothing to judge."""
         with self._lock:
-            self._connect, self._store, self._last = None, None, None
+            self._connect, self._store, self._last, self._since = None, None, None, None
 
     def close(self) -> None:
         """Stop (at exit: no store call may be under way while the interpreter ends)."""
@@ -179,7 +191,8 @@ class HangWatch:
     def _look(self) -> None:
         timeout = self.timeout_s()
         with self._lock:
-            last, connect, step = self._last, self._connect, self._step
+            last = self._last if self._last is not None else self._since
+            connect, step, first = self._connect, self._step, self._last is None
         if last is None or connect is None or self._reported or not self._active():
             return
         still = self._clock() - last
@@ -198,10 +211,10 @@ class HangWatch:
             return
         self._reported = True
         log.error(
-            "No step for %.0f s since step %d while a peer waits in a collective this rank has "
+            "No step for %.0f s since %s while a peer waits in a collective this rank has "
             "not entered (hang timeout %.0f s): this rank holds the job; its agent replaces it.",
             still,
-            step,
+            f"its state was synced at step {step}" if first else f"step {step}",
             timeout,
         )
         self._report(

@@ -268,6 +268,12 @@ class Runtime:
         self._events.append(event)
         return event
 
+    def trains(self) -> None:
+        """The state is synced and the training function is called: the hang watch's clock
+        starts (efdl.state.hang)."""
+        if self.hang is not None:
+            self.hang.trains()
+
     def committed(self, step: int) -> None:
         """A step was committed: the breaker sees progress; rank 0 tells the agent how long
         training stood still when this is the first commit of a new generation; local rank 0

@@ -420,6 +420,31 @@ def test_hung_worker_whose_agent_lives(jobs: Jobs, record: Recorder, attempt: in
     assert "hang" in history and "made no step" in history, history
 
 
+def test_worker_stuck_at_its_first_batch_after_a_rescale(
+    jobs: Jobs, record: Recorder, attempt: int
+) -> None:
+    """A survivor stuck before its first step of a new generation (its data loader waits on a
+    read; process, agent and channel alive) while its new peer waits in that step's
+    collective: after the hang timeout it is replaced, not the peer. (Spared until its first
+    commit, it held the job: the peer failed at every generation, its node left at last, and
+    the stuck rank stayed alone.)"""
+    job = jobs.new()
+    job.common = [*job.common, "--hang-timeout", "5"]
+    job.env.update(FAIL_AT="1:20", HANG_AT_ENTRY="20")  # rank 1 crashes; back at two, the
+    rows = start(job, "a", "b")  # survivor sticks at its first batch
+    stuck = job.out / "hang-entry.pid"
+    rows = job.wait_for("the survivor stuck at its first batch", lambda _: stuck.exists())
+    stuck_gen, stuck_pid, t0 = latest_gen(rows), int(stuck.read_text()), stuck.stat().st_mtime
+    rows = job.wait_for("training at two again without it", steps_at_world(2, stuck_gen), 120)
+    record.recovered(min(float(r["t"]) for r in rows if int(r["gen"]) > stuck_gen) - t0)  # type: ignore[arg-type, call-overload]
+    outputs = "".join(a.output() for a in job.agents.values())
+    assert "made no step" in outputs and "since its state was synced" in outputs, outputs
+    after = [r for r in rows if int(r["gen"]) > stuck_gen]  # type: ignore[call-overload]
+    assert stuck_pid not in {r["pid"] for r in after}
+    assert {r["node"] for r in after if r["world"] == 2} == {"a", "b"}  # nobody left
+    check_consistent(rows)
+
+
 @pytest.mark.parametrize("script", ["elastic_steps.py", "fsdp_steps.py"])
 def test_every_worker_killed_without_a_cache(
     jobs: Jobs, etcd_server: EmbeddedEtcd, record: Recorder, attempt: int, script: str

@@ -71,18 +71,42 @@ def test_ranks_standing_still_together_judge_nobody() -> None:
     assert not said
 
 
-def test_nothing_is_judged_before_the_first_commit_or_outside_a_generation() -> None:
+def test_nothing_is_judged_during_the_sync_or_outside_a_generation() -> None:
     clock, store = Clock(), Store()
     said: list[dict[str, Any]] = []
     store.add(MARK_KEY.format(4), 1)  # a peer waits in a collective this rank has not entered
     w = rank(store, clock, [3], said)
-    clock.now += 60  # the state sync, or a compile: no commit yet in this generation
+    clock.now += 60  # the state sync (a transfer the peer waits for): not training yet
     w._look()
+    w.trains()
     w.committed(1)
     w.left()  # a rescale: out of the generation
     clock.now += 60
     w._look()
+    w.trains()  # (a call out of a generation starts no clock)
+    clock.now += 60
+    w._look()
     assert not said and not store.keys.get(MARK_KEY.format(3))
+
+
+def test_a_rank_stuck_at_its_first_batch_of_a_generation_is_hung() -> None:
+    """Synced and training, but stuck before its first commit in the generation (a
+    DataLoader that waits on a read at its iteration's start) while the peer waits in the
+    first step's collective: it holds the job as much as after a commit."""
+    clock, store = Clock(), Store()
+    said: list[dict[str, Any]] = []
+    stuck = rank(store, clock, [8], said)
+    stuck.committed(20)  # the generation before
+    stuck.left()
+    stuck._connect = lambda: store  # a new generation
+    store.add(MARK_KEY.format(9), 1)  # the peer, in the first step's all-reduce
+    stuck.trains()
+    clock.now += 3
+    stuck._look()
+    assert not said  # not for the hang timeout yet
+    clock.now += 3
+    stuck._look()
+    assert [(r["type"], r["step"]) for r in said] == [("hung", 20)]
 
 
 def test_the_default_timeout_is_most_of_the_collective_timeout_and_five_long_steps() -> None:

@@ -24,7 +24,10 @@ connects (up to 120 s).
 CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
 step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
-that step (its process and its agent live on: a hang, not a crash).
+that step (its process and its agent live on: a hang, not a crash). HANG_AT_ENTRY=step (once
+per job): a process that enters the training function again (after a rescale), at that step or
+later and in a world of two or more, sleeps forever before its first batch (a DataLoader that
+waits on a read at an iteration's start).
 Errors that are not communication: OOM_AT="rank:step" (once per job) raises CUDA's
 out-of-memory error there; SKIP_BARRIER_AT="rank:step" (first generation): every rank but
 that one enters a dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT
@@ -199,6 +202,9 @@ def opt_digest() -> float:
     return total
 
 
+entries = [0]  # this process's entries into train()
+
+
 @efdl.elastic(state)
 def train(state: efdl.ElasticState) -> None:
     # Each (re)entry: the state this rank resumes from, to $OUT_DIR/enter.jsonl.
@@ -215,6 +221,13 @@ def train(state: efdl.ElasticState) -> None:
     }
     with open(out / "enter.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
+    entries[0] += 1
+    stick = os.environ.get("HANG_AT_ENTRY")
+    again = entries[0] > 1 and dist.get_world_size() > 1
+    if stick and again and state.step >= int(stick) and once("hang-entry"):
+        (out / "hang-entry.pid").write_text(str(os.getpid()))
+        while True:
+            time.sleep(3600)  # the main thread is stuck; the channel's thread answers
     for state.epoch in range(state.epoch, epochs):
         for x, idx in batches():
             rank, world = dist.get_rank(), dist.get_world_size()
