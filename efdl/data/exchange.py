@@ -309,20 +309,23 @@ class Exchange:
         it left, so the others stop waiting for its windows."""
         self._closed.set()
         self._maps.clear()  # each goes with the last rows that refer to it
-        # Nothing removes the directory before this worker marks that it closed (below).
-        if not finished:
-            (self.root / f"left.{self.worker}").write_text(error)
-        # Its pool's files (a name not yet taken keeps its file for the taker), and the
-        # windows named for it ("{j}-{lane}.{worker}").
         with self._pool_lock:
-            for file in self._pool:
+            pool, self._pool = self._pool, []
+        # No worker of this iteration removes the directory before this one marks that it
+        # closed (below); where something else did (another iteration's sweep), nothing is
+        # left to tidy.
+        with contextlib.suppress(FileNotFoundError):
+            if not finished:
+                (self.root / f"left.{self.worker}").write_text(error)
+            # Its pool's files (a name not yet taken keeps its file for the taker), and the
+            # windows named for it ("{j}-{lane}.{worker}").
+            for file in pool:
                 file.path.unlink(missing_ok=True)
-            self._pool.clear()
-        mine = f".{self.worker}"
-        for name in os.listdir(self.root):
-            if name.endswith(mine) and name[0].isdigit():
-                (self.root / name).unlink(missing_ok=True)
-        self._closed_mark(self.worker).write_text("finished" if finished else "left")
+            mine = f".{self.worker}"
+            for name in os.listdir(self.root):
+                if name.endswith(mine) and name[0].isdigit():
+                    (self.root / name).unlink(missing_ok=True)
+            self._closed_mark(self.worker).write_text("finished" if finished else "left")
         # The last of the loader's workers to close removes the directory, with any window
         # nobody took and the marks. (Two that close at once may both: that is no error.)
         if all(self._closed_mark(w).exists() for w in range(self.workers)):

@@ -69,6 +69,17 @@ def test_a_worker_that_begins_after_the_others_closed_finds_their_windows(
     assert not late.root.exists()
 
 
+def test_a_worker_closes_cleanly_where_its_directory_was_removed(stream_token: str) -> None:
+    """Another iteration over the same stream swept it: nothing is left to tidy, and the
+    iteration's end (or its error) is not replaced by a FileNotFoundError."""
+    source = arrow()
+    a = Exchange(source, stream_token, "it", 0, 2)
+    a.give(0, 0, pa.table({"id": [1]}), takers={1})
+    sweep(stream_token)
+    a.close(finished=False, error="its own error")
+    assert not a.root.exists()
+
+
 def test_a_window_its_owner_finished_without_is_an_error_at_once(stream_token: str) -> None:
     """An owner that closed having given all it had to: a window not there will not come.
     The taker says so, rather than wait out ``wait_s`` (which bounds an owner stuck on a
