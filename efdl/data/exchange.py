@@ -235,25 +235,10 @@ class Exchange:
             except FileNotFoundError:
                 if self._closed.is_set():
                     raise DataSourceError("The stream's iteration was closed.") from None
-                gone = None
                 if time.monotonic() > look:  # the marks: a directory listing, now and then
-                    gone, look = self.left(), time.monotonic() + _LOOK_S
-                    if gone is None and self._finished(owner):
-                        # It gave all it had to, linking the names before it marked that
-                        # it finished: a name not there now will not come.
-                        if path.exists():
-                            continue
-                        raise DataSourceError(
-                            f"DataLoader worker {owner} of {self.workers} finished the "
-                            f"iteration without window {j} of lane {lane} for worker "
-                            f"{self.worker} (in {self.root}); expected every window a "
-                            "worker's steps take to be given. Please report this."
-                        ) from None
-                if gone is not None:
-                    raise DataSourceError(
-                        f"DataLoader worker {gone[0]} left the iteration before it gave "
-                        f"window {j} of lane {lane}: {gone[1] or 'the loop over it ended'}."
-                    ) from None
+                    why, look = self._not_coming(j, lane, owner), time.monotonic() + _LOOK_S
+                    if why:
+                        raise DataSourceError(why) from None
                 if time.monotonic() > deadline:
                     raise DataSourceError(
                         f"DataLoader worker {owner} of {self.workers} did not give window {j} "
@@ -267,6 +252,24 @@ class Exchange:
                 return self.source.load(self._map(fd))
             finally:
                 os.close(fd)
+
+    def _not_coming(self, j: int, lane: int, owner: int) -> str | None:
+        """Why window ``j`` of lane ``lane`` will not come, if it will not: a worker left the
+        iteration, or its owner finished without it (an owner links its names before it
+        marks that it finished, so a name not there after the mark will not come)."""
+        gone = self.left()
+        if gone is not None:
+            return (
+                f"DataLoader worker {gone[0]} left the iteration before it gave window {j} "
+                f"of lane {lane}: {gone[1] or 'the loop over it ended'}."
+            )
+        if self._finished(owner) and not self._name(j, lane, self.worker).exists():
+            return (
+                f"DataLoader worker {owner} of {self.workers} finished the iteration without "
+                f"window {j} of lane {lane} for worker {self.worker} (in {self.root}); "
+                "expected every window a worker's steps take to be given. Please report this."
+            )
+        return None
 
     def _map(self, fd: int) -> mmap.mmap:
         """The file ``fd`` mapped: the mapping of an earlier window of it where it is long

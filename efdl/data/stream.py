@@ -37,8 +37,8 @@ from efdl.data.exchange import Exchange, sweep, token
 from efdl.data.order import EpochOrder, LaneShare, lane_share
 from efdl.data.source import Block, DataSourceError, ParquetSource, Pick, Source
 
-# The shared position's fields. _MOVE: drawn anew at each move of the position (see _moved).
-_EPOCH, _CURSOR, _RANK, _WORLD, _LANES, _WINDOW, _SEED, _SET, _MOVE = range(9)
+# The shared position's fields.
+_EPOCH, _CURSOR, _RANK, _WORLD, _LANES, _WINDOW, _SEED, _SET = range(8)
 
 
 class ElasticStream(IterableDataset[Any]):
@@ -115,7 +115,7 @@ class ElasticStream(IterableDataset[Any]):
         self.global_batch_size = global_batch_size
         self.lanes, self.window, self.shuffle, self.threads = lanes, window, shuffle, threads
         self.transform = transform
-        self._pos = torch.zeros(9, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
+        self._pos = torch.zeros(8, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._pos[_LANES], self._pos[_WINDOW], self._pos[_SEED] = lanes, window, seed
         # The position as a process-local copy: what a DataLoader worker process finds at
         # its start (fork copies it, spawn pickles it): the position the iteration starts
@@ -170,7 +170,7 @@ class ElasticStream(IterableDataset[Any]):
                 f"({self.global_batch_size}): every rank needs a sample in every step."
             )
         self._pos[_RANK], self._pos[_WORLD], self._pos[_SET] = rank, world, 1
-        self._moved()
+        self._local.copy_(self._pos)
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (from its beginning, if it is a new one, with this stream's own
@@ -178,19 +178,11 @@ class ElasticStream(IterableDataset[Any]):
         if epoch != self.epoch:
             self._pos[_EPOCH], self._pos[_CURSOR] = epoch, 0
             self._pos[_LANES], self._pos[_WINDOW] = self.lanes, self.window
-            self._moved()
+            self._local.copy_(self._pos)
 
     def advance(self) -> None:
         """One step was committed: move the cursor past its global batch."""
         self._pos[_CURSOR] = min(self.total(), self.cursor + self.global_batch_size)
-        self._moved()
-
-    def _moved(self) -> None:
-        """The main process moved the position: the copy workers start from, and a new
-        mark in it. Iterations that begin from different moves name their windows'
-        directories apart (efdl.data.exchange), even where DataLoader gives their workers
-        the same seed (a loader ``generator`` seeded alike each time)."""
-        self._pos[_MOVE] = int.from_bytes(os.urandom(7), "little")
         self._local.copy_(self._pos)
 
     def state_dict(self) -> dict[str, Any]:
@@ -237,7 +229,7 @@ class ElasticStream(IterableDataset[Any]):
             (_WINDOW, got["window"]),
         ):
             self._pos[field] = value
-        self._moved()
+        self._local.copy_(self._pos)
 
     # ---------------------------------------------------------------- reading
 
@@ -289,7 +281,10 @@ class ElasticStream(IterableDataset[Any]):
         steps = range(p[_CURSOR], order.total, self.global_batch_size)
         exchange = None
         if info is not None and workers > 1:  # the iteration, and what its rows depend on
-            seeds = [(info.seed - worker) % 2**62, self._begun, p[_MOVE], p[_EPOCH], p[_SEED]]
+            # The position is in it: iterations that begin from different positions name
+            # their windows' directories apart, also where DataLoader gives their workers the
+            # same seed (a loader ``generator`` seeded alike each time).
+            seeds = [(info.seed - worker) % 2**62, self._begun, p[_EPOCH], p[_CURSOR], p[_SEED]]
             name = "-".join(
                 map(str, [*seeds, self.shuffle, order.lanes, order.window, rank, world])
             )

@@ -45,6 +45,7 @@ row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBL
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +62,23 @@ delay = float(os.environ.get("STEP_SECONDS", "0.1"))
 fail_at = os.environ.get("FAIL_AT", "")
 
 news = [False]
+
+
+STUCK_S = 300.0  # a stuck main thread nobody replaced in this long ends its process
+
+
+def stick(what: str) -> None:
+    """The main thread stuck at ``what``, its process and agent alive (the channel's thread
+    answers), until the agent kills the process. Bounded all the same: once its parent is
+    gone (the test is over) it ends at once, and after STUCK_S it ends saying it was not
+    replaced."""
+    parent, deadline = os.getppid(), time.monotonic() + STUCK_S
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            print(f"stuck {what} for {STUCK_S:.0f} s: not replaced", file=sys.stderr, flush=True)
+            break
+        time.sleep(0.5)
+    os._exit(4)
 
 
 def once(fault: str) -> bool:
@@ -222,12 +240,11 @@ def train(state: efdl.ElasticState) -> None:
     with open(out / "enter.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
     entries[0] += 1
-    stick = os.environ.get("HANG_AT_ENTRY")
+    at = os.environ.get("HANG_AT_ENTRY")
     again = entries[0] > 1 and dist.get_world_size() > 1
-    if stick and again and state.step >= int(stick) and once("hang-entry"):
+    if at and again and state.step >= int(at) and once("hang-entry"):
         (out / "hang-entry.pid").write_text(str(os.getpid()))
-        while True:
-            time.sleep(3600)  # the main thread is stuck; the channel's thread answers
+        stick("before its first batch")
     for state.epoch in range(state.epoch, epochs):
         for x, idx in batches():
             rank, world = dist.get_rank(), dist.get_world_size()
@@ -281,8 +298,7 @@ def train(state: efdl.ElasticState) -> None:
                 time.sleep(delay)
             state.commit()
             if here == os.environ.get("HANG_AT") and once(f"hang-{here}"):
-                while True:
-                    time.sleep(3600)  # the main thread is stuck; the channel's thread answers
+                stick(f"after step {state.step}")
 
 
 train(state)
