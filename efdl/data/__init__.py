@@ -2,8 +2,8 @@
 
 efdl.data.order (the epoch's order, pure), efdl.data.source (shards: Parquet, or any format
 through a reader function), efdl.data.stream (:class:`ElasticStream`, the dataset),
-efdl.data.hf (Hugging Face ``datasets``). Imported on first use: pyarrow and torch load only
-when a stream is made.
+efdl.data.hf (Hugging Face ``datasets``), efdl.data.tar (WebDataset tar shards). Imported
+on first use: pyarrow and torch load only when a stream is made.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ _API = {
     "ReaderSource": "efdl.data.source",
     "DataSourceError": "efdl.data.source",
     "from_hf": "efdl.data.hf",
+    "TarSource": "efdl.data.tar",
 }
 
 __all__ = sorted(_API)

@@ -621,7 +621,7 @@ class ParquetSource(Source[Any]):
     ) -> None:
         self.storage_options = dict(storage_options or {})
         self.columns = list(columns) if columns is not None else None
-        self._urls = _expand(urls, self.storage_options)
+        self._urls = expand(urls, self.storage_options)
         if rows is not None and len(rows) != len(self._urls):
             raise DataSourceError(
                 f"rows has {len(rows)} counts for {len(self._urls)} Parquet files; expected one "
@@ -764,19 +764,28 @@ def _table(batch: Any) -> Any:
     return pa.Table.from_batches([batch])
 
 
-def _expand(urls: str | Sequence[str], storage_options: dict[str, Any]) -> list[str]:
-    """A list of files from a list, a directory, or a glob."""
+def expand(
+    urls: str | Sequence[str],
+    storage_options: dict[str, Any],
+    suffix: str = ".parquet",
+    kind: str = "Parquet",
+) -> list[str]:
+    """A list of files from a list, a directory (its ``suffix`` files), or a glob.
+
+    Raises:
+        DataSourceError: no files (``kind`` names them in the message).
+    """
     if not isinstance(urls, str):
         out = [str(u) for u in urls]
     else:
         fs, _, paths = fsspec.get_fs_token_paths(urls, storage_options=storage_options)
         if len(paths) == 1 and fs.isdir(paths[0]):
-            paths = sorted(p for p in fs.find(paths[0]) if p.endswith(".parquet"))
+            paths = sorted(p for p in fs.find(paths[0]) if p.endswith(suffix))
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         prefix = "" if protocol in ("file", "local") else f"{protocol}://"
         out = [p if "://" in p else prefix + p for p in sorted(paths)]
     if not out:
-        raise DataSourceError(f"No Parquet files at {urls!r}; expected files, a directory or glob.")
+        raise DataSourceError(f"No {kind} files at {urls!r}; expected files, a directory or glob.")
     return out
 
 
