@@ -157,6 +157,10 @@ def rank_main(args: dict[str, Any]) -> None:
         loader: Any = DataLoader(stream, batch_size=None, **extra)
     elif reader == "plain":
         loader = DataLoader(_plain_dataset(files, rank, world, storage), batch_size=None, **extra)
+    elif reader.startswith("tar-"):  # WebDataset shards (benchmarks.data_tar)
+        from benchmarks.data_tar import tar_loader
+
+        loader = tar_loader(reader, files, rank, world, storage, workers)
     elif reader == "mosaic":
         from streaming import StreamingDataset  # type: ignore[import-not-found]
 
@@ -189,8 +193,8 @@ def rank_main(args: dict[str, Any]) -> None:
     rows = nbytes = 0
     cap = args["cap"] or float("inf")
     for batch in batches:
-        rows += len(batch["id"])
-        nbytes += sum(v.numel() * v.element_size() for v in batch.values())
+        n, size = _measure(batch)
+        rows, nbytes = rows + n, nbytes + size
         if rows >= cap:
             break
     end = time.time()
@@ -201,6 +205,15 @@ def rank_main(args: dict[str, Any]) -> None:
         shutdown()
     cpu = _cpu() - cpu
     print(json.dumps({"rows": rows, "bytes": nbytes, "start": start, "end": end, "cpu": cpu}))
+
+
+def _measure(batch: dict[str, Any]) -> tuple[int, int]:
+    """A batch's rows and bytes: tensors of Parquet columns, or a WebDataset batch's lists
+    of field bytes (its ``__key__`` and ``__url__`` left out)."""
+    if "__key__" in batch:
+        fields = [v for k, v in batch.items() if not k.startswith("__")]
+        return len(batch["__key__"]), sum(len(x) for values in fields for x in values)
+    return len(batch["id"]), sum(v.numel() * v.element_size() for v in batch.values())
 
 
 def _cpu() -> float:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
+from efdl.data import tar as wds_tar
 from efdl.data.source import DataSourceError
 from efdl.data.stream import ElasticStream
 from efdl.data.tar import TarSource, count_samples, tar_samples
@@ -64,6 +65,35 @@ def test_a_shard_reads_as_samples_from_any_start(tmp_path: Path) -> None:
     assert samples[5]["jpg"] == bytes([5]) * 105
     assert [json.loads(s["json"])["id"] for s in tar_samples(name, 9)] == [9, 10, 11]
     assert list(tar_samples(name, 12)) == []
+
+
+def test_a_start_inside_a_shard_seeks_from_where_samples_begin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any start gives the shard's samples from there, whether this process walked the shard
+    before (it kept where every 64th sample begins) or not; names long enough for extended
+    (pax) headers included."""
+    path = tmp_path / "long.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(300):
+            folder = "d" * (150 if i % 5 == 0 else 1)  # a name over 100 bytes: a pax header
+            for field in ("jpg", "cls"):
+                info = tarfile.TarInfo(f"{folder}/{i:05d}.{field}")
+                data = f"{i}-{field}".encode()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    name = str(path)
+    monkeypatch.setattr(wds_tar, "_MARKS", {})
+    whole = [s["cls"] for s in tar_samples(name)]
+    assert whole == [f"{i}-cls".encode() for i in range(300)]
+    assert len(wds_tar._MARKS[name]) == 5  # samples 0, 64, 128, 192, 256
+    for fresh in (False, True):
+        for start in (1, 63, 64, 65, 130, 299, 300):
+            if fresh:
+                monkeypatch.setattr(wds_tar, "_MARKS", {})
+            assert [s["cls"] for s in tar_samples(name, start)] == whole[start:], (start, fresh)
+    monkeypatch.setattr(wds_tar, "_MARKS", {})
+    assert count_samples(name) == 300 and len(wds_tar._MARKS[name]) == 5
 
 
 @pytest.mark.parametrize("workers", [0, 2])
