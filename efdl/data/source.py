@@ -309,8 +309,6 @@ class ArrowLanes(_ArrowWindows):
         # Per lane and column: where the piece's chunks start, and each chunk's rows as
         # numpy (None: the column is not of fixed width, or has nulls, in this window).
         self.views: list[list[tuple[Any, list[Any]] | None]] = [[] for _ in range(lanes)]
-        # The last step's rows (see _picked): its block rows, and each lane's share of them.
-        self._last: tuple[tuple[int, int, int] | None, list[tuple[int, Any, Any]]] = (None, [])
 
     def put(self, lane: int, piece: Any, order: Any) -> None:
         import numpy as np
@@ -338,11 +336,11 @@ class ArrowLanes(_ArrowWindows):
         import numpy as np
 
         todo = []
-        for lane, where, src in self._picked(start, stop, step):
+        for lane, where, rows in self._shares(start, stop, step):
             held = self.views[lane][c]
             if held is None:
                 return False
-            todo.append((where, src, held))
+            todo.append((where, self.orders[lane][rows], held))
         for where, src, (starts, chunks) in todo:
             if len(chunks) == 1:
                 out[where] = chunks[0][src]
@@ -358,17 +356,6 @@ class ArrowLanes(_ArrowWindows):
                     else:
                         dst[mine] = part
         return True
-
-    def _picked(self, start: int, stop: int, step: int) -> list[tuple[int, Any, Any]]:
-        """:meth:`_shares`, with each lane's rows as its piece's rows (its window order
-        applied); the same for every column of a step, so kept for the next column."""
-        key = (start, stop, step)
-        if self._last[0] != key:
-            picked = [
-                (lane, where, self.orders[lane][rows]) for lane, where, rows in self._shares(*key)
-            ]
-            self._last = (key, picked)
-        return self._last[1]
 
     def _shares(self, start: int, stop: int, step: int) -> list[tuple[int, Any, Any]]:
         """Each lane's part of the block rows ``start, start + step, ...`` before ``stop``

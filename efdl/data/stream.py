@@ -556,7 +556,6 @@ class _RankReader:
         self._retired: list[Block] = []
         self._takers: dict[int, set[int]] = {}  # block -> workers whose steps take its rows
         self._scanned = 0  # the steps whose blocks are in _takers
-        self._spans: dict[int, tuple[int, int]] = {}  # _span of this worker's steps scanned
         self._finished = False  # every window others take is given (finish())
         self._closed = False
 
@@ -605,14 +604,11 @@ class _RankReader:
         if self.workers == 1:
             return {0}
         while self._scanned < len(self.steps):
-            cursor, taker = self.steps[self._scanned], self._scanned % self.workers
-            r0, r1 = self._spans[cursor] = self._span(cursor)
+            r0, r1 = self._span(self.steps[self._scanned])
             if r0 >= (j + 1) * self._size:
                 break
             for b in range(r0 // self._size, (r1 - 1) // self._size + 1):
-                self._takers.setdefault(b, set()).add(taker)
-            if taker != self.worker:  # kept for picks() of this worker's steps only
-                del self._spans[cursor]
+                self._takers.setdefault(b, set()).add(self._scanned % self.workers)
             self._scanned += 1
         return self._takers.pop(j, set())
 
@@ -691,8 +687,7 @@ class _RankReader:
     def picks(self, cursor: int) -> list[Pick]:
         """This rank's rows of the global batch from ``cursor``: the blocks they are in,
         and their ranges there."""
-        span = self._spans.pop(cursor, None)
-        r0, r1 = span if span is not None else self._span(cursor)
+        r0, r1 = self._span(cursor)
         size, group = self._size, self.share.group
         self._done_before(r0 // size)
         # This step's blocks, then the next one, read ahead (and any before them).

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 import tarfile
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -66,76 +64,49 @@ def _tar(url: str, f: Any) -> tarfile.TarFile:
         ) from exc
 
 
-# Where samples begin in each shard this process walked (see _walk): ``_MARKS[url][m]`` is
-# the offset of sample ``m * _EVERY``'s first member. A lane that starts inside a shard
-# walks its members' headers from the nearest mark before its sample, not from the start.
-_EVERY = 64
-_MARKS: dict[str, list[int]] = {}
-_MARKS_LOCK = threading.Lock()  # a process's lanes read in threads
-
-
-def _walk(
-    url: str, start: int, storage_options: dict[str, Any]
-) -> Iterator[tuple[int, str, str, tarfile.TarInfo, tarfile.TarFile]]:
-    """The shard's sample members from the mark nearest before sample ``start``: each with
-    its sample's index, key and field (and the tar to read it from)."""
-    with _MARKS_LOCK:
-        marks = _MARKS.setdefault(url, [])
-        m = min(start // _EVERY, len(marks) - 1)
-        index, at = (m * _EVERY - 1, marks[m]) if m >= 0 else (-1, 0)
-    f = _open(url, storage_options)
-    with f:
-        f.seek(at)
-        with _tar(url, f) as tar:  # a tar read from a member's header on
-            key = None
-            for member, name, field in _members(tar):
-                if name != key:
-                    index, key = index + 1, name
-                    if index % _EVERY == 0:
-                        with _MARKS_LOCK:
-                            if len(marks) == index // _EVERY:
-                                marks.append(member.offset)
-                yield index, name, field, member, tar
-
-
 def tar_samples(
     url: str, start: int = 0, storage_options: dict[str, Any] | None = None
 ) -> Iterator[dict[str, Any]]:
     """The samples of the tar shard at ``url`` from sample ``start`` on: each a dict of its
-    fields' bytes and ``"__key__"``. The shard must not change while a process reads it
-    (where its samples begin is kept).
+    fields' bytes and ``"__key__"``.
 
     Raises:
-        DataSourceError: the shard cannot be opened, is not a tar, or has a field twice in
-            one sample.
+        DataSourceError: the shard cannot be opened or is not a tar.
     """
-    sample: dict[str, Any] = {}
-    for index, name, field, member, tar in _walk(url, start, dict(storage_options or {})):
-        if index < start:
-            continue  # its data is seeked over, not read
-        if sample.get("__key__") != name:
-            if sample:
-                yield sample
-            sample = {"__key__": name}
-        if field in sample:
-            raise DataSourceError(
-                f"{url!r} has two {field!r} members for the sample {name!r}; expected each "
-                "of a sample's fields once (its members one after the other)."
-            )
-        data = tar.extractfile(member)
-        assert data is not None  # a file member
-        sample[field] = data.read()
-    if sample:
-        yield sample
+    f = _open(url, dict(storage_options or {}))
+    with f, _tar(url, f) as tar:
+        index, key = -1, None
+        sample: dict[str, Any] = {}
+        for member, name, field in _members(tar):
+            if name != key:
+                if sample:
+                    yield sample
+                index, key, sample = index + 1, name, {}
+            if index < start:
+                continue  # its data is seeked over, not read
+            if not sample:
+                sample["__key__"] = name
+            if field in sample:
+                raise DataSourceError(
+                    f"{url!r} has two {field!r} members for the sample {name!r}; expected each "
+                    "of a sample's fields once (its members one after the other)."
+                )
+            data = tar.extractfile(member)
+            assert data is not None  # a file member
+            sample[field] = data.read()
+        if sample:
+            yield sample
 
 
 def count_samples(url: str, storage_options: dict[str, Any] | None = None) -> int:
     """The samples in the tar shard at ``url`` (its members' headers are read, not their
-    data; where samples begin is kept for the reads that follow)."""
-    last = -1
-    for index, *_ in _walk(url, sys.maxsize, dict(storage_options or {})):
-        last = index
-    return last + 1
+    data)."""
+    f = _open(url, dict(storage_options or {}))
+    with f, _tar(url, f) as tar:
+        keys, last = 0, None
+        for _, key, _ in _members(tar):
+            keys, last = keys + (key != last), key
+        return keys
 
 
 class TarSource(ReaderSource):

@@ -44,6 +44,7 @@ row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBL
 
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -72,12 +73,12 @@ def stick(what: str) -> None:
     answers), until the agent kills the process. Bounded all the same: once its parent is
     gone (the test is over) it ends at once, and after STUCK_S it ends saying it was not
     replaced."""
-    parent, deadline = os.getppid(), time.monotonic() + STUCK_S
-    while os.getppid() == parent:
-        if time.monotonic() > deadline:
-            print(f"stuck {what} for {STUCK_S:.0f} s: not replaced", file=sys.stderr, flush=True)
-            break
-        time.sleep(0.5)
+    try:
+        parent = os.pidfd_open(os.getppid())  # readable once the parent has exited
+    except ProcessLookupError:
+        os._exit(4)  # gone already
+    if not select.select([parent], [], [], STUCK_S)[0]:
+        print(f"stuck {what} for {STUCK_S:.0f} s: not replaced", file=sys.stderr, flush=True)
     os._exit(4)
 
 
