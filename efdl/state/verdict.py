@@ -76,13 +76,23 @@ class Verdicts:
 
     def settle(self) -> None:
         """Mark the completed steps verified, unless the group reports an error: then every
-        step not verified before it is suspect (``failed``)."""
+        step not verified before it is suspect (``failed``).
+
+        The events are asked first and the group second: an abort between the two ends the
+        work early (its event completes, on torn data) and is then seen as the error. Asked
+        the other way round, a step whose work an abort ended just after a clean error check
+        would count as verified."""
         if self.failed or not self._pending:
             return
+        done = 0
+        for _, event in self._pending:
+            if not event.query():
+                break
+            done += 1
         if self._errored():
             self.failed = True
             return
-        while self._pending and self._pending[0][1].query():
+        for _ in range(done):
             self.verified = self._pending.popleft()[0]
 
     def after_failure(self, timeout_s: float) -> None:

@@ -109,3 +109,21 @@ def test_work_that_ends_in_the_wait_without_an_error_is_verified() -> None:
     v.committed(2)
     v.after_failure(30.0)
     assert (v.verified, v.failed, v.holds(2)) == (2, False, True)
+
+
+def test_an_abort_between_the_error_check_and_the_query_does_not_verify_a_torn_step() -> None:
+    """The group is aborted while settle() looks: the abort ends the work early (its event
+    completes) and sets the error. Whatever the order in which the two are seen, a step whose
+    event completed by the abort is never verified."""
+    error = False
+
+    class AbortedWhileAsked(FakeEvent):
+        def query(self) -> bool:
+            nonlocal error
+            error = True  # the abort lands as the event is asked: the work "completes"
+            return True
+
+    v = Verdicts(lambda: error, AbortedWhileAsked)
+    v.committed(1)
+    assert (v.verified, v.failed) == (0, True)
+    assert not v.holds(1)
