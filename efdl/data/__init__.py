@@ -16,6 +16,7 @@ _API = {
     "ParquetSource": "efdl.data.source",
     "ReaderSource": "efdl.data.source",
     "DataSourceError": "efdl.data.source",
+    "StreamShareError": "efdl.data.order",
     "from_hf": "efdl.data.hf",
     "TarSource": "efdl.data.tar",
 }

@@ -26,6 +26,14 @@ trained once, whatever the world did. What that costs: when ``world`` does not d
 ``lanes`` the ranks' shares of a step differ by up to N / lanes rows (MosaicML streaming's
 "canonical nodes" make the same trade), and a world larger than ``lanes`` has ranks share a
 lane (each reads all of it, and takes its turn of the lane's rows).
+
+Every rank gets a row of every step but the epoch's last exactly when ``world <= lanes * (N
+// lanes)`` (:func:`check_world`): a step gives each lane ``N // lanes`` rows or one more,
+and a rank takes rows of its own lanes only, so each of a lane's ranks needs one of them.
+Past that bound some lane has more ranks than ``N // lanes``, and a step that gives it only
+``N // lanes`` rows (with a fixed N, every lane gets such a step within ``lanes / gcd(N,
+lanes)`` steps) leaves one of its ranks without a row; the stream refuses such a world
+rather than repeat a row or give a rank an empty step.
 """
 
 from __future__ import annotations
@@ -40,7 +48,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from efdl.errors import EfdlError
+
 _MASK = (1 << 63) - 1
+
+
+class StreamShareError(EfdlError, ValueError):
+    """A world the stream cannot split every step over without a rank going short: more
+    ranks than the global batch, or than its lanes can give a row each (:func:`check_world`)."""
 
 
 def _mix(*parts: int) -> int:
@@ -215,3 +230,38 @@ def share(order: EpochOrder, cursor: int, n: int, rank: int, world: int) -> list
         first = cursor + (lane - cursor) % order.lanes  # the lane's first position from cursor
         out.extend(range(first, stop, order.lanes)[mine.index :: mine.group])
     return sorted(out)
+
+
+def most_ranks(lanes: int, n: int) -> int:
+    """The largest world whose every rank gets a row of every step of ``n`` rows over
+    ``lanes`` lanes (but the epoch's last): each lane gives a step ``n // lanes`` rows at
+    least, one per rank reading it."""
+    return lanes * (n // lanes)
+
+
+def check_world(world: int, lanes: int, n: int) -> None:
+    """Refuse a world that some step of ``n`` rows over ``lanes`` lanes would leave a rank
+    without a row of, before the epoch's last step (see the module docstring).
+
+    Raises:
+        StreamShareError: ``world`` is above :func:`most_ranks`, with what would fit.
+    """
+    most = most_ranks(lanes, n)
+    if world <= most:
+        return
+    if world > n:
+        raise StreamShareError(
+            f"A world of {world} ranks is larger than the global batch ({n}): every rank "
+            f"needs a row of every step. Expected a global batch of at least "
+            f"{lanes * -(-world // lanes)} (a multiple of lanes, {lanes}) or at most {most} "
+            "ranks."
+        )
+    need = lanes * -(-world // lanes)
+    raise StreamShareError(
+        f"A world of {world} ranks cannot share steps of {n} rows (the global batch) over "
+        f"{lanes} lanes without a rank going short: some steps give a lane only "
+        f"{n // lanes} row(s) ({n} // {lanes}), and up to {-(-world // lanes)} ranks share a "
+        f"lane, each reading its own lane only. Expected at most {most} ranks, a global "
+        f"batch of at least {need} (lanes x ceil(world / lanes)), or lanes from {world} to "
+        f"the batch (lanes change at an epoch's start)."
+    )

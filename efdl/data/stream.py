@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from efdl.data.exchange import Exchange, sweep, token
-from efdl.data.order import EpochOrder, LaneShare, lane_share
+from efdl.data.order import EpochOrder, LaneShare, check_world, lane_share
 from efdl.data.source import Block, DataSourceError, ParquetSource, Pick, Source
 
 # The shared position's fields.
@@ -54,7 +54,9 @@ class ElasticStream(IterableDataset[Any]):
         source: Parquet files (a list, a directory or a glob; local or any fsspec URL), or
             a :class:`~efdl.data.source.Source` (``ReaderSource`` for other formats).
         global_batch_size: samples per step over all ranks (a rank's share is about
-            ``global_batch_size / world``). At least ``lanes``.
+            ``global_batch_size / world``). At least ``lanes``; a world is served while it
+            is at most ``lanes * (global_batch_size // lanes)`` (every rank a row of every
+            step: a multiple of ``lanes`` serves up to the batch).
         lanes: how the stream is cut for reading (fixed for an epoch). A rank reads
             ``lanes / world`` lanes at once, each its own place in the shards; above
             ``lanes`` ranks, ranks share a lane (each reads all of it). Keep ``lanes`` at or
@@ -81,8 +83,11 @@ class ElasticStream(IterableDataset[Any]):
     unless ``persistent_workers``), have them and do not read every footer again.
 
     Raises:
-        ValueError: a batch smaller than ``lanes`` or than the world, or settings below 1.
-        DataSourceError: a shard that cannot be read (see the source), or no rows at all.
+        ValueError: a batch smaller than ``lanes``, or settings below 1.
+        DataSourceError: a shard that cannot be read (see the source), shards whose columns
+            differ, or no rows at all.
+        StreamShareError: (at :meth:`set_world`, or when an iteration begins) a world the
+            steps cannot give every rank a row of (see ``global_batch_size``).
     """
 
     def __init__(
@@ -163,12 +168,17 @@ class ElasticStream(IterableDataset[Any]):
         return EpochOrder(self.rows(), p[_SEED], p[_EPOCH], p[_LANES], p[_WINDOW], self.shuffle)
 
     def set_world(self, rank: int, world: int) -> None:
-        lane_share(rank, world, int(self._pos[_LANES]))  # refuses a rank outside the world
-        if world > self.global_batch_size:
-            raise ValueError(
-                f"A world of {world} ranks is larger than the global batch "
-                f"({self.global_batch_size}): every rank needs a sample in every step."
-            )
+        """Rank ``rank`` of ``world`` from now on (efdl's elastic state calls it at every
+        sync).
+
+        Raises:
+            ValueError: a rank outside the world.
+            StreamShareError: a world some step would leave a rank without a row of: above
+                ``lanes * (global_batch_size // lanes)`` (efdl.data.order.check_world).
+        """
+        lanes = int(self._pos[_LANES])
+        lane_share(rank, world, lanes)  # refuses a rank outside the world
+        check_world(world, lanes, self.global_batch_size)
         self._pos[_RANK], self._pos[_WORLD], self._pos[_SET] = rank, world, 1
         self._local.copy_(self._pos)
 
@@ -276,6 +286,7 @@ class ElasticStream(IterableDataset[Any]):
         p = self._start(info)
         order = self.order(p)
         rank, world = self._world(p)
+        check_world(world, order.lanes, self.global_batch_size)  # a world of torchrun's
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         threads = self.threads or _threads(workers if info is not None else 0)
         steps = range(p[_CURSOR], order.total, self.global_batch_size)
@@ -680,6 +691,12 @@ class _RankReader:
                 rows.append((k0 * width + lane - first, last * width + lane - first))
         if rows:
             return min(r[0] for r in rows), max(r[1] for r in rows) + 1
+        if stop < order.total:  # check_world keeps this from happening
+            raise RuntimeError(
+                f"The step at cursor {cursor} of {order.total} has no row for this rank's "
+                f"lanes {list(self.mine)} (turn {index} of {group}); expected a row in every "
+                "step but the epoch's last. Please report this."
+            )
         # the epoch's last step left this rank nothing: repeat one row
         r0 = (order.lane_length(first) - 1) * width
         return r0, r0 + 1

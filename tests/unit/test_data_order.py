@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from efdl.data.order import EpochOrder, lane_share, share
+from efdl.data.order import EpochOrder, StreamShareError, check_world, lane_share, most_ranks, share
 
 # Uneven shards, as Parquet files written by different jobs are (one empty).
 ROWS = (1000, 37, 0, 512, 999, 64, 2048, 5, 700)
@@ -103,3 +103,53 @@ def test_bad_settings_are_refused_with_the_value() -> None:
         EpochOrder((5,), 1, 0, 0, 10)
     with pytest.raises(IndexError, match="lane 0 has"):
         order().lane_row(0, 10**6)
+
+
+def test_every_rank_has_a_row_of_every_step_exactly_within_check_world() -> None:
+    """A sweep over small worlds, lanes and global batches, from every cursor phase: within
+    ``lanes * (n // lanes)`` ranks every rank has a row of every step but the epoch's last;
+    past it some step of a fixed batch leaves a rank none, and check_world refuses it."""
+    for lanes in range(1, 6):
+        for n in range(lanes, 3 * lanes + 2):
+            o = EpochOrder((3 * n * lanes + 5,), 1, 0, lanes, 4)  # 3 * lanes steps at least
+            for world in range(1, n + 3):
+                fits = world <= most_ranks(lanes, n)
+                phases = range(lanes) if fits else range(1)  # a fixed batch from cursor 0
+                short = [
+                    (c, r)
+                    for first in phases
+                    for c in range(first, o.total - n + 1, n)  # the steps before the last
+                    for r in range(world)
+                    if not share(o, c, n, r, world)
+                ]
+                assert bool(short) != fits, (world, lanes, n, short[:3])
+                if fits:
+                    check_world(world, lanes, n)
+                else:
+                    with pytest.raises(StreamShareError, match=f"world of {world} ranks"):
+                        check_world(world, lanes, n)
+
+
+@pytest.mark.parametrize(
+    ("world", "lanes", "n", "said"),
+    [
+        (
+            24,
+            16,
+            24,
+            r"24 ranks cannot share steps of 24 rows .* over 16 lanes.* at most 16 "
+            r"ranks, a global batch of at least 32 .* lanes from 24 to the batch",
+        ),
+        (3, 2, 3, r"3 ranks cannot share steps of 3 rows .* over 2 lanes.* at least 4"),
+        (129, 16, 128, r"129 ranks is larger than the global batch \(128\).* at least 144"),
+    ],
+)
+def test_a_world_that_would_repeat_a_row_mid_epoch_is_refused_with_what_fits(
+    world: int, lanes: int, n: int, said: str
+) -> None:
+    o = EpochOrder((960,), 1, 0, lanes, 16)
+    if world <= n:  # as found: a step that gives some rank no row, mid-epoch
+        assert any(not share(o, c, n, r, world) for c in range(0, 480, n) for r in range(world))
+    with pytest.raises(StreamShareError, match=said):
+        check_world(world, lanes, n)
+    assert isinstance(StreamShareError("x"), ValueError)  # as before: a bad setting

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from efdl.data import exchange
+from efdl.data.order import StreamShareError, most_ranks
 from efdl.data.source import ArrowBlock, ArrowLanes, DataSourceError, ParquetSource, ReaderSource
 from efdl.data.stream import ElasticStream
 from tests.wait import wait_until
@@ -428,6 +429,71 @@ def test_the_last_step_gives_every_rank_a_row(tmp_path: Path) -> None:
     assert sum(len(ids(b)) for b in steps[-1]) <= 4 + 3
 
 
+def count_up(shard: str, start: int) -> Iterator[int]:
+    """A shard named "first:n" holds the ids first to first + n - 1."""
+    first, n = map(int, shard.split(":"))
+    return iter(range(first + start, first + n))
+
+
+def id_stream(rows: tuple[int, ...], n: int, lanes: int) -> ElasticStream:
+    names = [f"{sum(rows[:i])}:{r}" for i, r in enumerate(rows)]
+    source = ReaderSource(names, count_up, list(rows))
+    return ElasticStream(source, n, lanes=lanes, window=8, seed=1, transform=list)
+
+
+def epoch_at(world: int, lanes: int, n: int, rows: tuple[int, ...]) -> list[list[list[int]]]:
+    """An epoch at ``world`` ranks: each step's batches (ids), rank by rank."""
+    streams = [id_stream(rows, n, lanes) for _ in range(world)]
+    for rank, s in enumerate(streams):
+        s.set_world(rank, world)
+    return [list(batches) for batches in zip(*streams, strict=True)]
+
+
+def assert_each_row_once(steps: list[list[list[int]]], total: int, world: int) -> None:
+    """Every rank a row of every step; each id once, but for at most world - 1 repeats in
+    the epoch's last step (docs/data.md, "The guarantee")."""
+    assert all(len(batch) >= 1 for batches in steps for batch in batches)
+    before = Counter(i for batches in steps[:-1] for batch in batches for i in batch)
+    assert max(before.values()) == 1
+    epoch = before + Counter(i for batch in steps[-1] for i in batch)
+    assert set(epoch) == set(range(total))
+    assert sum(epoch.values()) - total <= world - 1
+
+
+@pytest.mark.parametrize(("world", "lanes", "n", "fits"), [(24, 16, 24, 32), (3, 2, 3, 4)])
+def test_ranks_past_what_the_lanes_give_are_refused_rather_than_repeat_rows(
+    world: int, lanes: int, n: int, fits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As found: 24 ranks over 16 lanes with a global batch of 24 trained 160 rows of a
+    960-row epoch twice; 3 over 2 lanes with 3, one row 161 times. Such a world is refused
+    where it is set (a rescale) and where an iteration begins (torchrun's world), naming
+    what fits; the batch it names trains each row once."""
+    rows = (500, 460)
+    said = rf"world of {world} ranks cannot share steps of {n} rows .* {lanes} lanes"
+    with pytest.raises(StreamShareError, match=rf"{said}.* at least {fits}"):
+        id_stream(rows, n, lanes).set_world(world - 1, world)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(StreamShareError, match=said):
+        next(iter(id_stream(rows, n, lanes)))
+    assert_each_row_once(epoch_at(world, lanes, fits, rows), sum(rows), world)
+
+
+def test_each_row_once_at_any_world_lanes_and_batch_the_stream_takes() -> None:
+    """A sweep of small worlds, lanes and batches over real streams: a world within lanes *
+    (batch // lanes) trains each row once (every rank a row of every step); one past it
+    is refused."""
+    rows = (40, 17, 30)
+    for lanes in (1, 2, 3):
+        for n in range(lanes, 2 * lanes + 3):
+            for world in range(1, 6):
+                if world > most_ranks(lanes, n):
+                    with pytest.raises(StreamShareError):
+                        id_stream(rows, n, lanes).set_world(0, world)
+                    continue
+                assert_each_row_once(epoch_at(world, lanes, n, rows), sum(rows), world)
+
+
 def test_a_position_keeps_its_order_settings_until_its_epoch_ends(shards: list[str]) -> None:
     old = stream(shards, lanes=8, window=20)
     old.advance()
@@ -448,7 +514,7 @@ def test_bad_settings_positions_and_files_are_clear_errors(
     with pytest.raises(ValueError, match="window is 0; expected"):
         stream(shards, window=0)
     with pytest.raises(
-        ValueError, match=r"world of 129 ranks is larger than the global batch \(128\)"
+        StreamShareError, match=r"world of 129 ranks is larger than the global batch \(128\)"
     ):
         stream(shards).set_world(0, 129)
     s = stream(shards)
