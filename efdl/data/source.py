@@ -23,12 +23,14 @@ from typing import Any, Generic, TypeVar, cast
 import fsspec  # type: ignore[import-untyped]
 from fsspec.spec import AbstractBufferedFile  # type: ignore[import-untyped]
 
+from efdl.errors import EfdlError
+
 C = TypeVar("C")  # a source's piece of rows: a pyarrow Table, or a list of samples
 
 
-class DataSourceError(ValueError):
+class DataSourceError(EfdlError, ValueError):
     """A shard that cannot be read as the stream needs it (missing, not Parquet, a column
-    it lacks, fewer rows than counted)."""
+    it lacks, columns unlike the other shards', fewer rows than counted)."""
 
 
 class Source(Generic[C]):
@@ -596,7 +598,9 @@ class ParquetSource(Source[Any]):
         rows: each file's row count, if known (skips reading every footer at the start).
 
     Raises:
-        DataSourceError: no files, or (at ``rows()``) a file that is not Parquet.
+        DataSourceError: no files, or (at ``rows()``, which reads the footers) a file that is
+            not Parquet, or whose columns (those read) differ from an earlier file's in name,
+            order, type or nullability (found at its first read where ``rows`` was given).
     """
 
     def __init__(
@@ -616,6 +620,10 @@ class ParquetSource(Source[Any]):
             )
         self._rows = list(rows) if rows is not None else None
         self._footers: dict[int, Any] = {}  # each shard's metadata, once read (no re-read)
+        self._fields: dict[int, list[Any]] = {}  # each shard's columns read, from its footer
+        # The columns every shard must have alike: the first shard's with rows (of those
+        # checked: every one at rows(), else in the order they are first read).
+        self._columns: tuple[int, list[Any]] | None = None
         # Each shard's details (size, ETag) where fsspec's buffered files fetch them: from the
         # first open, then given to the others (s3fs sent a HEAD request per open).
         self._details: dict[int, dict[str, Any]] = {}
@@ -638,7 +646,12 @@ class ParquetSource(Source[Any]):
         if self._rows is None:
             with ThreadPoolExecutor(max_workers=min(32, len(self._urls))) as pool:
                 metas = list(pool.map(self._footer, range(len(self._urls))))
-            self._rows = [sum(groups) for groups in metas]
+            rows = [sum(groups) for groups in metas]
+            for shard, n in enumerate(rows):  # in order: the first file with rows is the model
+                fields = self._fields.pop(shard, None)
+                if n and fields is not None:
+                    self._alike(shard, fields)
+            self._rows = rows
         return self._rows
 
     def bytes_read(self) -> int:
@@ -654,7 +667,8 @@ class ParquetSource(Source[Any]):
         with self._lock:
             self._bytes += n
 
-    def _open(self, shard: int) -> Any:
+    def _open(self, shard: int, check: bool = True) -> Any:
+        """The shard as a ParquetFile (``check``: its columns must be the other shards')."""
         import pyarrow.parquet as pq
 
         url = self._urls[shard]
@@ -682,7 +696,37 @@ class ParquetSource(Source[Any]):
             raise DataSourceError(
                 f"{url!r} has no column {missing[0]!r}; its columns are {pf.schema_arrow.names}."
             )
+        if check:
+            try:
+                self._alike(shard, self._read_fields(pf.schema_arrow))
+            except DataSourceError:
+                pf.close()
+                raise
         return pf
+
+    def _read_fields(self, schema: Any) -> list[Any]:
+        """The Arrow fields a read of a file of ``schema`` gives, in their order."""
+        if self.columns is None:
+            return list(schema)
+        return [schema.field(name) for name in self.columns]
+
+    def _alike(self, shard: int, fields: list[Any]) -> None:
+        """Refuse a shard whose columns (those read) are not the model's: a window that
+        spans two shards joins their rows, which pyarrow refuses mid-epoch naming no file."""
+        with self._lock:
+            if self._columns is None:
+                self._columns = (shard, fields)
+                return
+            model, expected = self._columns
+        if shard == model:
+            return
+        why = _unlike(self._urls[model], expected, self._urls[shard], fields)
+        if why:
+            raise DataSourceError(
+                f"The Parquet files' columns differ: {why}. Expected every file to have the "
+                "same columns, in the same order, of the same types (give columns= to read "
+                "only columns they share alike)."
+            )
 
     def _open_file(self, fs: Any, path: str, shard: int) -> Any:
         """The shard's file, opened with the details its first open fetched, if any."""
@@ -700,11 +744,13 @@ class ParquetSource(Source[Any]):
         return f
 
     def _footer(self, shard: int) -> list[int]:
-        pf = self._open(shard)
+        pf = self._open(shard, check=False)  # rows() checks the columns, in shard order
         try:
             groups = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+            fields = self._read_fields(pf.schema_arrow)
             with self._lock:
                 self._footers[shard] = pf.metadata
+                self._fields[shard] = fields
         finally:
             pf.close()
         return groups
@@ -743,6 +789,31 @@ class ParquetSource(Source[Any]):
                     return
         finally:
             pf.close()
+
+
+def _unlike(first: str, a: list[Any], other: str, b: list[Any]) -> str:
+    """How the columns ``b`` of the file ``other`` differ from ``a``, those of ``first``
+    ("" where they are alike): a column one lacks, their order, or a column's type."""
+    names_a, names_b = [f.name for f in a], [f.name for f in b]
+    for name in names_a:
+        if name not in names_b:
+            return f"{other!r} has no column {name!r}, which {first!r} has"
+    for name in names_b:
+        if name not in names_a:
+            return f"{other!r} has a column {name!r}, which {first!r} has not"
+    if names_a != names_b:
+        return f"{first!r} has the columns {names_a}, {other!r} has them as {names_b}"
+    for fa, fb in zip(a, b, strict=True):
+        if not fa.type.equals(fb.type) or fa.nullable != fb.nullable:
+            return (
+                f"{first!r} has the column {fa.name!r} as {_kind(fa)}, {other!r} has it as "
+                f"{_kind(fb)}"
+            )
+    return ""
+
+
+def _kind(field: Any) -> str:
+    return f"{field.type}" + ("" if field.nullable else " not null")
 
 
 def _table(batch: Any) -> Any:

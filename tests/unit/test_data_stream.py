@@ -24,6 +24,7 @@ from efdl.data import exchange
 from efdl.data.order import StreamShareError, most_ranks
 from efdl.data.source import ArrowBlock, ArrowLanes, DataSourceError, ParquetSource, ReaderSource
 from efdl.data.stream import ElasticStream
+from efdl.errors import EfdlError
 from tests.wait import wait_until
 
 # Uneven files (one empty), row groups of 100: lanes begin and end inside both.
@@ -532,6 +533,49 @@ def test_bad_settings_positions_and_files_are_clear_errors(
         stream([str(bad)])
     with pytest.raises(DataSourceError, match="has no column"):
         next(iter(stream(shards, columns=["nope"])))
+
+
+def test_files_whose_columns_differ_are_refused_when_the_stream_is_made(tmp_path: Path) -> None:
+    """A column of another type, one a file lacks, or nullability: refused with both files
+    and the column named, when the footers are read (at the stream's making), not as
+    pyarrow's ArrowInvalid naming no file mid-epoch, where a window spans the two files."""
+    ids_ = pa.array(range(100), pa.int64())
+    x_int = pa.table({"id": ids_, "x": pa.array(range(100), pa.int64())})
+    cases = {
+        "a double": (
+            pa.table({"id": ids_, "x": pa.array(range(100), pa.float64())}),
+            r"'x' as int64, '[^']*b\.parquet' has it as double",
+        ),
+        "no x": (pa.table({"id": ids_}), r"b\.parquet' has no column 'x', which '[^']*a\.parquet"),
+        "not null": (
+            pa.Table.from_arrays(
+                [ids_, pa.array(range(100), pa.int64())],
+                schema=pa.schema([pa.field("id", pa.int64()), pa.field("x", pa.int64(), False)]),
+            ),
+            r"'x' as int64, '[^']*b\.parquet' has it as int64 not null",
+        ),
+    }
+    for name, (other, said) in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        pq.write_table(x_int, folder / "a.parquet")
+        pq.write_table(other, folder / "b.parquet")
+        files = [str(folder / "a.parquet"), str(folder / "b.parquet")]
+        with pytest.raises(DataSourceError, match=said) as made:
+            ElasticStream(files, 16, lanes=1, window=64, shuffle=False)
+        assert isinstance(made.value, EfdlError)
+        # Counts given, no footer is read at the start: refused at the file's first read.
+        source = ParquetSource(files, rows=[100, 100])
+        with pytest.raises(DataSourceError, match=said):
+            list(ElasticStream(source, 16, lanes=1, window=64, shuffle=False))
+    alike = ElasticStream(  # the columns they share alike
+        [str(tmp_path / "no-x" / "a.parquet"), str(tmp_path / "no-x" / "b.parquet")],
+        16,
+        lanes=1,
+        window=64,
+        columns=["id"],
+    )
+    assert sorted(i for batch in alike for i in ids(batch)) == sorted([*range(100)] * 2)
 
 
 def test_parquet_on_s3(s3_bucket: str, tmp_path: Path) -> None:
