@@ -39,7 +39,14 @@ from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus, check_id
-from efdl.rendezvous.participant import Participant, close_job, start_job
+from efdl.rendezvous.participant import Participant, close_job, parse_round, start_job
+from efdl.rendezvous.served import (
+    ServedEtcd,
+    default_state_dir,
+    make_job_directory,
+    refusal,
+    resolve,
+)
 from efdl.rendezvous.status import format_status, read_status, status_json
 
 if TYPE_CHECKING:  # the fleet's modules are imported by its commands alone
@@ -74,6 +81,12 @@ def etcd_options(fn: F) -> F:
             help="Seconds each etcd request may take, failover included (default 5).",
         ),
         click.option(
+            "--job-token-file",
+            type=click.Path(path_type=Path),
+            help="File holding the job's token (instead of EFDL_JOB_TOKEN): the secret of the "
+            "etcd a node of the job serves (static launch, --serve-etcd).",
+        ),
+        click.option(
             "--config",
             "config_file",
             type=click.Path(path_type=Path),
@@ -101,7 +114,12 @@ def handle_errors(fn: F) -> F:
 
 def _etcd_config(config_file: Path | None, flags: dict[str, Any]) -> EtcdClientConfig:
     data = read_yaml(config_file) if config_file else {}
-    known = {k: v for k, v in data.items() if str(k).replace("-", "_").startswith("etcd")}
+    known = {
+        k: v
+        for k, v in data.items()
+        if str(k).replace("-", "_").startswith("etcd")
+        or str(k) in ("job-token-file", "job_token_file")
+    }
     source = str(config_file) if config_file else "the config file"
     return load(EtcdClientConfig, flags, yaml_data=known, yaml_source=source)
 
@@ -737,6 +755,12 @@ _IGNORED = {
     help="Serve the job's etcd here (embedded, on --etcd's first endpoint, an address of "
     "this host); the job lives as long as this node does.",
 )
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="Where the etcd this node serves keeps its data, kept for a restart of this node "
+    "(default: $XDG_STATE_HOME/efdl, else ~/.local/state/efdl).",
+)
 @click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a dead node is noticed.")
 @click.option("--settle", "settle_s", type=float, help="Seconds to batch joins into one round.")
 @click.option(
@@ -961,6 +985,13 @@ def launch_config(
             "this node serves the job's etcd" if cfg.serve_etcd else "the node of rank 0 serves it",
             cfg.etcd,
         )
+        if not cfg.serve_etcd:  # the serving node checks where it listens, when it does
+            at = Endpoint.parse(cfg.etcd or "")
+            refused = refusal(
+                at.target, resolve(at.host, at.port), cfg.job_token(env) is not None, False
+            )
+            if refused:
+                raise ConfigError(refused)
     for stream in ("stdout", "stderr"):
         if cfg.log_dir is None and getattr(cfg, f"duplicate_{stream}_filters"):
             log.info(
@@ -1085,6 +1116,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
             code = NodeAgent(cfg, args, store, node, policy, job_id, ids, warm).run()
             if served:
                 _await_departures(store, job_id, cfg.lease_ttl_s + cfg.grace_period_s + 5)
+                served.job_ended = _job_ended(store, job_id)
             return code
     finally:
         warm.close()  # the agent's run closes it; this is for a start that failed before
@@ -1103,30 +1135,43 @@ def _can_serve(host: str, port: int) -> bool:
 
 
 @contextmanager
-def _served_etcd(cfg: LaunchConfig, settings: EtcdSettings | None) -> Iterator[bool]:
+def _served_etcd(cfg: LaunchConfig, settings: EtcdSettings | None) -> Iterator[ServedEtcd | None]:
     """With --serve-etcd, the job's etcd, embedded, on the first endpoint (its address
-    resolved: etcd listens on an IP); stopped on the way out."""
+    resolved: etcd listens on an IP), with auth on if a job token is given (refused on an
+    address other hosts reach without one), its data in the job's directory under
+    --state-dir; stopped on the way out, its data removed if the job ended."""
     if not cfg.serve_etcd or settings is None:
-        yield False
+        yield None
         return
     at = settings.endpoints[0]
-    try:
-        ip = socket.getaddrinfo(at.host, at.port, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError as exc:
-        raise ConfigError(f"Cannot serve the job's etcd at {at.target}: {exc}.") from None
-    server = EmbeddedEtcd(host=str(ip), client_port=at.port)
-    try:
-        server.start()
-    except EfdlError as exc:
+    token = cfg.job_token()
+    addresses = resolve(at.host, at.port)
+    refused = refusal(at.target, addresses, token is not None, serving=True)
+    if refused:
+        raise ConfigError(refused)
+    if not addresses:
         raise ConfigError(
-            f"Cannot serve the job's etcd at {at.target} (--serve-etcd, or --node-rank 0 of a "
-            f"static launch; is it an address of this host, and the port free?): {exc}"
-        ) from None
-    log.info("Serving the job's etcd at %s (its nodes' rendezvous).", at.target)
+            f"Cannot serve the job's etcd at {at.target}: {at.host!r} does not resolve."
+        )
+    state = cfg.state_dir or default_state_dir(os.environ)
+    job_id = check_id(cfg.job_id or DEFAULT_JOB_ID)
+    served = ServedEtcd(at, addresses[0], make_job_directory(state, job_id, at.port), token)
+    served.start()
     try:
-        yield True
+        yield served
     finally:
-        server.stop()
+        served.stop()
+
+
+def _job_ended(store: EtcdStore, job_id: str) -> bool:
+    """Whether job ``job_id``'s round says it ended (finished, stopped, failed); False if
+    etcd cannot say."""
+    keys = JobKeys(job_id)
+    try:
+        r = parse_round(store.get(keys.round), keys)
+    except EfdlError:
+        return False
+    return r is not None and r.status.final
 
 
 def _await_departures(store: EtcdStore, job_id: str, timeout_s: float) -> None:

@@ -26,6 +26,14 @@ from efdl.rendezvous.api import EtcdSettings
 C = TypeVar("C")
 
 PASSWORD_ENV = "EFDL_ETCD_PASSWORD"
+JOB_TOKEN_ENV = "EFDL_JOB_TOKEN"
+# The etcd user a job token authenticates as: the etcd a node of the job serves has one user,
+# etcd's root, whose password is the token.
+JOB_TOKEN_USER = "root"
+JOB_TOKEN_MIN_CHARS = 16
+# Secrets an efdl process may be given in its environment: never passed on to the workers (a
+# training script, and what it starts, has no business with etcd) nor to an etcd it starts.
+SECRET_VARIABLES = frozenset({PASSWORD_ENV, JOB_TOKEN_ENV})
 DEFAULT_JOB_ID = "none"  # torchrun's --rdzv-id default: jobs that name none are one job
 STATIC_PORT = 29500  # torchrun's --master-port default
 _UNIT_SUFFIXES = ("_s",)
@@ -195,6 +203,33 @@ def read_password(password_file: Path | None, env: Mapping[str, str] | None = No
     return env.get(PASSWORD_ENV)
 
 
+def read_job_token(token_file: Path | None, env: Mapping[str, str] | None = None) -> str | None:
+    """The job's token: from the file if given, else ``EFDL_JOB_TOKEN``, else None.
+
+    Never from a command-line argument, where ``ps`` would show it.
+
+    Raises:
+        ConfigError: the file cannot be read, or the token is shorter than 16 characters.
+    """
+    env = os.environ if env is None else env
+    where = f"The job token file {str(token_file)!r}" if token_file else JOB_TOKEN_ENV
+    if token_file is not None:
+        try:
+            token: str | None = token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"Cannot read the job token file {str(token_file)!r}: {exc.strerror}."
+            ) from None
+    else:
+        token = env.get(JOB_TOKEN_ENV)
+    if token is not None and len(token) < JOB_TOKEN_MIN_CHARS:
+        raise ConfigError(
+            f"{where} holds a token of {len(token)} characters; expected at least "
+            f"{JOB_TOKEN_MIN_CHARS} (make one with `openssl rand -hex 32`)."
+        )
+    return token
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EtcdClientConfig:
     """How a command reaches etcd (``--etcd``, ``--etcd-ca`` ... in every command).
@@ -209,6 +244,10 @@ class EtcdClientConfig:
         etcd_password_file: file holding the password (one line).
         etcd_timeout_s: bound on each etcd request, failover included; also how long to
             keep trying to connect at start.
+        job_token_file: file holding the job's token (else ``EFDL_JOB_TOKEN``): the secret
+            of the etcd a node of the job serves (torchrun's static launch, ``--serve-etcd``),
+            which every node and every ``efdl`` command about the job must be given; they
+            authenticate as etcd's root user with it. Not with ``etcd_user``.
     """
 
     etcd: str | None = None
@@ -218,6 +257,11 @@ class EtcdClientConfig:
     etcd_user: str | None = None
     etcd_password_file: Path | None = None
     etcd_timeout_s: float = 5.0
+    job_token_file: Path | None = None
+
+    def job_token(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The job's token (``job_token_file``, else ``EFDL_JOB_TOKEN``), or None."""
+        return read_job_token(self.job_token_file, env)
 
     def etcd_settings(
         self,
@@ -234,15 +278,26 @@ class EtcdClientConfig:
                 "No etcd endpoints were given: pass --etcd host:port[,host:port...] "
                 "(or EFDL_ETCD), or use --standalone."
             )
+        user = self.etcd_user
         password = read_password(self.etcd_password_file, env)
-        if password is not None and self.etcd_user is None:
+        if password is not None and user is None:
             password = None  # a password in the environment alone does not turn auth on
+        token = self.job_token(env)
+        if token is not None:
+            if user is not None:
+                raise ConfigError(
+                    f"Both --etcd-user ({user!r}) and a job token ({JOB_TOKEN_ENV} or "
+                    "--job-token-file) were given; expected one: the job token is the "
+                    "credential of the etcd a node of the job serves, --etcd-user that of an "
+                    "etcd run apart."
+                )
+            user, password = JOB_TOKEN_USER, token
         return EtcdSettings.from_list(
             target,
             ca_file=self.etcd_ca,
             cert_file=self.etcd_cert,
             key_file=self.etcd_key,
-            user=self.etcd_user,
+            user=user,
             password=password,
             request_timeout_s=self.etcd_timeout_s,
             connect_timeout_s=connect_timeout_s or 2 * self.etcd_timeout_s,
@@ -311,6 +366,10 @@ class LaunchConfig(EtcdClientConfig):
         master_port: its port (default 29500); on one node, the c10d store's port.
         node_rank: torchrun's ``--node-rank``: 0 serves the static rendezvous; the ranks
             themselves come from the rendezvous (nodes in the order they joined).
+        state_dir: where the etcd this node serves (``serve_etcd``) keeps its data, in
+            ``<state_dir>/etcd/<job>-<port>`` (mode 0700), so a restarted node serves the same
+            data; removed when the job ends. Default ``$XDG_STATE_HOME/efdl``, else
+            ``~/.local/state/efdl``.
         role: torchrun's ``--role`` (ROLE_NAME).
         cache_url: where committed state is persisted (any fsspec URL or a directory);
             default with ``--standalone``: ``<log_dir>/<job>/cache`` when ``log_dir`` is set.
@@ -353,6 +412,7 @@ class LaunchConfig(EtcdClientConfig):
     master_addr: str | None = None
     master_port: int | None = None
     node_rank: int | None = None
+    state_dir: Path | None = None
     role: str = "default"
     cache_url: str | None = None
     cache_every_steps: int = 0

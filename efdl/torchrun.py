@@ -16,7 +16,9 @@ workers on every new round, as it does with its own backends.
 joins into one round, default 1), ``lease_ttl`` (seconds until a dead node is noticed,
 default 5), ``etcd_timeout`` (seconds per etcd request), ``etcd_ca`` / ``etcd_cert`` /
 ``etcd_key`` (TLS files), ``etcd_user`` and ``etcd_password_file`` (the password may also
-come from ``EFDL_ETCD_PASSWORD``), ``node_id``. Other keys are ignored with a log line.
+come from ``EFDL_ETCD_PASSWORD``), ``job_token_file`` (the token of an etcd a node of an
+efdl-run job serves; or ``EFDL_JOB_TOKEN``), ``node_id``. Other keys are ignored with a log
+line. The password and the token are taken out of the environment torchrun's workers get.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -47,7 +49,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from efdl import __version__
-from efdl.config import EtcdClientConfig, load
+from efdl.config import SECRET_VARIABLES, EtcdClientConfig, load
 from efdl.errors import ConfigError, EfdlError, LeaseLostError, StoreError
 from efdl.launcher.node import default_host
 from efdl.launcher.tcpstore import TCPStoreServer
@@ -72,6 +74,7 @@ _ETCD_KEYS = {
     "etcd_user": "etcd_user",
     "etcd_password_file": "etcd_password_file",
     "etcd_timeout": "etcd_timeout_s",
+    "job_token_file": "job_token_file",
 }
 _OWN_KEYS = {"timeout", "join_timeout", "last_call_timeout", "lease_ttl", "node_id"}
 
@@ -348,6 +351,7 @@ def create_handler(params: RendezvousParameters) -> EfdlRendezvousHandler:
             flags[field] = params.config[key]
     cfg = load(EtcdClientConfig, flags, env=dict(os.environ))
     settings = cfg.etcd_settings()
+    _hide_secrets(os.environ)
     run_id = check_id(params.run_id, "run id (--rdzv-id)")
     host = params.local_addr or default_host(settings.endpoints)
     node_id = str(params.config.get("node_id") or f"{host}-{os.getpid()}")
@@ -362,6 +366,15 @@ def create_handler(params: RendezvousParameters) -> EfdlRendezvousHandler:
     if ttl < 2:
         raise ConfigError(f"--rdzv-conf lease_ttl={ttl}: expected at least 2 seconds.")
     return EfdlRendezvousHandler(EtcdStore(settings), run_id, node, policy, ttl)
+
+
+def _hide_secrets(env: MutableMapping[str, str]) -> None:
+    """Take efdl's secrets (the etcd password, the job token) out of torchrun's environment
+    once the handler has read them: torchrun starts its workers with a copy of it, and a
+    training script has no business with etcd (efdl-run leaves them out of its workers' too)."""
+    for name in sorted(SECRET_VARIABLES & env.keys()):
+        del env[name]
+        log.info("Removed %s from the environment torchrun gives its workers.", name)
 
 
 def handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:

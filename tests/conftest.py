@@ -25,16 +25,18 @@ def temp_dir() -> Iterator[Path]:
     process leaves nothing in /tmp. (That efdl removes its own is tested by name.) Short, so
     that Unix socket paths under it stay within their 107 bytes."""
     path = Path(tempfile.mkdtemp(prefix="pytest-efdl-"))
-    before = os.environ.get("TMPDIR")
+    before = {name: os.environ.get(name) for name in ("TMPDIR", "XDG_STATE_HOME")}
     os.environ["TMPDIR"] = str(path)
+    os.environ["XDG_STATE_HOME"] = str(path / "state")  # a served etcd's data (efdl-run)
     tempfile.tempdir = None  # read TMPDIR again
     try:
         yield path
     finally:
-        if before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         tempfile.tempdir = None
         shutil.rmtree(path, ignore_errors=True)
 

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from efdl.config import SECRET_VARIABLES
 from efdl.launcher.gpus import worker_devices
 from efdl.rendezvous.model import NodeRecord, Round
 
-SECRET_VARIABLES = frozenset({"EFDL_ETCD_PASSWORD"})
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 DEVICE_ENV = "EFDL_CUDA_DEVICE"  # the index of the worker's own GPU in its CUDA_VISIBLE_DEVICES
 LOCAL_RANK_ENV = "EFDL_LOCAL_RANK"  # the worker's local rank, also where LOCAL_RANK says 0

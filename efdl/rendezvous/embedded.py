@@ -13,11 +13,16 @@ import subprocess
 import time
 import zlib
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from types import TracebackType
 
+import grpc
+from etcd3 import etcdrpc
+
 from efdl._process import die_with_parent, free_port, private_dir, reap, stop_process
-from efdl.errors import EtcdServerError, StoreError
+from efdl.config import SECRET_VARIABLES
+from efdl.errors import EtcdServerError, StoreAuthError, StoreError
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.etcd_store import EtcdStore
 
@@ -81,6 +86,9 @@ class EmbeddedEtcd:
         name: the member's name (a cluster's members differ).
         cluster: etcd's ``--initial-cluster`` (``name=peer-url,...``) for a member of a
             cluster (see :class:`EtcdCluster`); None: a cluster of this one member.
+        durable: etcd syncs every write to disk, so its data outlives a crash of the host
+            (the etcd a job's node serves); False: writes reach the disk when the OS flushes
+            them, which a killed etcd does not lose either (tests, ``--standalone``).
     """
 
     def __init__(
@@ -94,8 +102,10 @@ class EmbeddedEtcd:
         cluster: str | None = None,
         host: str = "127.0.0.1",
         client_port: int = 0,
+        durable: bool = False,
     ) -> None:
         self._binary = find_etcd_binary()
+        self._durable = durable
         self._own_dir = data_dir is None
         self._base = private_dir("etcd-") if data_dir is None else data_dir
         self._data_dir = self._base / "data" if self._own_dir else self._base
@@ -146,10 +156,11 @@ class EmbeddedEtcd:
             f"--initial-cluster-token=efdl-{zlib.crc32(self._command_cluster().encode()):x}",
             "--log-level=warn",
             "--logger=zap",
+        ]
+        if not self._durable:
             # The rendezvous relies on prompt lease expiry and watch delivery, not on
             # durability of every write: a single-node test/standalone server.
-            "--unsafe-no-fsync",
-        ]
+            cmd.append("--unsafe-no-fsync")
         if self._tls:
             cmd += [f"--cert-file={self._tls.cert_file}", f"--key-file={self._tls.key_file}"]
             if self._tls.client_ca:
@@ -188,6 +199,7 @@ class EmbeddedEtcd:
                 # its workers, deregisters through this etcd, and only then stops it.
                 process_group=0,
                 preexec_fn=die_with_parent(),
+                env=_server_env(),
             )
         finally:
             if log_target is not subprocess.DEVNULL:
@@ -277,6 +289,130 @@ class EmbeddedEtcd:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _server_env() -> dict[str, str]:
+    """The environment of an etcd efdl starts: efdl's own, less its secrets (etcd reads none)."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+
+
+class AuthState(StrEnum):
+    """What an etcd's auth makes of a password."""
+
+    OFF = "off"  # auth is off: anyone who reaches it may read and write
+    OPENS = "opens"  # auth is on and the password opens it
+    CLOSED = "closed"  # auth is on and the password (or none) does not open it
+
+
+def auth_state(channel: grpc.Channel, user: str, password: str | None) -> AuthState:
+    """Whether etcd's auth is on, and whether ``user``/``password`` opens it: one request.
+
+    Raises:
+        StoreError: etcd failed the request for another reason.
+    """
+    try:
+        etcdrpc.AuthStub(channel).Authenticate(
+            etcdrpc.AuthenticateRequest(name=user, password=password or ""), timeout=10
+        )
+    except grpc.RpcError as exc:
+        details = exc.details() or ""
+        if "authentication is not enabled" in details:
+            return AuthState.OFF
+        if "authentication failed" in details:
+            return AuthState.CLOSED
+        raise StoreError(f"etcd could not tell whether its auth is on: {details}.") from exc
+    return AuthState.OPENS
+
+
+def _enable_auth(channel: grpc.Channel, user: str, password: str) -> None:
+    """User ``user`` with ``password`` and etcd's root role, then auth on (etcdctl's steps)."""
+    auth = etcdrpc.AuthStub(channel)
+    try:
+        auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=10)
+    except grpc.RpcError as exc:
+        if "already exists" not in (exc.details() or ""):
+            raise
+        auth.UserChangePassword(
+            etcdrpc.AuthUserChangePasswordRequest(name=user, password=password), timeout=10
+        )
+    auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role="root"), timeout=10)
+    auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=10)
+
+
+def require_auth(data_dir: Path, user: str, password: str, timeout_s: float = 20.0) -> AuthState:
+    """Make the etcd data in ``data_dir`` demand ``user``/``password`` (etcd's root role),
+    before any server on it listens where others can reach it: an etcd is started on it with
+    a unix socket in a new private directory (mode 0700) as its only client address, its auth
+    turned on unless it is on already, and stopped. Costs one start of etcd (about a second).
+
+    Returns:
+        The state found: OFF (auth was turned on now) or OPENS (it was on with this password).
+
+    Raises:
+        StoreAuthError: auth is on in this data with another password.
+        EtcdServerError: etcd did not start, or failed a request.
+    """
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    place = private_dir("auth-")
+    peer = f"http://127.0.0.1:{free_port()}"
+    cmd = [
+        str(find_etcd_binary()),
+        "--name=efdl",
+        f"--data-dir={data_dir}",
+        "--listen-client-urls=unix://client:0",  # a socket "client:0" in the working dir
+        "--advertise-client-urls=unix://client:0",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=efdl={peer}",
+        "--log-level=warn",
+        "--logger=zap",
+    ]
+    log_file = place / "etcd.log"
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=place,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,
+            preexec_fn=die_with_parent(),
+            env=_server_env(),
+        )
+    channel = grpc.insecure_channel(f"unix:{place / 'client:0'}")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                etcdrpc.MaintenanceStub(channel).Status(etcdrpc.StatusRequest(), timeout=1)
+                break
+            except grpc.RpcError as exc:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_file.read_text(errors="replace").strip().splitlines()[-3:]
+                    raise EtcdServerError(
+                        f"etcd did not start on the data in {data_dir} to turn its auth on "
+                        f"({exc.code().name}): {' | '.join(tail) or '(no output)'}"
+                    ) from None
+                time.sleep(0.05)
+        found = auth_state(channel, user, password)
+        if found is AuthState.CLOSED:
+            raise StoreAuthError(
+                f"The etcd data in {data_dir} demands another password for user {user!r} than "
+                "the one given: it was served with another job token."
+            )
+        if found is AuthState.OFF:
+            try:
+                _enable_auth(channel, user, password)
+            except grpc.RpcError as exc:
+                raise EtcdServerError(
+                    f"etcd refused to turn its auth on for the data in {data_dir}: {exc.details()}."
+                ) from None
+            log.info("Turned etcd's auth on for the data in %s (user %s).", data_dir, user)
+        return found
+    finally:
+        channel.close()
+        stop_process(proc, grace_s=10.0)
+        shutil.rmtree(place, ignore_errors=True)
 
 
 class EtcdCluster:
