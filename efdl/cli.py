@@ -147,8 +147,9 @@ def _store_for(
     of an embedded etcd started here; stopped, with the client closed, on the way out."""
     server = EmbeddedEtcd().start() if standalone else None
     try:
-        if server is not None:
-            settings = cfg.etcd_settings(str(server.endpoint))
+        if server is not None:  # its own etcd: no credentials (a job token is for another)
+            timeout_s = cfg.etcd_timeout_s
+            settings = server.settings(request_timeout_s=timeout_s, connect_timeout_s=2 * timeout_s)
         store = EtcdStore(settings or cfg.etcd_settings())
         try:
             yield store, server

@@ -233,3 +233,19 @@ def test_stock_torchrun_keeps_the_token_from_its_workers_and_warns(tmp_path: Pat
     assert "SECRETS []" in done.stdout, done.stdout[-2000:]
     assert done.stderr.count(PLAIN_HTTP) == 1, done.stderr[-3000:]
     assert f"http://{server.endpoint.target}" in done.stderr and token not in done.stderr
+
+
+def test_a_standalone_run_ignores_a_job_token_in_its_environment(tmp_path: Path) -> None:
+    """A job token is the credential of the etcd a node of the job serves: a standalone run's
+    own etcd has no auth, and a token left in the environment does not stop it."""
+    script = tmp_path / "hello.py"
+    script.write_text("print('HELLO')\n")
+    done = subprocess.run(
+        [*EFDL_RUN, "--standalone", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "EFDL_JOB_TOKEN": secrets.token_hex(16)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "HELLO" in done.stdout
