@@ -47,12 +47,14 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
+from efdl.rendezvous.outputs import put_unless_newer
 from efdl.rendezvous.participant import Participant, end_job, parse_round
 from efdl.rendezvous.probe import ProbeListener, Reply, ask
 from efdl.state.cache import CacheSettings, SnapshotStorage
 from efdl.state.channel import (
     GRACE_ENV,
     HANG_TIMEOUT_ENV,
+    JOB_GENERATION_ENV,
     JOB_STEP_ENV,
     JOIN_TIMEOUT_ENV,
     PLACEMENT_TIMEOUT_ENV,
@@ -111,6 +113,7 @@ class _Persisted:
     world_size: int
     size: int = 0  # bytes
     seconds: float = 0.0
+    generation: int = 0  # the generation that persisted it
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,15 +299,34 @@ class NodeAgent:
         self._unsent: dict[int, Placement] = {}  # placements for workers not connected yet
         self._round: Round | None = None  # the newest active round that placed this node
         keys = JobKeys(job_id)
+        # Both records are written only over older ones: a generation replaced while cut off
+        # from etcd publishes nothing over its successor's (efdl.rendezvous.outputs).
         self._cache_record = LatestPublisher(
-            lambda value: store.put(keys.cache, value), "cache record"
+            lambda value: put_unless_newer(
+                store,
+                keys.cache,
+                value,
+                CacheRecord.from_json(value, keys.cache).position,
+                lambda raw, key: CacheRecord.from_json(raw, key).position,
+                "cache record",
+            ),
+            "cache record",
         )
-        # The job's newest committed step: what this node knows of it (etcd's progress
-        # record, read at each round, and its own workers' commits), and, while this node
-        # runs rank 0, its publication (see Progress).
-        self._job_step = 0
+        # The job's newest committed step (generation, step): what this node knows of it
+        # (etcd's progress record, read at each round, and its own workers' commits), and,
+        # while this node runs rank 0, its publication (see Progress).
+        self._job_progress: tuple[int, int] = (0, 0)
+        self._cache_known: CacheRecord | None = None  # the newest cache record this node knows
         self._progress = LatestPublisher(
-            lambda value: store.put(keys.progress, value), "progress record"
+            lambda value: put_unless_newer(
+                store,
+                keys.progress,
+                value,
+                Progress.from_json(value, keys.progress).position,
+                lambda raw, key: Progress.from_json(raw, key).position,
+                "progress record",
+            ),
+            "progress record",
         )
         # Removed when run() ends. The job id, cut short: the socket's path must stay short.
         self._run_dir = private_dir(f"{job_id[:24]}-")
@@ -356,6 +378,7 @@ class NodeAgent:
                     world,
                     size if isinstance(size, int) else 0,
                     float(seconds) if isinstance(seconds, int | float) else 0.0,
+                    generation if isinstance(generation, int) else 0,
                 )
             )
         elif kind == "stepped":
@@ -367,9 +390,13 @@ class NodeAgent:
         elif kind == "progress" and isinstance(step, int):
             self._trained, self._trained_at = step, time.time()
             self._metrics.progress(step)  # thread-safe: no need for the main thread
-            r = self._round
-            if r is not None and r.member is not None and r.member.first_rank == 0:
-                self._progress.offer(Progress(step, r.generation, time.time()).to_json())
+            # Every rank of the generation committed `agreed` (older workers: say nothing).
+            agreed = msg.get("agreed")
+            if isinstance(agreed, int) and isinstance(generation, int):
+                self._job_progress = max(self._job_progress, (generation, agreed))
+                r = self._round
+                if r is not None and r.member is not None and r.member.first_rank == 0:
+                    self._progress.offer(Progress(agreed, generation, time.time()).to_json())
         elif kind == "hung" and isinstance(step, int):
             still, timeout = msg.get("stalled_s"), msg.get("timeout_s")
             self._events.put(
@@ -523,6 +550,7 @@ class NodeAgent:
             serve_tcpstore=self._server.serve,
             on_failure=lambda reason: post(_Failed(reason)),
             events=self._history,
+            on_forgot=self._publish_again,
         )
         self._register(self._rdzv)
         rdzv = self._rdzv
@@ -680,11 +708,11 @@ class NodeAgent:
         if kv is None:
             return
         try:
-            step = Progress.from_json(kv.value, keys.progress).step
+            position = Progress.from_json(kv.value, keys.progress).position
         except RecordError as exc:
             log.error("%s: ignoring a bad progress record: %s", self._tag(), exc)
             return
-        self._job_step = max(self._job_step, step)
+        self._job_progress = max(self._job_progress, position)
 
     def _on_hello(self, pid: int) -> None:
         """A worker connected: it rebuilds in place. A replacement is ready now: offer its
@@ -715,6 +743,7 @@ class NodeAgent:
                 record = CacheRecord.from_json(kv.value, keys.cache)
             except RecordError as exc:
                 log.error("%s: ignoring a bad cache record: %s", self._tag(), exc)
+        self._cache_known = record
         if record is None:
             log.info(
                 "%s: no snapshot published for this job yet (cache %s).",
@@ -732,9 +761,32 @@ class NodeAgent:
                 record.url,
             )
 
+    def _publish_again(self) -> None:
+        """etcd forgot what it held (from the rendezvous thread): publish the job's progress
+        and cache records again from what this node knows of them (each written only over an
+        older one, so the node that knows most wins), lest a job restarted later start over
+        from step 0, or ignore its cache, without a word."""
+        generation, step = self._job_progress
+        if step > 0:
+            self._progress.offer(Progress(step, generation, time.time()).to_json())
+        cache = self._cache_known
+        if cache is not None:
+            self._cache_record.offer(cache.to_json())
+        log.warning(
+            "%s: etcd forgot what it held; published this node's view of the job again "
+            "(progress: generation %d, step %d; cache: %s).",
+            self._tag(),
+            generation,
+            step,
+            f"step {cache.step}" if cache is not None else "none known",
+        )
+
     def _publish_cache(self, ev: _Persisted) -> None:
         assert self._cache is not None
-        record = CacheRecord(ev.step, ev.epoch, ev.world_size, self._cache.url, time.time())
+        record = CacheRecord(
+            ev.step, ev.epoch, ev.world_size, self._cache.url, time.time(), ev.generation
+        )
+        self._cache_known = record
         self._cache_record.offer(record.to_json())
         self._record(
             EventKind.PERSIST,
@@ -782,8 +834,8 @@ class NodeAgent:
         if member is not None:
             self._round = r
             # Its workers are told how far the job got (a generation of newcomers only must
-            # not start over from step 0): one small read per round.
-            self._job_step = max(self._job_step, self._trained or 0)
+            # not start over from step 0, nor stale holders roll it back): one small read
+            # per round.
             self._read_progress()
         if self._rebuilds_in_place():
             self._rebuild_in_place(r)
@@ -851,7 +903,8 @@ class NodeAgent:
                     r.nodes,
                     r.store_host,
                     r.store_port,
-                    self._job_step,
+                    self._job_progress[1],
+                    self._job_progress[0],
                 )
                 if not self._channel.send_round(w.pid, placement):
                     self._unsent[w.pid] = placement  # a replacement still starting
@@ -908,7 +961,8 @@ class NodeAgent:
             env[GRACE_ENV] = f"{self._cfg.grace_period_s:g}"
             env[PLACEMENT_TIMEOUT_ENV] = f"{self._cfg.placement_timeout_s():g}"
             env[JOIN_TIMEOUT_ENV] = f"{self._cfg.join_timeout_s:g}"
-            env[JOB_STEP_ENV] = str(self._job_step)
+            env[JOB_GENERATION_ENV] = str(self._job_progress[0])
+            env[JOB_STEP_ENV] = str(self._job_progress[1])
             if self._cfg.hang_timeout_s is not None:
                 env[HANG_TIMEOUT_ENV] = f"{self._cfg.hang_timeout_s:g}"
             if self._cache is not None:

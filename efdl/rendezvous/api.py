@@ -10,6 +10,7 @@ contract tests.
 from __future__ import annotations
 
 import abc
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -231,7 +232,29 @@ class KVStore(abc.ABC):
 
     All methods are thread-safe. Every failure is a :class:`~efdl.errors.StoreError`
     whose message names the endpoint.
+
+    A store may forget: an etcd whose data directory was lost comes back empty, one restored
+    from a backup comes back older. A store that sees it (a new cluster id, a revision below
+    one it saw) says so to the listeners of :meth:`on_forgot` and re-lists every watch (a
+    batch with ``reset=True``): nothing kept from before (revisions, records) holds.
     """
+
+    _forgot_listeners: list[Callable[[str], None]]
+
+    def on_forgot(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with the reason (from a store thread; keep it short) each time
+        this store finds that the server forgot what it held."""
+        if not hasattr(self, "_forgot_listeners"):
+            self._forgot_listeners = []
+        self._forgot_listeners.append(listener)
+
+    def _forgot(self, reason: str) -> None:
+        """Tell the listeners that the server forgot what it held (see :meth:`on_forgot`)."""
+        for listener in list(getattr(self, "_forgot_listeners", ())):
+            try:
+                listener(reason)
+            except Exception:
+                logging.getLogger(__name__).exception("A store-forgot listener failed.")
 
     @property
     @abc.abstractmethod

@@ -9,7 +9,12 @@ restarts. This adapter owns those three things:
   to the next, for up to ``request_timeout_s`` (so a short etcd restart is invisible);
 - auth: the token is fetched at connect and fetched again when etcd says it is invalid;
 - watches: one thread per watch resumes after the last delivered revision on any stream
-  error, and re-lists when that revision was compacted.
+  error, and re-lists when that revision was compacted;
+- forgetting: an etcd that lost its data comes back empty (a new cluster id, revisions from
+  1), one restored from a backup comes back older (revisions below those it reported). Every
+  answer's header is compared with what was seen; when etcd forgot, every watch re-lists
+  (a resumed watch would wait for a revision etcd does not have yet: its events would never
+  come) and the store's listeners are told (:meth:`KVStore.on_forgot`).
 """
 
 from __future__ import annotations
@@ -204,6 +209,10 @@ class EtcdStore(KVStore):
         # Called with each request's seconds, failover included (the agent's metrics).
         self.on_request: Callable[[float], None] | None = None
         self._watches: set[_EtcdWatch] = set()
+        # What etcd's answers said of it so far (see the module docstring, forgetting).
+        self._cluster_id = 0
+        self._seen_revision = 0
+        self._confirming = False  # a check of a suspicious header is under way
         # One attempt's share of a request's time when there are members to fail over to.
         n = len(self._channels)
         self._attempt_s = settings.request_timeout_s / min(n, 3) if n > 1 else float("inf")
@@ -319,6 +328,12 @@ class EtcdStore(KVStore):
             )
         if code is grpc.StatusCode.OUT_OF_RANGE and "compacted" in (details or ""):
             return CompactedError(f"etcd at {endpoint} could not {what}: {details}.")
+        if code is grpc.StatusCode.OUT_OF_RANGE and "future revision" in (details or ""):
+            # A revision it reported before is in its future: it went back (see _forgotten).
+            self._suspect_forgotten()
+            return CompactedError(
+                f"etcd at {endpoint} could not {what}: {details} (it holds less than it did)."
+            )
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return StoreConnectionError(
                 f"etcd at {endpoint} did not answer {what} ({code.name}: {details})."
@@ -414,6 +429,7 @@ class EtcdStore(KVStore):
             f"get {key}" + (f" at revision {revision}" if revision else ""),
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
+        self._observe(resp.header)
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     def get_prefix(self, prefix: str, revision: int = 0) -> PrefixSnapshot:
@@ -424,6 +440,7 @@ class EtcdStore(KVStore):
             f"get prefix {prefix}" + (f" at revision {revision}" if revision else ""),
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
+        self._observe(resp.header)
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def get_range(self, start: str, end: str) -> PrefixSnapshot:
@@ -432,6 +449,7 @@ class EtcdStore(KVStore):
             f"get the keys from {start} to {end}",
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
+        self._observe(resp.header)
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
@@ -449,6 +467,7 @@ class EtcdStore(KVStore):
             f"get the last key created under {prefix} before revision {before}",
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
         )
+        self._observe(resp.header)
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
@@ -456,6 +475,7 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"put {key}", lambda ch, md, t: ch.kv.Put(request, timeout=t, metadata=md)
         )
+        self._observe(resp.header)
         return int(resp.header.revision)
 
     def delete(self, key: str, *, prefix: bool = False) -> int:
@@ -464,6 +484,7 @@ class EtcdStore(KVStore):
             f"delete {key}",
             lambda ch, md, t: ch.kv.DeleteRange(request, timeout=t, metadata=md),
         )
+        self._observe(resp.header)
         return int(resp.deleted)
 
     @staticmethod
@@ -509,6 +530,7 @@ class EtcdStore(KVStore):
             f"transaction on {keys}",
             lambda ch, md, t: ch.kv.Txn(request, timeout=t, metadata=md),
         )
+        self._observe(resp.header)
         gets = tuple(
             tuple(_kv(kv) for kv in r.response_range.kvs)
             for r in resp.responses
@@ -581,7 +603,74 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"get {key}", lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md)
         )
+        self._observe(resp.header)
         return int(resp.header.revision)
+
+    # ---------------------------------------------------------------- forgetting
+
+    def _observe(self, header: Any) -> None:
+        """A linearizable answer's header (its revision is etcd's newest): compare it with
+        what etcd said before; a new cluster id or a lower revision means it forgot."""
+        cluster_id, revision = int(header.cluster_id), int(header.revision)
+        why = ""
+        with self._lock:
+            known, seen = self._cluster_id, self._seen_revision
+            if known and cluster_id and cluster_id != known:
+                why = (
+                    f"its cluster id changed from {known:x} to {cluster_id:x} (it was made anew: "
+                    "its data directory was lost, or it was restored from a backup)"
+                )
+            elif revision < seen:
+                why = (
+                    f"its revision is {revision}, below the {seen} it reported before (it was "
+                    "restored from a backup, or its data directory was lost)"
+                )
+            if why:
+                self._cluster_id, self._seen_revision = cluster_id, revision
+            else:
+                self._cluster_id = cluster_id or known
+                self._seen_revision = max(seen, revision)
+        if why:
+            self._forgotten(why)
+
+    def _suspect_forgotten(self, header: Any = None) -> None:
+        """An answer that is not linearizable (a keep-alive, a watch event) or an error hints
+        that etcd forgot: check with a linearizable read, on a thread (once at a time)."""
+        if header is not None:
+            with self._lock:
+                known, seen = self._cluster_id, self._seen_revision
+            cluster_id, revision = int(header.cluster_id), int(header.revision)
+            if (not known or cluster_id in (0, known)) and revision >= seen:
+                return
+        with self._lock:
+            if self._confirming or self._closed:
+                return
+            self._confirming = True
+
+        def confirm() -> None:
+            try:
+                self._revision_now("/")
+            except StoreError as exc:
+                log.debug("Could not check whether etcd forgot: %s", exc)
+            finally:
+                with self._lock:
+                    self._confirming = False
+
+        threading.Thread(target=confirm, name="efdl-etcd-check", daemon=True).start()
+
+    def _forgotten(self, why: str) -> None:
+        """etcd forgot what it held: every watch re-lists, the listeners are told."""
+        log.error(
+            "etcd at %s has forgotten what it held: %s. Every watch reads what is there now, "
+            "and this node writes its records again.",
+            self._settings.endpoint_list,
+            why,
+        )
+        with self._lock:
+            watches = list(self._watches)
+        for w in watches:
+            w.recheck()
+        self._forgot(why)
 
     def _forget(self, w: _EtcdWatch) -> None:
         with self._lock:
@@ -669,6 +758,7 @@ class _KeepAliveStream:
         error: StoreError | None = None
         try:
             for resp in call:
+                self._store._suspect_forgotten(resp.header)
                 with self._lock:
                     waiters = self._waiters.pop(int(resp.ID), [])
                 for w in waiters:
@@ -756,6 +846,9 @@ class _EtcdWatch(Watch):
         self._call: Any = None
         self._call_channel: _Channel | None = None
         self._call_lock = threading.Lock()
+        # Before the stream opens again, check that etcd has the revision to resume from (it
+        # may have forgotten: then there is nothing to resume, and the watch re-lists).
+        self._check = False
         self._thread = threading.Thread(target=self._run, name=f"efdl-watch{key}", daemon=True)
 
     def start(self) -> None:
@@ -773,13 +866,15 @@ class _EtcdWatch(Watch):
         while not self.cancelled:
             ch, md = self._store._stream_channel()
             stream_done = threading.Event()
-
-            request_stream = _hold_open(self._create_request(), stream_done)
             try:
+                if self._check or failures:
+                    self._resume_or_relist()
+                    self._check = False
+                request_stream = _hold_open(self._create_request(), stream_done)
                 call = ch.watch.Watch(request_stream, metadata=(*(md or ()), _REQUIRE_LEADER))
                 with self._call_lock:
                     self._call, self._call_channel = call, ch
-                if self.cancelled:
+                if self.cancelled or self._check:  # cancelled, or etcd forgot, meanwhile
                     call.cancel()
                 for response in call:
                     backoff, failures = 0.1, 0
@@ -803,7 +898,7 @@ class _EtcdWatch(Watch):
                 self._store._watch_failed_over(ch, exc)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
-            except StoreError as exc:  # from a re-list after compaction
+            except StoreError as exc:  # from a re-list (after compaction, or forgetting)
                 if not self.cancelled:
                     log.warning("The %s could not re-list (%s); retrying.", self.description, exc)
                     time.sleep(backoff)
@@ -813,6 +908,7 @@ class _EtcdWatch(Watch):
 
     def _handle(self, response: Any) -> bool:
         """Deliver one response; False when the stream must be re-opened."""
+        self._store._suspect_forgotten(response.header)
         if response.compact_revision:
             self._relist(response.compact_revision)
             return False
@@ -833,6 +929,27 @@ class _EtcdWatch(Watch):
         self._deliver(WatchBatch(tuple(events), max(last, response.header.revision)))
         return True
 
+    def _resume_or_relist(self) -> None:
+        """Before resuming from ``_next_revision``: re-list if etcd's revision is below the
+        last one delivered (it forgot: a resumed watch would wait for events that never
+        come)."""
+        now = self._store._revision_now(self._key)
+        if now < self._next_revision - 1:
+            log.warning(
+                "The %s would resume from revision %d, but etcd is at revision %d; re-listing.",
+                self.description,
+                self._next_revision,
+                now,
+            )
+            self._relist_now()
+
+    def recheck(self) -> None:
+        """etcd forgot: open the stream again, checking first where etcd stands."""
+        self._check = True
+        with self._call_lock:
+            if self._call is not None:
+                self._call.cancel()
+
     def _relist(self, compact_revision: int) -> None:
         log.warning(
             "The %s asked for revision %d, compacted up to %d; re-listing.",
@@ -840,6 +957,10 @@ class _EtcdWatch(Watch):
             self._next_revision,
             compact_revision,
         )
+        self._relist_now()
+
+    def _relist_now(self) -> None:
+        """Deliver what is there now as a reset batch, and watch on from there."""
         if self._prefix:
             snap = self._store.get_prefix(self._key)
             kvs, revision = snap.kvs, snap.revision

@@ -238,9 +238,14 @@ class CacheRecord:
     world_size: int
     url: str
     time: float
+    generation: int = 0  # the generation that persisted it (efdl.rendezvous.outputs)
 
     def to_json(self) -> bytes:
         return dump_record(asdict(self))
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.generation, self.step)
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> CacheRecord:
@@ -252,6 +257,7 @@ class CacheRecord:
             world_size=f.count("world_size", 1, 1 << 20),
             url=f.text("url", 4096),
             time=f.number("time"),
+            generation=f.optional_count("generation", 0, 1 << 40) or 0,
         )
 
 
@@ -260,8 +266,13 @@ class Progress:
     """The job's newest committed step, under ``progress``: written by the agent of the node
     that runs rank 0 (at most once a second, off its event loop), deleted by a new run.
 
-    A generation in which no rank holds state and no snapshot can be resumed, after this
-    step was committed, is an error (:class:`~efdl.errors.StateLostError`), not a cold start.
+    ``step`` is the newest step that every rank of ``generation`` committed (the one the
+    per-commit agreement confirmed; with rollback copies, the newest copy's): a rank that
+    survives a failure of that generation holds it or a newer one. A generation in which no
+    rank holds state and no snapshot can be resumed, after this step was committed, is an
+    error (:class:`~efdl.errors.StateLostError`), not a cold start; so is one whose holders
+    are all behind it. Written only over a record of an older position
+    (efdl.rendezvous.outputs).
     """
 
     step: int
@@ -270,6 +281,10 @@ class Progress:
 
     def to_json(self) -> bytes:
         return dump_record(asdict(self))
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.generation, self.step)
 
     @staticmethod
     def from_json(raw: bytes, key: str) -> Progress:

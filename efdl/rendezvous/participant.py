@@ -80,6 +80,10 @@ REJOIN_TTLS = 2.0
 # Operations per transaction when the leader writes the members' records: etcd's default
 # --max-txn-ops.
 TXN_OPS = 128
+# A leader whose round write was refused decides again after this long, doubling with each
+# refusal in a row up to the maximum.
+CAS_BACKOFF_S = 0.05
+CAS_BACKOFF_MAX_S = 2.0
 
 
 def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: float = 0.5) -> T:
@@ -197,6 +201,9 @@ class Participant:
         on_failure: called once if the rendezvous fails on this node (it has left the job).
         events: the job's history, where the rounds this node writes as leader and the
             evictions it makes are recorded.
+        on_forgot: called (from the rendezvous thread) when etcd forgot what it held (it came
+            back empty, or older: :meth:`KVStore.on_forgot`), after this node has taken in
+            what is there now: publish again what only this node's memory still holds.
     """
 
     def __init__(
@@ -214,8 +221,10 @@ class Participant:
         serve_tcpstore: Callable[[Round], int] | None = None,
         on_failure: Callable[[str], None] | None = None,
         events: EventLog | None = None,
+        on_forgot: Callable[[], None] | None = None,
     ) -> None:
         self.keys = JobKeys(job_id)
+        self._on_forgot = on_forgot
         self._events = events
         self._on_round = on_round
         self._on_failure = on_failure
@@ -263,6 +272,8 @@ class Participant:
         self._answered: dict[str, int] = {}
         self._to_probe: dict[str, _Target] = {}
         self._probing = False
+        self._cas_failures = 0  # round writes refused in a row (backed off)
+        store.on_forgot(lambda why: self._inbox.put(("forgot", why, 0)))
 
     # ---------------------------------------------------------------- public
 
@@ -504,13 +515,15 @@ class Participant:
         )
         self._retried("register this node again", lambda: self._register(holds, again=True))
 
-    def _set_round(self, kv: KeyValue | None) -> None:
-        """Take in the round key as read or watched; events may arrive late, never go back."""
+    def _set_round(self, kv: KeyValue | None, adopt: bool = False) -> None:
+        """Take in the round key as read or watched; events may arrive late, never go back,
+        unless ``adopt``: what a read or a re-list says etcd holds now (etcd may have gone
+        back: restored from a backup), whose revision the next write must compare."""
         parsed = parse_round(kv, self.keys)
         if kv is None:
             return
         with self._cond:
-            if kv.mod_revision > self._round_mod_revision:
+            if adopt or kv.mod_revision > self._round_mod_revision:
                 # Also for a bad record: the leader's next round replaces it (its write
                 # compares this revision), instead of failing that compare forever.
                 self._round_mod_revision = kv.mod_revision
@@ -599,6 +612,22 @@ class Participant:
                 self._tag(),
                 current.generation,
             )
+
+    def _on_forgot_etcd(self) -> None:
+        """etcd forgot what it held (the watches re-list by themselves): take the round key
+        as it is now (the next write compares its revision, which may have gone down), write
+        this node's record again where it stands (a lost lease registers anew by itself), and
+        let the agent publish what only its memory holds."""
+        read = self._retried("read the round", lambda: self._store.txn([], [Get(self.keys.round)]))
+        if read.gets[0]:
+            self._set_round(read.gets[0][0], adopt=True)
+        else:
+            self._round_deleted()
+        with self._cond:
+            self._unpublished = True
+        self._cas_failures = 0
+        if self._on_forgot is not None:
+            self._on_forgot()
 
     def _round_deleted(self) -> None:
         """Someone deleted the round key: the next round is written on its absence; the
@@ -695,6 +724,8 @@ class Participant:
                     self._retried("publish the store's port", self._publish_tcpstore)
                 elif tag == "round" and isinstance(item, WatchBatch):
                     self._on_round_batch(item)
+                elif tag == "forgot" and isinstance(item, str):
+                    self._on_forgot_etcd()
                 elif tag == "pred" and isinstance(item, WatchBatch):
                     # Gone (a reset batch, after a compaction, says what is there now: our
                     # predecessor's record, or nothing), or made again (a new create revision,
@@ -732,11 +763,11 @@ class Participant:
                 w.cancel()
 
     def _on_round_batch(self, batch: WatchBatch) -> None:
-        """The round key changed; a reset batch (after a compaction) holds it as it is now,
-        and no PUT in it means that it was deleted."""
+        """The round key changed; a reset batch (after a compaction, or etcd forgetting) holds
+        it as it is now, and no PUT in it means that it was deleted."""
         for ev in batch.events:
             if ev.type is EventType.PUT:
-                self._set_round(ev.kv)
+                self._set_round(ev.kv, adopt=batch.reset)
             else:
                 self._round_deleted()
         if batch.reset and not any(ev.kv.key == self.keys.round for ev in batch.events):
@@ -963,8 +994,9 @@ class Participant:
         if decision.members:
             gone = {m.node_id for m in view.members} - {m.node_id for m in decision.members}
             new = replace(new, members_revision=self._write_members(decision.members, gone))
-        if new.status is RoundStatus.ACTIVE and new.head == self.node_id:
-            new = replace(new, store_port=self._serve(new))  # one write, not two
+        # The rank-0 node serves the new round's store once the round is written (as a leader
+        # that is itself the head, too): a write refused here must not have replaced the store
+        # the current generation trains on.
         value = new.to_json()
         result = self._store.txn(
             [
@@ -975,6 +1007,7 @@ class Participant:
             [Get(self.keys.round), Get(self.keys.node(self.node_id))],
         )
         if result.succeeded:
+            self._cas_failures = 0
             if decision.members:
                 self._members, self._members_of = decision.members, new.round_id
             if self._events is not None:
@@ -985,12 +1018,17 @@ class Participant:
         round_kvs, mine = result.gets
         if not mine or mine[0].create_revision != self._my_revision:
             self._not_leading()
-        log.info("%s: the round changed under us; deciding again.", self._tag())
+        # Decide again on what etcd holds now, whatever its revision (an etcd restored from a
+        # backup holds an older one: never adopting it failed this write forever), and back
+        # off: another leader's writes win meanwhile.
+        self._cas_failures += 1
+        pause = min(CAS_BACKOFF_MAX_S, CAS_BACKOFF_S * 2.0 ** (self._cas_failures - 1))
+        log.info("%s: the round changed under us; deciding again in %.2f s.", self._tag(), pause)
         if round_kvs:
-            self._set_round(round_kvs[0])
+            self._set_round(round_kvs[0], adopt=True)
         else:
             self._round_deleted()
-        return self._clock()
+        return self._clock() + pause
 
     def _write_members(self, members: tuple[Member, ...], gone: set[str]) -> int:
         """Write the members' records of the next round (and delete those of the nodes that

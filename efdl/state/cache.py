@@ -63,6 +63,8 @@ _HEX = re.compile(r"^[0-9a-f]{32}$")
 _FILE_NAME = re.compile(r"^(state|rank-\d{5}|part-\d{5})\.pt$")
 _REPORT = re.compile(r"^report-(\d{5})\.json$")
 
+Position = tuple[int, int]  # (generation, step): see Manifest.position
+
 
 def _torch() -> Any:
     """torch, imported when first needed: the agent reads this module without it."""
@@ -73,6 +75,10 @@ def _torch() -> Any:
 
 class SnapshotError(EfdlError):
     """A snapshot is missing, incomplete or does not match its manifest."""
+
+
+class IncompleteSnapshot(SnapshotError):
+    """A snapshot has no manifest: it is being written, or its writing ended early."""
 
 
 def rank_file(rank: int) -> str:
@@ -105,6 +111,14 @@ class Manifest:
     torch_version: str = dataclasses.field(default_factory=lambda: _torch().__version__)
     created: float = dataclasses.field(default_factory=time.time)
     format: int = FORMAT
+    # The generation that wrote it (0: written before generations were recorded). A snapshot
+    # of a newer generation wins over one of an older, whatever their steps: an older
+    # generation that trained on while cut off from etcd holds a line the job has left.
+    generation: int = 0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.generation, self.step)
 
     def to_json(self) -> bytes:
         data = dataclasses.asdict(self)
@@ -130,6 +144,7 @@ class Manifest:
             f.text("efdl_version", 64),
             f.text("torch_version", 64),
             f.number("created"),
+            generation=f.optional_count("generation", 0, 1 << 40) or 0,
         )
 
 
@@ -343,7 +358,7 @@ class SnapshotStorage:
         try:
             raw = self.fs.cat_file(where)
         except FileNotFoundError:
-            raise SnapshotError(f"{where} is missing (the snapshot is incomplete).") from None
+            raise IncompleteSnapshot(f"{where} is missing (the snapshot is incomplete).") from None
         m = Manifest.parse(raw, where)
         if m.step != step:
             raise SnapshotError(f"{where} says step {m.step}, not {step}.")
@@ -407,23 +422,42 @@ class SnapshotStorage:
             raise SnapshotError(f"{where}: tensor {unplaced[0]} is in no part.")
         return structure
 
-    def newest_structure(self, below: int | None = None) -> Structure | None:
-        """The newest snapshot (older than step ``below``, if given) whose manifest and
-        structure read; broken ones are skipped with a warning naming the file."""
+    def manifests(self) -> list[Manifest]:
+        """The complete snapshots' manifests, newest first: newer generation first, then newer
+        step (see :attr:`Manifest.generation`). Incomplete ones are left out; broken ones too,
+        with a warning naming the file."""
+        found = []
         for step in self.steps():
-            if below is not None and step >= below:
-                continue
             try:
-                return self.structure(self.manifest(step))
+                found.append(self.manifest(step))
+            except IncompleteSnapshot:
+                continue
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", step, exc)
+        return sorted(found, key=lambda m: m.position, reverse=True)
+
+    def newest_structure(
+        self, below: Position | None = None, above: Position | None = None
+    ) -> Structure | None:
+        """The newest snapshot (older than ``below``, newer than ``above``: positions, see
+        :attr:`Manifest.position`) whose manifest and structure read; broken ones are
+        skipped with a warning naming the file."""
+        for m in self.manifests():
+            if below is not None and m.position >= below:
+                continue
+            if above is not None and m.position <= above:
+                return None
+            try:
+                return self.structure(m)
+            except SnapshotError as exc:
+                log.warning("Skipping cached snapshot of step %d: %s", m.step, exc)
         return None
 
     def newest(self) -> tuple[Manifest, dict[str, Any]] | None:
         """The newest complete, intact snapshot read whole in this process: its manifest and
         its state tree with every tensor in place (tools and tests; a job resumes with every
         rank reading some of the parts, see efdl.state.resume)."""
-        below: int | None = None
+        below: Position | None = None
         while (layout := self.newest_structure(below)) is not None:
             try:
                 m = layout.manifest
@@ -437,25 +471,23 @@ class SnapshotStorage:
                 return layout.manifest, layout.fill(tensors)
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", layout.manifest.step, exc)
-                below = layout.manifest.step
+                below = layout.manifest.position
         return None
 
     def prune(self, keep: int, written: int | None = None) -> None:
-        """Keep the newest ``keep`` complete snapshots; delete older ones and any older
-        incomplete ones. ``written``: the step whose manifest this job has just written, when
-        no other snapshot of it is being written (one at a time): then every incomplete one,
-        newer too, is a crashed attempt's leftover, and goes."""
-        complete = 0
+        """Keep the newest ``keep`` complete snapshots (by position); delete older ones and
+        any incomplete one older than those kept. ``written``: the step whose manifest this
+        job has just written, when no other snapshot of it is being written (one at a time):
+        then every incomplete one, newer too, is a crashed attempt's leftover, and goes."""
+        complete = self.manifests()
+        kept = {m.step for m in complete[:keep]}
+        done = {m.step for m in complete}
+        oldest_kept = min(kept) if len(kept) >= keep else -1
         for step in self.steps():
-            if complete >= keep:
-                self.fs.rm(self.path(step), recursive=True)
+            if step in kept:
                 continue
-            try:
-                self.manifest(step)
-                complete += 1
-            except SnapshotError:
-                if written is not None and step != written:
-                    self.fs.rm(self.path(step), recursive=True)
+            if step in done or step < oldest_kept or (written is not None and step != written):
+                self.fs.rm(self.path(step), recursive=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -38,9 +38,10 @@ STANDBY_ENV = "EFDL_STANDBY"
 HANG_TIMEOUT_ENV = "EFDL_HANG_TIMEOUT"
 
 
-# The job's newest committed step as the agent knew it when it placed the worker (see
-# Placement.job_step).
+# The job's newest committed step as the agent knew it when it placed the worker, and the
+# generation that committed it (see Placement.job_step).
 JOB_STEP_ENV = "EFDL_JOB_STEP"
+JOB_GENERATION_ENV = "EFDL_JOB_GENERATION"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,10 @@ class Placement:
 
     ``job_step``: the job's newest committed step as its agent knew it (etcd's progress
     record, and its own workers' commits): a generation in which no rank holds state must
-    not start over from step 0 if it is above 0 (efdl.errors.StateLostError).
+    not start over from step 0 if it is above 0, nor one whose holders are behind it go on
+    from their older step (efdl.errors.StateLostError). ``job_generation``: the generation
+    that committed it (a holder of an older generation's line is behind it whatever its
+    step: efdl.state.transaction).
     """
 
     generation: int
@@ -62,6 +66,7 @@ class Placement:
     master_addr: str
     master_port: int
     job_step: int = 0
+    job_generation: int = 0
 
     @staticmethod
     def from_env(env: dict[str, str] | None = None) -> Placement:
@@ -77,6 +82,7 @@ class Placement:
             e["MASTER_ADDR"],
             int(e["MASTER_PORT"]),
             int(e.get(JOB_STEP_ENV, "0")),
+            int(e.get(JOB_GENERATION_ENV, "0")),
         )
 
 
@@ -245,7 +251,7 @@ class AgentChannel:
             for msg in _lines(self._sock):
                 with self._cond:
                     if msg.get("type") == "round":
-                        fields = {k: msg[k] for k in Placement.__dataclass_fields__}
+                        fields = {k: msg[k] for k in Placement.__dataclass_fields__ if k in msg}
                         self._latest = Placement(**fields)
                         if self._on_round is None:
                             self._opened = self._latest.generation

@@ -137,6 +137,7 @@ class _Job:
     on_done: Callable[[Manifest], None]
     step_done: Any = None  # a CUDA event: the committed step's kernels are done
     attempt: int = 0  # this writing of the snapshot (efdl.state.cache)
+    generation: int = 0  # the generation that writes it (Manifest.generation)
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -201,12 +202,14 @@ class Persister:
         own: dict[str, Any],
         on_done: Callable[[Manifest], None],
         attempt: int = 0,
+        generation: int = 0,
     ) -> None:
         """Persist ``step``: this rank's share of ``tree`` (the replicated state, tensors by
         reference), and ``own`` (what is this rank's alone, already a private copy).
 
         Args:
             attempt: this writing's number, the same on every rank (efdl.state.cache).
+            generation: the generation whose ranks write it (efdl.state.cache.Manifest).
             copy_now: key paths of tensors the next forward pass changes (the model's
                 buffers): copied now rather than in the background.
             on_done: called on rank 0 with the manifest once the snapshot is complete.
@@ -273,6 +276,7 @@ class Persister:
             {part_file(p) for p in range(len(cut.owner))},
             on_done,
             attempt=attempt,
+            generation=generation,
         )
         if any(src.is_cuda for pairs in copies.values() for _, src in pairs):
             job.step_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -343,7 +347,7 @@ class Persister:
                     "Step %d is not persisted: no rank wrote %s.", job.step, ", ".join(missing[:3])
                 )
                 return
-            manifest = Manifest(job.step, job.epoch, job.world, files)
+            manifest = Manifest(job.step, job.epoch, job.world, files, generation=job.generation)
             storage.commit(manifest)
             self.durations.append(time.perf_counter() - job.started)
             self.last_persisted = job.step

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from efdl.state import sharded, transfer
-from efdl.state.cache import Manifest, SnapshotError, SnapshotStorage, rank_file
+from efdl.state.cache import Manifest, Position, SnapshotError, SnapshotStorage, rank_file
 from efdl.state.layout import Layout, overlap, rows
 from efdl.state.rng import set_rng_state
 
@@ -59,6 +59,7 @@ def resume(
     bucket: int,
     own_device: torch.device,
     rows_into: RowsInto | None = None,
+    above: Position | None = None,
 ) -> Resumed | None:
     """Every rank at once: load the newest intact snapshot into ``own`` (this rank's tensors
     by key path; others are made). None if there is no snapshot to resume from.
@@ -66,6 +67,8 @@ def resume(
     Args:
         rows_into: for a sharded model, where this rank's rows of each sharded tensor land
             (None: the model is replicated, and so must the snapshot's be).
+        above: only a snapshot newer than this (generation, step) will do (what the ranks
+            hold is behind the job's step: only something newer is worth reading).
 
     Raises:
         SnapshotError: snapshots were found but none could be read whole, after some were
@@ -74,13 +77,14 @@ def resume(
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     side = links[False].group
-    below: int | None = None
+    below: Position | None = None
     broken: list[int] = []
     while True:
         found = None
-        if rank == 0 and (structure := storage.newest_structure(below)) is not None:
+        if rank == 0 and (structure := storage.newest_structure(below, above)) is not None:
             found = {
                 "step": structure.manifest.step,
+                "generation": structure.manifest.generation,
                 "tree": structure.tree,
                 "parts": structure.parts,
                 "rows": structure.rows,
@@ -145,7 +149,7 @@ def resume(
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=side)
         if not int(verdict.item()) or manifest is None:
             broken.append(step)
-            below = step
+            below = (int(found["generation"]), step)
             continue
         reader = {name: i % world for i, name in enumerate(names)}
         ranks = range(world)

@@ -276,8 +276,7 @@ class Runtime:
 
     def committed(self, step: int) -> None:
         """A step was committed: the breaker sees progress; rank 0 tells the agent how long
-        training stood still when this is the first commit of a new generation; local rank 0
-        reports its progress at most once a second."""
+        training stood still when this is the first commit of a new generation."""
         self.breaker.stepped()
         if self.hang is not None:
             self.hang.committed(step)
@@ -296,9 +295,21 @@ class Runtime:
                     "stood_still": now - last[0],
                 }
             )
-        if p.local_rank == 0 and now - self._reported_at >= 1.0:
+
+    def agreed(self, step: int, floor: int) -> None:
+        """Commit ``step`` read the agreement that every rank of the generation started at
+        its commit before: every rank holds ``floor`` or newer (efdl.state.state). Local rank
+        0 reports both to its agent at most once a second (the job's progress record: a
+        generation whose holders are all behind ``floor`` must not go on from them)."""
+        p, channel = self.placement, self.channel
+        if channel is None or p is None or p.local_rank != 0:
+            return
+        now = time.monotonic()
+        if now - self._reported_at >= 1.0:
             self._reported_at = now
-            channel.notify({"type": "progress", "step": step})
+            channel.notify(
+                {"type": "progress", "step": step, "agreed": floor, "generation": p.generation}
+            )
 
     def report(self, exc: BaseException) -> None:
         """The generation was left because of ``exc``: if a peer's connection closed, tell

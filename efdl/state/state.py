@@ -297,6 +297,13 @@ class ElasticState:
             self._agree_work.wait()
             agreed = [int(x) for x in self._flags.tolist()]
             self._agree_work = None
+        if agreed is not None:
+            # Every rank has committed the step before this one (they all started the
+            # agreement there): the newest step the job can count on, whatever fails next.
+            floor = self._step - 1
+            if self._snapshot_every:  # a failure rolls back to the copies
+                floor -= floor % self._snapshot_every
+            rt.agreed(self._step, floor)
         if agreed is not None and agreed[_Flag.FAILED]:
             raise StepFailed(
                 f"A rank's training group reported a communication error by step {self._step}: "
@@ -383,7 +390,7 @@ class ElasticState:
         """What this rank holds, as the sync compares it."""
         if not self._holds:
             return Standing(None, torn=self._torn)
-        return Standing(self._step, self._settled)
+        return Standing(self._step, self._settled, generation=self._generation)
 
     # ---------------------------------------------------------------- the remote cache
 
@@ -409,6 +416,7 @@ class ElasticState:
             {"rng": rng_state()},
             functools.partial(_published, time.monotonic()),
             attempt,
+            self._generation,
         )
 
     def flush(self, timeout_s: float) -> bool:
@@ -491,10 +499,15 @@ class ElasticState:
         keys = [int(g[0].item()) for g in gathered]
         layouts = [Layout(int(g[1]), int(g[2])) if int(g[1]) else None for g in gathered]
         digests = [int(g[3].item()) for g in gathered]
-        job_step = rt.placement.job_step if rt.placement is not None else 0
+        p = rt.placement
+        job_step, job_generation = (p.job_step, p.job_generation) if p is not None else (0, 0)
         sharded_state = self._sharding is not None
         choice = choose(
-            keys, layouts if sharded_state else None, job_step, None if sharded_state else digests
+            keys,
+            layouts if sharded_state else None,
+            job_step,
+            None if sharded_state else digests,
+            job_generation,
         )
         if choice.diverged and rank == choice.primary:
             log.warning(
@@ -506,20 +519,28 @@ class ElasticState:
                 {r: hex(digests[r] & (2**64 - 1)) for r in (*choice.diverged, choice.primary)},
             )
         self._last_sync = None
-        resumed = self._resume() if choice.step is None else None
+        resumed = None
+        if choice.step is None:
+            resumed = self._resume()
+        elif choice.loss is Loss.BEHIND:  # only a newer snapshot than the holders' will do
+            resumed = self._resume(above=(choice.generation, choice.step))
         if resumed is not None:
             self._last_sync = resumed.moved
             if runtime.channel is not None and dist.get_rank() == 0:
                 runtime.channel.notify({"type": "resumed", "step": resumed.manifest.step})
             log.warning(
-                "No committed step is held whole by the ranks: resuming from step %d (epoch %s) "
-                "in %s.",
+                "%s: resuming from step %d (epoch %s, generation %d) in %s.",
+                "No committed step is held whole by the ranks"
+                if choice.step is None
+                else f"The newest step the ranks hold ({choice.step}) is behind the job's "
+                f"({job_step})",
                 resumed.manifest.step,
                 resumed.manifest.epoch,
+                resumed.manifest.generation,
                 self._persister.settings.url if self._persister is not None else "?",
             )
         elif choice.loss is not None:
-            error = StateLostError(self._why_lost(choice.loss, keys, job_step))
+            error = StateLostError(self._why_lost(choice, keys, (job_generation, job_step)))
             if runtime.channel is not None and rank == 0:
                 runtime.channel.notify({"type": "state_lost", "message": str(error)})
             raise error
@@ -583,14 +604,30 @@ class ElasticState:
             if k.startswith(("['model']", "['optimizer']")) and k not in buffers
         )
 
-    def _why_lost(self, loss: Loss, keys: list[int], job_step: int) -> str:
+    def _why_lost(self, choice: Choice, keys: list[int], job: tuple[int, int]) -> str:
         """The :class:`StateLostError` message: what was lost, why, and the ways on."""
         p = self._persister
+        loss, (job_generation, job_step) = choice.loss, job
         cache = (
             f"the remote cache {p.settings.url} holds no snapshot yet"
             if p is not None
             else "no remote cache holds a snapshot (run with --cache-url to survive this)"
         )
+        if loss is Loss.BEHIND:
+            newer = (
+                f"the remote cache {p.settings.url} holds nothing newer"
+                if p is not None
+                else "no remote cache holds anything newer (run with --cache-url)"
+            )
+            return (
+                f"The job's state is lost: it had committed step {job_step} (in generation "
+                f"{job_generation}), but the newest state any rank of this generation holds is "
+                f"step {choice.step} of generation {choice.generation}: the ranks that trained "
+                f"past it are gone, and {newer}. It will not go back "
+                f"{max(0, job_step - (choice.step or 0))} steps by itself: resume it from a remote "
+                "cache (--cache-url, persisted before the loss), or start it afresh with "
+                "efdl-run --new-run."
+            )
         if loss is Loss.UNCOVERED:
             held = sorted({k // 2 for k in keys if k >= 0})
             return (
@@ -614,16 +651,22 @@ class ElasticState:
             "--new-run."
         )
 
-    def _resume(self) -> Resumed | None:
-        """Every rank: load the remote cache's newest snapshot (none: None). A sharded model
-        is built on this world's mesh first and its rows read into it (its old rows, of a
-        world that is gone and a step not whole, are freed before)."""
+    def _resume(self, above: tuple[int, int] | None = None) -> Resumed | None:
+        """Every rank: load the remote cache's newest snapshot (newer than ``above``, a
+        (generation, step), if given; none: None). A sharded model is built on this world's
+        mesh first and its rows read into it (its old rows, of a world that is gone and a
+        step not whole, are freed before)."""
         p = self._persister
         if p is None:
             return None
         own = self._own_tensors()
         load = functools.partial(
-            resume, p.storage, links=self._links(), timeout=runtime.timeout, bucket=_bucket()
+            resume,
+            p.storage,
+            links=self._links(),
+            timeout=runtime.timeout,
+            bucket=_bucket(),
+            above=above,
         )
         if self._sharding is None:
             resumed = load(own=own, own_device=device())
@@ -861,6 +904,7 @@ def _published(started: float, m: Manifest) -> None:
                 "world_size": m.world_size,
                 "bytes": sum(f.size for f in m.files.values()),
                 "seconds": time.monotonic() - started,
+                "generation": m.generation,
             }
         )
 

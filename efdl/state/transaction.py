@@ -62,6 +62,12 @@ def recovery(phase: Phase, has_copy: bool, trusted: bool = True) -> Recovery:
     }[phase]
 
 
+# Steps and generations packed into one sortable key (Standing.key): 2**41 steps (two
+# trillion) and 2**21 generations (a rescale a minute for four years) fit in an int64.
+_STEP_BITS = 41
+_GENERATION_LIMIT = 1 << 21
+
+
 @dataclass(frozen=True, slots=True)
 class Standing:
     """What a rank holds, as the rebuild's sync compares it.
@@ -73,24 +79,36 @@ class Standing:
             tensors; False after a roll-forward (code between ``optimizer.step()`` and
             ``commit()`` may not have run).
         torn: it held state and a failure tore it (only with ``step`` None).
+        generation: the generation whose sync gave it this state's line (its lineage): a
+            rank that trained on in a generation the job has since replaced (cut off from
+            etcd, then back) holds a step of an older line, which never wins over the
+            current line's, whatever its number.
     """
 
     step: int | None
     settled: bool = True
     torn: bool = False
+    generation: int = 0
 
     def key(self) -> int:
-        """One integer that orders standings: newer step first, then settled; -1 for none,
-        -2 for torn."""
+        """One integer that orders standings: newer line first, then newer step, then
+        settled; -1 for none, -2 for torn."""
         if self.step is None:
             return -2 if self.torn else -1
-        return self.step * 2 + int(self.settled)
+        generation = min(self.generation, _GENERATION_LIMIT - 1)
+        return ((generation << _STEP_BITS) | self.step) * 2 + int(self.settled)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(generation, step): what is compared with the job's progress."""
+        return (self.generation, self.step if self.step is not None else -1)
 
     @staticmethod
     def from_key(key: int) -> Standing:
         if key < 0:
             return Standing(None, torn=key == -2)
-        return Standing(key // 2, bool(key % 2))
+        packed, settled = key // 2, bool(key % 2)
+        return Standing(packed & ((1 << _STEP_BITS) - 1), settled, generation=packed >> _STEP_BITS)
 
 
 class Loss(enum.StrEnum):
@@ -99,6 +117,7 @@ class Loss(enum.StrEnum):
     TORN = "torn"  # the holders' update was torn inside optimizer.step()
     UNCOVERED = "uncovered"  # sharded: no step's rows are all held by the ranks left
     GONE = "gone"  # every rank is new, and the job had committed steps before
+    BEHIND = "behind"  # the newest step held is behind the job's (a stale holder is left)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +131,12 @@ class Choice:
             lowest rank holding ``step`` settled, else the lowest holding it.
         holders: the ranks whose tensors are at ``step``: they send, and receive no tensor.
         needy: every other rank: each receives every tensor.
-        loss: set when no rank holds a step whole and rank 0's own state is not the job's:
-            the job's state is gone but for the remote cache (see :class:`Loss`).
+        loss: set when no rank holds a step whole and rank 0's own state is not the job's,
+            or when the newest step held is behind the job's committed step (``BEHIND``:
+            ``step`` and the rest are then what the ranks hold, to be taken only if the remote
+            cache has nothing newer): the job's state is gone but for the remote cache (see
+            :class:`Loss`).
+        generation: the line (:attr:`Standing.generation`) of ``step``.
         diverged: ranks that hold ``step`` with tensors unlike the other holders' (their
             digest differs): treated as torn, they are among ``needy``.
     """
@@ -124,6 +147,7 @@ class Choice:
     needy: tuple[int, ...]
     loss: Loss | None = None
     diverged: tuple[int, ...] = ()
+    generation: int = 0
 
     @property
     def lost(self) -> bool:
@@ -135,6 +159,7 @@ def choose(
     layouts: Sequence[Layout | None] | None = None,
     job_step: int = 0,
     digests: Sequence[int] | None = None,
+    job_generation: int = 0,
 ) -> Choice:
     """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure.
 
@@ -142,24 +167,28 @@ def choose(
     only if its holders cover every row between them (efdl.state.layout), so the newest
     step so covered is taken; if some rank held a step and none is covered, the state is
     lost (the rows of a dead rank are gone, and its peers have stepped past the ones
-    before). ``job_step``: the job's newest committed step as its agents know it; when no
-    rank holds any step and it is above 0, the job is not at a cold start: its state is lost.
-    ``digests``: each rank's digest of its replicated tensors (0: none, as for a sharded
-    state); holders of the chosen step whose digest is not the one most of them share (a tie:
-    the one the lowest settled holder has) hold no step: a replica that went its own way (a
-    step taken on torn gradients, a fault in memory) is repaired from the others instead of
-    spreading.
+    before). ``job_step`` and ``job_generation``: the job's newest committed step as its
+    agents know it (etcd's progress record), and the generation that committed it. When no
+    rank holds any step and the step is above 0, the job is not at a cold start: its state
+    is lost. When the newest step held is behind it (a holder of an older line, or of an
+    older step: the ranks that trained past it are gone), the choice says ``BEHIND``: the
+    caller takes a newer snapshot of the remote cache, or stops; never rolls the job back
+    silently. ``digests``: each rank's digest of its replicated tensors (0: none, as for a
+    sharded state); holders of the chosen step whose digest is not the one most of them
+    share (a tie: the one the lowest settled holder has) hold no step: a replica that went
+    its own way (a step taken on torn gradients, a fault in memory) is repaired from the
+    others instead of spreading.
     """
     standings = [Standing.from_key(k) for k in keys]
-    held = sorted({s.step for s in standings if s.step is not None}, reverse=True)
-    steps = held
+    held = sorted({s.position for s in standings if s.step is not None}, reverse=True)
+    positions = held
     if layouts is not None:
-        steps = [
-            step
-            for step in held
-            if covers(x for x, s in zip(layouts, standings, strict=True) if x and s.step == step)
+        positions = [
+            at
+            for at in held
+            if covers(x for x, s in zip(layouts, standings, strict=True) if x and s.position == at)
         ]
-    if not steps:  # a cold start (or a resume from the cache): rank 0's state is the job's
+    if not positions:  # a cold start (or a resume from the cache): rank 0's state is the job's
         loss = (
             Loss.UNCOVERED  # held, but no step whole
             if held
@@ -170,8 +199,8 @@ def choose(
             else None
         )
         return Choice(None, 0, (0,), tuple(range(1, len(keys))), loss)
-    best = steps[0]
-    holders = tuple(r for r, s in enumerate(standings) if s.step == best)
+    best = positions[0]
+    holders = tuple(r for r, s in enumerate(standings) if s.position == best)
     diverged: tuple[int, ...] = ()
     if digests is not None and len(holders) > 1 and all(digests[r] for r in holders):
         first = ([r for r in holders if standings[r].settled] or list(holders))[0]
@@ -181,4 +210,13 @@ def choose(
         holders = tuple(r for r in holders if digests[r] == agreed)
     settled = [r for r in holders if standings[r].settled]
     needy = tuple(r for r in range(len(keys)) if r not in holders)
-    return Choice(best, (settled or list(holders))[0], holders, needy, diverged=diverged)
+    behind = best < (job_generation, job_step)
+    return Choice(
+        best[1],
+        (settled or list(holders))[0],
+        holders,
+        needy,
+        Loss.BEHIND if behind else None,
+        diverged,
+        best[0],
+    )

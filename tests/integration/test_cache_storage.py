@@ -54,16 +54,23 @@ def tree_at(step: int) -> dict[str, Any]:
 
 
 def persist(
-    url: str, step: int, world: int = 2, part_bytes: int = 8192, attempt: int = 1
+    url: str,
+    step: int,
+    world: int = 2,
+    part_bytes: int = 8192,
+    attempt: int = 1,
+    generation: int = 0,
 ) -> Manifest:
-    """Snapshot ``step`` as ``world`` ranks write it (one Persister per rank: their reports
-    meet on storage, as the ranks' do); the manifest rank 0 wrote."""
+    """Snapshot ``step`` as ``world`` ranks of ``generation`` write it (one Persister per rank:
+    their reports meet on storage, as the ranks' do); the manifest rank 0 wrote."""
     done: list[Manifest] = []
     writers = [Persister(CacheSettings(url), part_bytes) for _ in range(world)]
     for rank in range(world - 1, -1, -1):  # rank 0 last: it waits for the others' reports
         own = {"rng": rng_state()}
         tree = tree_at(step)
-        writers[rank].start(step, step // 10, rank, world, tree, set(), own, done.append, attempt)
+        writers[rank].start(
+            step, step // 10, rank, world, tree, set(), own, done.append, attempt, generation
+        )
     for w in writers:
         assert w.flush(60)
     assert len(done) == 1
@@ -271,6 +278,24 @@ def test_only_the_last_k_snapshots_are_kept(url: str) -> None:
     assert storage.steps() == [50, 40, 30]
 
 
+def test_a_newer_generations_snapshot_wins_over_an_older_ones_higher_step(url: str) -> None:
+    """Generation 5 trained on to step 60 while cut off from etcd; generation 6 went on from
+    step 40 and wrote step 50. The job's line is generation 6's: it is the newest snapshot,
+    and the one pruning keeps (each writing keeps the newest two: step 40 went, not 50)."""
+    storage = SnapshotStorage(url)
+    persist(url, 40, generation=5)
+    persist(url, 60, generation=5)
+    persist(url, 50, generation=6)
+    assert [m.position for m in storage.manifests()] == [(6, 50), (5, 60)]
+    found = storage.newest()
+    assert found is not None and found[0].position == (6, 50)
+    newest = storage.newest_structure(above=(5, 60))
+    assert newest is not None and newest.manifest.step == 50
+    assert storage.newest_structure(above=(6, 50)) is None
+    storage.prune(keep=1)
+    assert storage.steps() == [50]
+
+
 def test_a_bad_cache_url_is_a_clear_error() -> None:
     from efdl.errors import ConfigError
 
@@ -336,6 +361,38 @@ def test_the_background_writer_persists_the_state_of_its_commit(url: str) -> Non
     for key, value in expected.items():
         assert torch.equal(found[1]["model"][key], value), key
     assert not p.due(7) and p.due(8)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("holder", "job", "expected"),
+    [
+        (30, 45, 40),  # a stale holder behind the job: the cache's newer snapshot is taken
+        (45, 60, None),  # nothing newer than the holder anywhere: the job stops, naming both
+        (50, 50, 50),  # a holder at the job's step: it sends, the cache is not read
+    ],
+)
+def test_a_stale_holder_never_rolls_the_job_back(
+    tmp_path: Path, holder: int, job: int, expected: int | None
+) -> None:
+    """The ranks that trained the job to step ``job`` are gone; rank 0 survives holding step
+    ``holder``, rank 1 is new. The cache holds step 40."""
+    url = str(tmp_path / "cache")
+    persist(url, 40, world=2, part_bytes=4096)
+    env = {
+        "EFDL_CACHE_URL": url,
+        "RESUME_HOLDER_STEP": str(holder),
+        "RESUME_JOB_STEP": str(job),
+    }
+    args = [[str(r), "2", str(tmp_path / "storage")] for r in range(2)]
+    results = [json.loads(t.strip().splitlines()[-1]) for t in run_ranks(SCRIPT, args, env)]
+    for r in results:
+        if expected is None:
+            assert f"it had committed step {job}" in r["error"], r
+            assert f"step {holder} of generation 0" in r["error"], r
+        else:
+            assert r["step"] == expected, r
+            assert r["w"] == float(3072 * expected), r
 
 
 @pytest.mark.timeout(120)

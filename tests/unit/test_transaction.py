@@ -75,7 +75,30 @@ def test_no_holder_after_committed_steps_is_lost_not_a_cold_start() -> None:
     not a cold start from rank 0's initial weights; a job that never committed is one."""
     assert choose([-1, -1], job_step=56).loss is Loss.GONE
     assert not choose([-1, -1], job_step=0).lost
-    assert not choose([Standing(40).key(), -1], job_step=56).lost  # a holder sends what it has
+
+
+def test_a_holder_behind_the_jobs_step_is_not_taken_silently() -> None:
+    """The ranks that trained the job to step 1000 are gone; the only holder left is stale
+    (it holds step 600): a sync from it would roll the job back by 400 steps without a word.
+    The choice says so (the caller asks the remote cache for something newer, or stops)."""
+    stale = choose([Standing(600).key(), -1], job_step=1000)
+    assert stale.loss is Loss.BEHIND and stale.step == 600 and stale.holders == (0,)
+    assert not choose([Standing(1000).key(), -1], job_step=1000).lost
+    # A holder that rolled forward past the job's step, or at it, is not behind.
+    assert not choose([Standing(1001, False).key()], job_step=1000).lost
+
+
+def test_an_older_line_loses_to_the_current_one_whatever_its_step() -> None:
+    """Rank 0 trained on in generation 4 while cut off (it reached step 1000 there); the job
+    went on in generation 5 from a snapshot, to step 950. Back, rank 0 holds the higher
+    step of a line the job left: generation 5's state is the job's."""
+    old, current = Standing(1000, generation=4), Standing(950, generation=5)
+    assert Standing.from_key(old.key()) == old and old.key() < current.key()
+    choice = choose([old.key(), current.key()], job_step=940, job_generation=5)
+    assert (choice.step, choice.generation, choice.holders, choice.needy) == (950, 5, (1,), (0,))
+    assert not choice.lost
+    # Alone, the old line is behind the job's progress (generation 5, step 940).
+    assert choose([old.key()], job_step=940, job_generation=5).loss is Loss.BEHIND
 
 
 def test_a_torn_state_with_no_holder_left_is_lost_not_a_cold_start() -> None:

@@ -1,15 +1,22 @@
 """One rank of the resume test: a newcomer (its own zeros) in a real gloo group, whose sync
 resumes from the remote cache at $EFDL_CACHE_URL. Args: rank, world size, a FileStore path.
-Prints one JSON line: the step, epoch and parameter sums it resumed, and the bytes it received.
+Prints one JSON line: the step, epoch and parameter sums it resumed, and the bytes it received
+(or the StateLostError it raised).
+
+RESUME_HOLDER_STEP=N: rank 0 is not new but holds step N (w all N, b all -N), as a stale
+survivor would; RESUME_JOB_STEP=M: the job had committed step M (its agent's placement).
 """
 
 import datetime
 import json
+import os
 import sys
 
 import torch
 import torch.distributed as dist
 
+from efdl.errors import StateLostError
+from efdl.state.channel import Placement
 from efdl.state.runtime import runtime
 from efdl.state.state import ElasticState
 
@@ -29,7 +36,19 @@ class Model(torch.nn.Module):
 
 model = Model()
 state = ElasticState(model, epoch=0)
-state.sync()
+holder_step = int(os.environ.get("RESUME_HOLDER_STEP", "-1"))
+if rank == 0 and holder_step >= 0:
+    with torch.no_grad():
+        model.w.fill_(holder_step)
+        model.b.fill_(-holder_step)
+    state._step, state._holds = holder_step, True
+job_step = int(os.environ.get("RESUME_JOB_STEP", "0"))
+runtime.placement = Placement(0, rank, world, rank, world, 0, 1, "127.0.0.1", 1, job_step)
+try:
+    state.sync()
+except StateLostError as exc:
+    print(json.dumps({"error": str(exc)}), flush=True)
+    sys.exit(0)
 moved = state.last_sync
 result = {
     "step": state.step,
