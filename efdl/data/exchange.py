@@ -305,14 +305,19 @@ class Exchange:
                     return int(mark.suffix[1:]), mark.read_text()
         return None
 
-    def close(self, finished: bool, error: str = "") -> None:
+    def close(self, finished: bool, error: str = "", wait: bool = True) -> None:
         """This worker is done with the iteration: windows still named for it are dropped,
         and the directory goes with the last of the loader's workers to close. Not
         ``finished`` (it left before its end: the loop ended, or ``error``): it marks that
-        it left, so the others stop waiting for its windows."""
+        it left, so the others stop waiting for its windows. Not ``wait``: from a
+        finalizer, which may run in a reader thread that holds the pool's lock; the pool is
+        taken without it (a file a give makes meanwhile goes with the directory)."""
         self._closed.set()
         self._maps.clear()  # each goes with the last rows that refer to it
-        with self._pool_lock:
+        if wait:
+            with self._pool_lock:
+                pool, self._pool = self._pool, []
+        else:
             pool, self._pool = self._pool, []
         # No worker of this iteration removes the directory before this one marks that it
         # closed (below); where something else did (another iteration's sweep), nothing is

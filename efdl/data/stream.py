@@ -319,6 +319,13 @@ class ElasticStream(IterableDataset[Any]):
                 else:
                     yield self.transform(self.source.gather(picks))
             reader.finish()
+        except GeneratorExit:
+            # Left before its end: the loop was left, or the garbage collector finalizes an
+            # iterator nobody holds, in whatever thread it runs and under whatever lock that
+            # thread holds (threading's own, as a thread starts or ends or the interpreter
+            # exits: joining threads there hangs). The readers are told to stop, not joined.
+            reader.close(wait=False)
+            raise
         except Exception as exc:
             reader.close(f"{type(exc).__name__}: {exc}")
             raise
@@ -554,7 +561,9 @@ class _RankReader:
         units = _Units()
         self.lanes = {lane: _Lane(source, order, lane, own, units) for lane in own}
         self._theirs = [lane for lane in share.lanes if lane not in self.lanes]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, min(threads, len(own))))
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(threads, len(own))), thread_name_prefix="efdl-stream-reader"
+        )
         self._size = order.window * len(self.mine)  # block rows per block
         # Blocks asked for and not yet done with: the block, its own lanes' puts, and the
         # lanes whose windows are still to be taken from other workers.
@@ -570,14 +579,17 @@ class _RankReader:
         self._finished = False  # every window others take is given (finish())
         self._closed = False
 
-    def close(self, error: str = "") -> None:
-        """Stop reading (``error``: why the iteration failed, for the other workers)."""
+    def close(self, error: str = "", wait: bool = True) -> None:
+        """Stop reading (``error``: why the iteration failed, for the other workers): reads
+        not yet begun are dropped. ``wait``: until the reads under way end; else they end by
+        themselves, after their window (for a finalizer, which must not wait on threads or
+        on locks they hold)."""
         if self._closed:
             return
         self._closed = True
-        if self.exchange is not None:
-            self.exchange.close(self._finished, error)  # first: a thread about to give stops
-        self._pool.shutdown(wait=True, cancel_futures=True)  # reads not yet begun are dropped
+        if self.exchange is not None:  # first: a thread about to give stops
+            self.exchange.close(self._finished, error, wait=wait)
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def finish(self) -> None:
         """This worker's steps are done: give its windows of the blocks left to the workers

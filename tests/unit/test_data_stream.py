@@ -8,9 +8,11 @@ import gc
 import json
 import os
 import random
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from threading import Thread
 from typing import Any
 
 import numpy as np
@@ -404,6 +406,45 @@ def test_a_loop_that_ends_early_leaves_nothing_behind_its_stream(shards: list[st
     del s, loader
     gc.collect()
     assert not list(exchange.base().glob(f"efdl-stream-{token}-*"))
+
+
+def test_an_iterator_the_gc_finalizes_does_not_join_its_readers(shards: list[str]) -> None:
+    """As found: an iterator abandoned mid-read in a reference cycle was finalized by the
+    garbage collector where a thread held threading's shutdown lock (the interpreter's exit
+    joining threads, a thread starting or ending), and its close joined the reader threads,
+    whose end takes that lock: the process hung. Here the collection runs in one thread
+    while another holds the lock: a close that joins cannot return until it is let go. It
+    now tells the readers to stop and returns; they end by themselves."""
+    collect, collected = threading.Event(), threading.Event()
+
+    def collector() -> None:
+        collect.wait(30)
+        gc.collect()
+        collected.set()
+
+    helper = threading.Thread(target=collector, daemon=True)
+    helper.start()  # before the lock is held: a thread's start takes it
+    automatic = gc.isenabled()
+    gc.disable()  # the cycle goes at the collection below, not before
+    try:
+        it = iter(stream(shards, batch=64, threads=2))
+        assert ids(next(it))
+        readers = list(it.gi_frame.f_locals["reader"]._pool._threads)
+        assert readers and all(t.is_alive() for t in readers)
+        cycle: list[Any] = [it]
+        cycle.append(cycle)
+        del it, cycle
+        with threading._shutdown_locks_lock:  # type: ignore[attr-defined]
+            collect.set()
+            finalized = collected.wait(5)
+    finally:
+        if automatic:
+            gc.enable()
+    helper.join(30)  # (a join held up by the lock goes on once it is let go)
+    assert finalized, "the finalizer waited for threading's shutdown lock: it joined readers"
+    wait_until(
+        "the readers to end by themselves", lambda: not any(map(Thread.is_alive, readers)), 10
+    )
 
 
 def test_a_worker_that_fails_fails_the_loop_with_its_error(tmp_path: Path) -> None:
