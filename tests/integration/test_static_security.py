@@ -23,8 +23,12 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def outside_address() -> str | None:
-    """An IPv4 address of this host other than loopback (other hosts could reach it)."""
-    for addrs in psutil.net_if_addrs().values():
+    """An IPv4 address of this host other than loopback (other hosts could reach it), on an
+    interface that is up."""
+    stats = psutil.net_if_stats()
+    for name, addrs in psutil.net_if_addrs().items():
+        if name not in stats or not stats[name].isup:
+            continue
         for a in addrs:
             if a.family == socket.AF_INET and not a.address.startswith("127."):
                 return str(a.address)
