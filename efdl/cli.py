@@ -633,6 +633,18 @@ def allocator(
 )
 @_history_option
 @click.option("--no-allocator", is_flag=True, help="Never stand for the fleet's allocator.")
+@click.option(
+    "--job-uids",
+    envvar="EFDL_JOB_UIDS",
+    help="FIRST-LAST: run each job as a uid of its own from this range (needs root); "
+    "'shared': as this daemon's user. Required when the daemon runs as root.",
+)
+@click.option(
+    "--job-etcd-cert",
+    type=click.Path(path_type=Path),
+    help="Client certificate the jobs' agents present to etcd (never the daemon's own).",
+)
+@click.option("--job-etcd-key", type=click.Path(path_type=Path), help="Its key.")
 @handle_errors
 def node(
     fleet: str | None,
@@ -643,6 +655,9 @@ def node(
     resize_interval: float,
     history_days: float,
     no_allocator: bool,
+    job_uids: str | None,
+    job_etcd_cert: Path | None,
+    job_etcd_key: Path | None,
     config_file: Path | None,
     **flags: Any,
 ) -> None:
@@ -650,16 +665,20 @@ def node(
     import socket
 
     from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.etcd_users import EtcdUsers
     from efdl.fleet.node import HostDaemon
+    from efdl.fleet.spawn import isolation_from_flags
 
     policy = _fleet_policy(resize_interval, history_days)
     keys = fleet_keys(fleet)
     name = check_id(host_id or socket.gethostname(), "host id")
     cfg = _etcd_config(config_file, flags)
     settings = cfg.etcd_settings()
+    isolation = isolation_from_flags(job_uids, job_etcd_cert, job_etcd_key, cfg, settings)
     stop = _stop_on_sigterm()
     state = state_dir or Path("/var/lib/efdl-node") / keys.fleet
-    with EtcdStore(settings) as store:
+    users = EtcdUsers(settings)  # its agents' etcd users, where etcd has auth on
+    with users as store:
         daemon = HostDaemon(
             store,
             keys,
@@ -670,6 +689,8 @@ def node(
             lease_ttl_s=lease_ttl_s,
             allocator=not no_allocator,
             policy=policy,
+            isolation=isolation,
+            users=users,
         )
         click.echo(f"efdl node {name}: in fleet {keys.fleet} (state in {state}).", err=True)
         try:

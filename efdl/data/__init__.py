@@ -17,6 +17,7 @@ _API = {
     "ReaderSource": "efdl.data.source",
     "DataSourceError": "efdl.data.source",
     "StreamShareError": "efdl.data.order",
+    "SharedDirectoryError": "efdl.data.exchange",
     "from_hf": "efdl.data.hf",
     "TarSource": "efdl.data.tar",
 }

@@ -19,14 +19,23 @@ The directory goes when every one of the loader's workers has closed its side (e
 it), not when the last of those that began does: a worker may begin after the others gave
 it all its windows and closed (near an epoch's end an iteration's steps are few, and the
 first batch of the worker slowest to start is the last one asked for).
+
+Only this user's processes may write a window: what a taker reads becomes its rows (and a
+reader function's samples are unpickled). An iteration's directory is made with mode 0700
+and checked (with ``lstat``: a directory, not a symbolic link, of this user, mode 0700)
+before use, also when another worker made it; a window is opened without following a link
+and read only if it is a regular file of this user that no other can write
+(:class:`SharedDirectoryError` otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -36,12 +45,18 @@ from pathlib import Path
 from typing import Any
 
 from efdl.data.source import DataSourceError, Source
+from efdl.errors import EfdlError
 
 # How long a worker waits for another's window. A worker that dies makes the DataLoader
 # fail within seconds; this bounds a worker that hangs (a read that never returns).
 WAIT_S = 600.0
 _PREFIX = "efdl-stream-"
 _LOOK_S = 0.05  # how often a waiting worker looks whether the owner left
+
+
+class SharedDirectoryError(EfdlError, PermissionError):
+    """The directory of a rank's DataLoader workers' windows, or a window in it, is not this
+    user's alone: another user could have made it, or written what a worker would read."""
 
 
 def base() -> Path:
@@ -67,8 +82,63 @@ def sweep(stream: str, keep: Path | None = None) -> None:
     processes that are gone (killed before they could) go too, once unchanged for
     ``_STALE_S``."""
     for old in base().glob(f"{_PREFIX}*"):
-        if old != keep and (old.name.startswith(f"{_PREFIX}{stream}-") or _stale(old)):
+        if old == keep or not _ours(old):  # another user's is not ours to judge
+            continue
+        if old.name.startswith(f"{_PREFIX}{stream}-") or _stale(old):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is a directory of this user (not a link to one)."""
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def _private(folder: Path) -> None:
+    """Make ``folder`` a directory of this user's alone (mode 0700, whatever the umask), or
+    check that the one there is.
+
+    Raises:
+        SharedDirectoryError: what is there is a link, not a directory, another user's, or
+            open to others.
+    """
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    else:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    info = os.lstat(folder)
+    me = os.geteuid()
+    if stat.S_ISDIR(info.st_mode) and info.st_uid == me and stat.S_IMODE(info.st_mode) == 0o700:
+        return
+    raise SharedDirectoryError(
+        f"The directory for this rank's DataLoader workers' windows, {folder}, is "
+        f"{_described(info)}; expected a directory (not a symbolic link) of this user (uid "
+        f"{me}) with mode 0o700, as efdl makes it. Another user may have made it to feed or "
+        "read the windows: remove it, or set EFDL_DATA_SHM to a folder only this user can "
+        "write to."
+    )
+
+
+def _described(info: os.stat_result) -> str:
+    kind = (
+        "a symbolic link"
+        if stat.S_ISLNK(info.st_mode)
+        else "a directory"
+        if stat.S_ISDIR(info.st_mode)
+        else "a regular file"
+        if stat.S_ISREG(info.st_mode)
+        else "a special file"
+    )
+    return f"{kind} owned by uid {info.st_uid} with mode {oct(stat.S_IMODE(info.st_mode))}"
 
 
 # A directory whose process is gone, unchanged this long, is left over. (A process of
@@ -153,7 +223,8 @@ class Exchange:
     ) -> None:
         self.source, self.worker, self.workers, self.wait_s = source, worker, workers, wait_s
         self.root = base() / f"{_PREFIX}{stream}-{iteration}"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        _private(self.root)  # before anything in it is read or written
         sweep(stream, keep=self.root)  # earlier iterations are over: their workers stopped
         self._closed = threading.Event()
         self._pool: list[_File] = []  # this worker's files for the windows it gives
@@ -224,6 +295,8 @@ class Exchange:
 
         Raises:
             DataSourceError: it did not within ``wait_s`` seconds, or this side was closed.
+            SharedDirectoryError: the window is a link, or not a regular file of this user
+                that only it can write.
         """
         path = self._name(j, lane, self.worker)
         now = time.monotonic()
@@ -231,7 +304,7 @@ class Exchange:
         pause = 0.0002
         while True:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             except FileNotFoundError:
                 if self._closed.is_set():
                     raise DataSourceError("The stream's iteration was closed.") from None
@@ -248,8 +321,15 @@ class Exchange:
                 time.sleep(pause)
                 pause = min(2 * pause, 0.005)
                 continue
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:  # ELOOP: a symbolic link
+                    raise
+                raise SharedDirectoryError(
+                    f"The window {path} cannot be opened as a file ({exc}); expected a "
+                    "regular file of this user, not a symbolic link."
+                ) from exc
             try:
-                return self.source.load(self._map(fd))
+                return self.source.load(self._map(fd, path))
             finally:
                 os.close(fd)
 
@@ -271,11 +351,22 @@ class Exchange:
             )
         return None
 
-    def _map(self, fd: int) -> mmap.mmap:
+    def _map(self, fd: int, path: Path) -> mmap.mmap:
         """The file ``fd`` mapped: the mapping of an earlier window of it where it is long
         enough. Its inode names it: a file this worker maps cannot go while the mapping
-        lives, so no other file takes its inode number meanwhile."""
+        lives, so no other file takes its inode number meanwhile. Only a regular file of
+        this user that no other can write is read (``path`` names it)."""
         info = os.fstat(fd)
+        if (
+            not stat.S_ISREG(info.st_mode)
+            or info.st_uid != os.geteuid()
+            or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        ):
+            raise SharedDirectoryError(
+                f"The window {path} is {_described(info)}; expected a regular file of this "
+                f"user (uid {os.geteuid()}) that no other can write, as efdl writes them: "
+                "another user may have written it. Not read."
+            )
         mapped = self._maps.get(info.st_ino)
         if mapped is None or len(mapped) < info.st_size:
             mapped = self._maps[info.st_ino] = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)

@@ -816,6 +816,55 @@ def _kind(field: Any) -> str:
     return f"{field.type}" + ("" if field.nullable else " not null")
 
 
+class _DataOnly(pickle.Unpickler):
+    """Unpickles only what a pickle's own opcodes build (dicts, lists, tuples, sets, strings,
+    bytes, numbers, booleans, None): a class or function it names is refused, so that no
+    code of the pickle's choosing runs (reductions need one)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(
+            f"The window names {module}.{name}; expected plain data only (dicts, lists, "
+            "strings, bytes, numbers): nothing that runs code when loaded."
+        )
+
+
+class _View:
+    """A buffer read as a file, without a copy of the whole (for an Unpickler)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view, self._at = view, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n < 0 else min(len(self._view), self._at + n)
+        out = bytes(self._view[self._at : end])
+        self._at = end
+        return out
+
+    def readinto(self, into: Any) -> int:
+        target = memoryview(into).cast("B")
+        n = min(len(target), len(self._view) - self._at)
+        target[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def readline(self) -> bytes:
+        end = bytes(self._view[self._at :]).find(b"\n")  # (protocol 0 only)
+        return self.read(-1 if end < 0 else end + 1)
+
+
+def load_data(buffer: Any) -> Any:
+    """What ``pickle.dumps`` made of plain data (see :class:`_DataOnly`), from ``buffer``
+    (what follows the pickle is ignored), running no code.
+
+    Raises:
+        DataSourceError: the pickle names a class or function.
+    """
+    try:
+        return _DataOnly(_View(memoryview(buffer).cast("B"))).load()
+    except pickle.UnpicklingError as exc:
+        raise DataSourceError(f"A window of samples was refused: {exc}") from exc
+
+
 def _table(batch: Any) -> Any:
     import pyarrow as pa
 
@@ -920,6 +969,10 @@ class ReaderSource(Source[list[Any]]):
         memoryview(room(len(data)))[: len(data)] = data
 
     def load(self, buffer: Any) -> list[Any]:
+        """The samples :meth:`dump` wrote, unpickled: a reader function's samples may be of
+        any class. The exchange reads only windows of this user's, in a directory of its
+        alone (efdl.data.exchange); a source whose samples are plain data loads them with
+        :func:`load_data`, which runs no code."""
         return cast("list[Any]", pickle.loads(buffer))  # what follows the pickle is ignored
 
     def block(self, lanes: int, rows: int, spare: Any = None, worker: bool = False) -> Block:

@@ -23,6 +23,7 @@ from typing import Any
 
 from efdl.errors import ConfigError
 from efdl.fields import Fields
+from efdl.fleet.launch import split_command
 from efdl.rendezvous.model import (
     HOST_RE,
     ID_RE,
@@ -169,8 +170,9 @@ class JobSpec:
 
     Attributes:
         job_id: the job's id (its rendezvous keys are ``/efdl/<job_id>/``).
-        argv: the training command after ``efdl-run``'s options: a script and its arguments
-            (``-m module`` too); every host runs it from ``workdir``.
+        argv: the training command: a script and its arguments, ``-m`` and a module, or
+            ``--no-python`` and a program; every host runs it from ``workdir``, after
+            ``--`` on efdl-run's command line (efdl.fleet.launch): no other leading option.
         workdir: an absolute directory that holds the code on every host (shared, or in the
             image).
         min_workers / max_workers: the job's size in workers (one per GPU).
@@ -194,10 +196,7 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         check_id(self.job_id)
-        if not self.argv or not self.argv[0]:
-            raise ConfigError(
-                f"Job {self.job_id!r} has no command; expected a script and its arguments."
-            )
+        split_command(self.job_id, self.argv)  # no leading option but -m and --no-python
         if not self.workdir.startswith("/"):
             raise ConfigError(
                 f"Job {self.job_id!r}: the working directory {self.workdir!r} is not absolute; "

@@ -3,7 +3,9 @@
 It registers the host's GPUs (NVML) under its lease, stands for the fleet's allocator
 (efdl.fleet.leader), and makes the host's ``efdl-run`` agents match the allocator's word
 (efdl.fleet.reconcile): an agent per job and set of GPUs, started in the job's working
-directory with its environment, stopped with SIGTERM (a graceful, in-place leave). It watches
+directory with its environment, kept apart from the other jobs (efdl.fleet.spawn: no shell,
+a uid of its own, an etcd user limited to its job's keys), stopped with SIGTERM (a graceful,
+in-place leave). It watches
 NVML: a GPU on which a process that is not one of its agents' runs is marked ``foreign`` in
 its host record at once, so the allocator takes it from the job there.
 
@@ -23,7 +25,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -36,10 +37,12 @@ import psutil
 from efdl import __version__
 from efdl.errors import StoreError
 from efdl.fleet.allocate import Policy
+from efdl.fleet.etcd_users import AgentUsers
 from efdl.fleet.leader import RETRY_S, Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.reconcile import Agent, Start, Stop, foreign, reconcile
 from efdl.fleet.registry import read_fleet, status_writes
+from efdl.fleet.spawn import AgentFiles, Isolation, Spawner, StartError
 from efdl.launcher.gpus import discover
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.lease import LeaseSession
@@ -50,8 +53,6 @@ log = logging.getLogger(__name__)
 _STOP_GRACE_S = 90.0
 # How often a daemon reads the whole fleet even when no record changed (seconds).
 _RESYNC_S = 30.0
-# The command that runs an efdl-run agent.
-EFDL_RUN = (sys.executable, "-c", "from efdl.cli import run_main; run_main()")
 
 
 def nvml_gpus() -> dict[int, tuple[str, tuple[int, ...]]]:
@@ -69,9 +70,8 @@ def nvml_gpus() -> dict[int, tuple[str, tuple[int, ...]]]:
 class _Running:
     """An agent this daemon runs (or adopted), and how to tell when it ends."""
 
-    agent: Agent
-    log_path: str
-    exit_path: str
+    agent: Agent  # its pid: the wrapper's (efdl.fleet.wrap), whose child is the agent
+    files: AgentFiles
     proc: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier daemon
     stop_by: float = 0.0  # asked to leave: killed if still running at this monotonic time
 
@@ -86,7 +86,7 @@ class _Running:
     def exit_code(self) -> int | None:
         """The agent's exit code (from the file its wrapper writes), None if unknown."""
         try:
-            return int(Path(self.exit_path).read_text().strip())
+            return int(Path(self.files.exit).read_text().strip())
         except (OSError, ValueError):
             return None
 
@@ -106,6 +106,9 @@ class HostDaemon:
         allocator: stand for the fleet's allocator too.
         policy: the allocator's settings, if it leads.
         nvml: NVML reader (a stand-in in tests).
+        isolation: how jobs are kept apart (``--job-uids``, the jobs' etcd certificate).
+        users: etcd's user management, to give each agent a user of its own (None: the
+            store cannot; jobs are then not isolated in etcd, and the log says so).
     """
 
     def __init__(
@@ -121,10 +124,13 @@ class HostDaemon:
         allocator: bool = True,
         policy: Policy | None = None,
         nvml: Callable[[], dict[int, tuple[str, tuple[int, ...]]]] = nvml_gpus,
+        isolation: Isolation | None = None,
+        users: AgentUsers | None = None,
     ) -> None:
         self._store, self._keys = store, keys
-        self.host_id, self._address, self._etcd = host_id, address, etcd
+        self.host_id, self._address = host_id, address
         self._state = state_dir
+        self._spawn = Spawner(host_id, address, etcd, state_dir, isolation or Isolation(), users)
         self._ttl, self._poll_s = lease_ttl_s, poll_s
         self._allocator, self._policy = allocator, policy or Policy()
         self._nvml = nvml
@@ -136,10 +142,14 @@ class HostDaemon:
 
     def run(self, stop: threading.Event) -> None:
         """Serve this host until ``stop`` (or its lease ends). etcd failing is waited out:
-        the agents train on meanwhile (etcd is not on their training path either)."""
-        self._state.mkdir(parents=True, exist_ok=True)
-        (self._state / "logs").mkdir(exist_ok=True)
+        the agents train on meanwhile (etcd is not on their training path either).
+
+        Raises:
+            ConfigError: jobs cannot be kept apart as asked (efdl.fleet.spawn.Spawner.prepare).
+        """
+        self._spawn.prepare()
         self._adopt()
+        self._spawn.forget_orphans([r.files for r in self._agents.values()])
         session = LeaseSession(self._store, self._ttl, on_expired=lambda why: stop.set())
         threads: list[threading.Thread] = []
         try:
@@ -199,6 +209,7 @@ class HostDaemon:
         }
         specs = {j.spec.job_id: j.spec for j in view.jobs}
         agents = [r.agent for r in self._agents.values()]
+        self._spawn.retry_releases()
         for action in reconcile(desired, agents):
             if isinstance(action, Stop):
                 self._stop(action)
@@ -240,47 +251,41 @@ class HostDaemon:
 
     def _start(self, spec: JobSpec, gpus: tuple[int, ...]) -> None:
         tag = f"{spec.job_id}-g{gpus[0]}-{uuid.uuid4().hex[:4]}"
-        node_id = f"{self.host_id[:80]}-g{gpus[0]}-{uuid.uuid4().hex[:4]}"
-        log_path = str(self._state / "logs" / f"{tag}.log")
-        exit_path = str(self._state / f"{tag}.exit")
-        argv = [
-            *EFDL_RUN,
-            "--etcd", self._etcd,
-            "--job-id", spec.job_id,
-            "--node-id", node_id,
-            "--host", self._address,
-            "--min", str(spec.min_workers),
-            "--max", str(spec.max_workers),
-            "--gpus", ",".join(map(str, gpus)),
-            "--nproc-per-node", "gpu",
-        ]  # fmt: skip
-        if spec.cache_url:
-            argv += ["--cache-url", spec.cache_url]
-        argv += list(spec.argv)
-        # A shell records the agent's exit code for a daemon that may have restarted since.
-        script = '"$@"; echo $? > "$EFDL_NODE_EXIT"'
-        env = {**os.environ, **dict(spec.env), "EFDL_NODE_EXIT": exit_path}
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(
-                ["/bin/sh", "-c", script, "efdl-agent", *argv],
-                cwd=spec.workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        agent = Agent(spec.job_id, frozenset(gpus), proc.pid)
-        self._agents[proc.pid] = _Running(agent, log_path, exit_path, proc)
+        log_path = self._spawn.logs / f"{tag}.log"
+        held = {
+            r.files.uid: r.agent.job_id for r in self._agents.values() if r.files.uid is not None
+        }
+        try:
+            uid = self._spawn.pick_uid(spec.job_id, held)
+            started = self._spawn.start(spec, gpus, uid, log_path)
+        except StartError as exc:
+            log.error(
+                "Host %s: could not start an agent of job %s on GPU(s) %s: %s.",
+                self.host_id, spec.job_id, ",".join(map(str, gpus)), exc,
+            )  # fmt: skip
+            if exc.lasting:
+                self._end_job(spec.job_id, Phase.FAILED, f"on {self.host_id}, {exc}")
+            return
+        except StoreError as exc:
+            log.warning(
+                "Host %s: could not make an etcd user for an agent of job %s (%s); trying "
+                "again at the next reconciliation.",
+                self.host_id, spec.job_id, exc,
+            )  # fmt: skip
+            return
+        pid = started.proc.pid
+        agent = Agent(spec.job_id, frozenset(gpus), pid)
+        self._agents[pid] = _Running(agent, started.files, started.proc)
+        as_uid = f" as uid {uid}" if uid is not None else ""
         log.info(
-            "Host %s: started an agent of job %s on GPU(s) %s (pid %d, log %s).",
-            self.host_id, spec.job_id, ",".join(map(str, gpus)), proc.pid, log_path,
+            "Host %s: started an agent of job %s on GPU(s) %s%s (pid %d, log %s).",
+            self.host_id, spec.job_id, ",".join(map(str, gpus)), as_uid, pid, log_path,
         )  # fmt: skip
 
     def _stop(self, action: Stop) -> None:
         r = self._agents[action.pid]
         log.info("Host %s: stopping agent %d: %s.", self.host_id, action.pid, action.reason)
-        # The agent (the shell's child) leaves; the shell waits for it and records its exit.
+        # The agent (the wrapper's child) leaves; the wrapper waits for it and records its exit.
         _signal_agent(action.pid, signal.SIGTERM)
         r.agent = Agent(r.agent.job_id, r.agent.gpus, r.agent.pid, stopping=True)
         r.stop_by = time.monotonic() + _STOP_GRACE_S
@@ -305,14 +310,16 @@ class HostDaemon:
                 r.proc.wait()
             code = r.exit_code()
             with contextlib.suppress(OSError):
-                os.unlink(r.exit_path)
+                os.unlink(r.files.exit)
+            last = not any(o.agent.job_id == r.agent.job_id for o in self._agents.values())
+            self._spawn.finish(r.files, last_of_job=last)
             if r.agent.stopping:
                 continue
             phase = Phase.FINISHED if code == 0 else Phase.FAILED
             reason = (
                 f"its agent on {self.host_id} finished (exit 0)"
                 if code == 0
-                else f"its agent on {self.host_id} exited with code {code} (log: {r.log_path})"
+                else f"its agent on {self.host_id} exited with code {code} (log: {r.files.log})"
             )
             self._end_job(r.agent.job_id, phase, reason)
         return gone
@@ -341,14 +348,15 @@ class HostDaemon:
                 "job_id": r.agent.job_id,
                 "gpus": sorted(r.agent.gpus),
                 "stopping": r.agent.stopping,
-                "log": r.log_path,
-                "exit": r.exit_path,
                 "started": _start_time(r.agent.pid),
+                **r.files.row(),
             }
             for r in self._agents.values()
         ]
         tmp = self._state / "agents.json.tmp"
-        tmp.write_text(json.dumps(rows))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w") as out:
+            out.write(json.dumps(rows))
         os.replace(tmp, self._state / "agents.json")
 
     def _adopt(self) -> None:
@@ -366,16 +374,21 @@ class HostDaemon:
             if _start_time(pid) != row.get("started"):  # gone, or the PID was reused
                 continue
             agent = Agent(str(row["job_id"]), frozenset(row["gpus"]), pid, bool(row["stopping"]))
-            self._agents[pid] = _Running(agent, str(row["log"]), str(row["exit"]))
+            self._agents[pid] = _Running(agent, AgentFiles.from_row(row))
             log.info("Host %s: adopted agent %d of job %s.", self.host_id, pid, agent.job_id)
 
 
-def _signal_agent(shell_pid: int, sig: int, tree: bool = False) -> None:
-    """Signal the agent under the shell ``shell_pid`` (with ``tree``: the shell, the agent and
-    its workers)."""
+def _signal_agent(wrapper_pid: int, sig: int, tree: bool = False) -> None:
+    """Signal the agent under its wrapper ``wrapper_pid`` (efdl.fleet.wrap; an older daemon's
+    shell alike), or the wrapper while it has no child yet (it passes the signal on); with
+    ``tree``: the wrapper, the agent and its workers."""
     with contextlib.suppress(psutil.Error):
-        shell = psutil.Process(shell_pid)
-        targets = [shell, *shell.children(recursive=True)] if tree else shell.children() or [shell]
+        wrapper = psutil.Process(wrapper_pid)
+        targets = (
+            [wrapper, *wrapper.children(recursive=True)]
+            if tree
+            else wrapper.children() or [wrapper]
+        )
         for p in targets:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(sig)

@@ -1,7 +1,15 @@
 """A fleet of real ``efdl node`` daemons on one etcd, each host with stand-in GPUs
 (tests/fakes/pynvml.py, reading a file this harness changes to start or end a "foreign"
-process): what tests/e2e/test_fleet.py and the fleet benchmark's real run (benchmarks/fleet.py)
-drive. Every process the daemons start is stopped by PID at the end."""
+process): what tests/e2e/test_fleet.py, tests/e2e/test_fleet_isolation.py and the fleet
+benchmark's real run (benchmarks/fleet.py) drive. Every process the daemons start is stopped
+by PID at the end.
+
+The daemons run as root here, so they are told how to run jobs: as the daemon's own user
+(``--job-uids shared``, the default here) or each as a uid of its own. This machine's Python
+lives under a directory other users may not enter (/root, mode 0700); a daemon that runs
+jobs under their own uids is started in a mount namespace of its own where that directory is
+an empty one others may enter, with the Python's own directory bound into it (nothing
+outside that daemon's processes sees it)."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -21,6 +30,7 @@ import psutil
 
 from efdl.fleet.model import FleetKeys, JobSpec, JobStatus
 from efdl.fleet.registry import read_fleet, submit
+from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from tests.e2e.harness import SCRIPTS, latest_gen, read_rows
@@ -33,11 +43,24 @@ class Fleet:
     """Host daemons of one fleet, each with its stand-in GPUs; every process they started is
     stopped by PID at the end."""
 
-    def __init__(self, server: EmbeddedEtcd, tmp: Path, resize_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        server: EmbeddedEtcd,
+        tmp: Path,
+        resize_interval_s: float = 1.0,
+        job_uids: str = "shared",
+        daemon_env: dict[str, str] | None = None,
+        settings: EtcdSettings | None = None,
+        daemon_args: tuple[str, ...] = (),
+    ) -> None:
+        """``job_uids``: the daemons' --job-uids; ``daemon_env``: more of their environment
+        (etcd credentials); ``settings``: how this harness reaches etcd (default: as the
+        server's, no credentials); ``daemon_args``: more of the daemons' flags."""
         self.server, self.tmp = server, tmp
         self.resize_interval_s = resize_interval_s
+        self.job_uids, self.daemon_args = job_uids, daemon_args
         self.keys = FleetKeys(f"t{uuid.uuid4().hex[:8]}")
-        self.store = EtcdStore(server.settings())
+        self.store = EtcdStore(settings or server.settings())
         self.daemons: dict[str, subprocess.Popen[bytes]] = {}
         self.gpus: dict[str, list[dict[str, object]]] = {}
         self.job_ids: dict[str, str] = {}
@@ -45,6 +68,7 @@ class Fleet:
         path = os.pathsep.join(p for p in (str(FAKES), base.get("PYTHONPATH", "")) if p)
         self.env = {**base, "PYTHONPATH": path, "EFDL_ETCD": str(server.endpoint)}
         self.env["EFDL_FLEET"] = self.keys.fleet
+        self.env.update(daemon_env or {})
 
     def nvml_file(self, name: str) -> Path:
         return self.tmp / f"{name}.nvml.json"
@@ -56,10 +80,18 @@ class Fleet:
 
     def start(self, name: str) -> None:
         log = open(self.tmp / f"node-{name}.log", "ab")  # noqa: SIM115
+        argv = [
+            sys.executable, "-m", "efdl", "node", "--host-id", name, "--host", "127.0.0.1",
+            "--state-dir", str(self.tmp / f"state-{name}"), "--lease-ttl", "3",
+            "--resize-interval", str(self.resize_interval_s), "--job-uids", self.job_uids,
+            *self.daemon_args,
+        ]  # fmt: skip
+        if self.job_uids != "shared":
+            stash = self.tmp / f"stash-{name}"
+            stash.mkdir(mode=0o700, exist_ok=True)
+            argv = python_for_every_user(argv, stash)
         self.daemons[name] = subprocess.Popen(
-            [sys.executable, "-m", "efdl", "node", "--host-id", name, "--host", "127.0.0.1",
-             "--state-dir", str(self.tmp / f"state-{name}"), "--lease-ttl", "3",
-             "--resize-interval", str(self.resize_interval_s)],
+            argv,
             env={**self.env, "EFDL_FAKE_NVML_FILE": str(self.nvml_file(name))},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -90,6 +122,8 @@ class Fleet:
         job_id = self.job_ids.setdefault(name, f"{name}-{uuid.uuid4().hex[:6]}")
         out = self.tmp / name
         out.mkdir()
+        if self.job_uids != "shared":
+            out.chmod(0o777)  # the job's uid writes there
         knobs = env if env is not None else {
             "STEP_SECONDS": "0.2", "EFDL_SETTLE": "0.5", "EFDL_LEASE_TTL": "3",
             "EFDL_GRACE_PERIOD": "15", "DIGEST": "0", "EFDL_WARM_WORKERS": "0",
@@ -164,8 +198,8 @@ class Fleet:
         procs: list[psutil.Process] = []
         for pid in self.agent_pids():
             try:
-                shell = psutil.Process(pid)
-                procs += [shell, *shell.children(recursive=True)]
+                wrapper = psutil.Process(pid)  # efdl.fleet.wrap: the agent is its child
+                procs += [wrapper, *wrapper.children(recursive=True)]
             except psutil.NoSuchProcess:
                 continue
         for proc in procs:
@@ -179,6 +213,27 @@ class Fleet:
         for job_id in self.job_ids.values():
             for d in Path(tempfile.gettempdir()).glob(f"efdl-{job_id}-*"):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def python_for_every_user(argv: list[str], stash: Path) -> list[str]:
+    """``argv``, run in a mount namespace of its own where every user may start this Python:
+    the first directory above it that others may not enter (/root here) is an empty tmpfs
+    (mode 0755) there, with the real one's entry on the way to the Python bound into it
+    (through ``stash``, a mount point of this harness's). The shell execs the command: it is
+    no ancestor of the daemon's. Unchanged where every user may start it already."""
+    exe = Path(sys.executable).absolute()
+    blocked = next((d for d in reversed(exe.parents) if not d.stat().st_mode & stat.S_IXOTH), None)
+    if blocked is None:
+        return argv
+    inner = exe.relative_to(blocked).parts[0]
+    script = (
+        'set -e; mount --bind "$1" "$2"; mount -t tmpfs -o mode=0755 tmpfs "$1"; '
+        'mkdir "$1/$3"; mount --bind "$2/$3" "$1/$3"; umount -l "$2"; shift 3; exec "$@"'
+    )
+    return [
+        "unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+        str(blocked), str(stash), inner, *argv,
+    ]  # fmt: skip
 
 
 def step_rows(out: Path) -> list[dict[str, object]]:

@@ -339,6 +339,12 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
         (["cancel", "nope"], "has no job 'nope'"),
         (["allocator", "--resize-interval", "-1"], "--resize-interval -1.0 is negative"),
         (["node", "--history-days", "0"], "--history-days 0.0 is not a number of days > 0"),
+        (["node", "--job-uids", "1-70000"], "--job-uids 1-70000 holds uid 65534"),
+        *(
+            [(["node"], "every job would run as root and could read this daemon's etcd")]
+            if os.geteuid() == 0
+            else [(["node", "--job-uids", "61000-61999"], "needs efdl node to run as root")]
+        ),
     ]:
         code, out = efdl_here(etcd_server, keys, *args)
         assert code == 2 and message in out, (args, out)

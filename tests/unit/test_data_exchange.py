@@ -4,6 +4,10 @@ real processes' views of one directory (two Exchange objects stand for two worke
 from __future__ import annotations
 
 import os
+import pickle
+import re
+import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -14,8 +18,9 @@ import pyarrow as pa
 import pytest
 
 from efdl.data import exchange
-from efdl.data.exchange import Exchange, sweep, token
+from efdl.data.exchange import Exchange, SharedDirectoryError, sweep, token
 from efdl.data.source import DataSourceError, ParquetSource, ReaderSource
+from efdl.data.tar import TarSource
 
 
 def arrow() -> ParquetSource:
@@ -244,3 +249,173 @@ def test_a_window_given_while_the_worker_closes_is_dropped(stream_token: str) ->
     ]
     other.close(finished=True)
     assert not owner.root.exists()
+
+
+ROOT = os.geteuid() == 0
+OTHER_UID = 65534  # nobody
+
+
+def test_the_windows_directory_is_this_users_alone(stream_token: str) -> None:
+    """Mode 0700 whatever the umask (one that leaves others read and search, the common
+    0022, and one that takes the owner's write, which the mode is made again after)."""
+    for umask in (0o022, 0o277):
+        before = os.umask(umask)
+        try:
+            made = Exchange(arrow(), stream_token, f"it{umask}", 0, 2)
+        finally:
+            os.umask(before)
+        info = os.lstat(made.root)
+        assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.geteuid()
+        made.close(finished=True)
+
+
+def someone_elses(path: Path, kind: str, elsewhere: Path) -> str:
+    """Make at ``path`` what another local user could have put there before the worker;
+    returns what the refusal says it found."""
+    if kind == "open to all":
+        path.mkdir()
+        path.chmod(0o777)
+        return r"a directory owned by uid \d+ with mode 0o777"
+    if kind == "a link":
+        path.symlink_to(elsewhere, target_is_directory=True)
+        return r"a symbolic link owned by uid \d+"
+    if kind == "a file":
+        path.write_bytes(b"")
+        return "a regular file"
+    path.mkdir(mode=0o700)
+    os.chown(path, OTHER_UID, OTHER_UID)
+    return f"a directory owned by uid {OTHER_UID} with mode 0o700"
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "open to all",
+        "a link",
+        "a file",
+        pytest.param(
+            "another user's",
+            marks=pytest.mark.skipif(not ROOT, reason="giving a directory away takes root"),
+        ),
+    ],
+)
+def test_a_directory_someone_else_made_is_refused(
+    stream_token: str, tmp_path: Path, kind: str
+) -> None:
+    """Another local user who makes the iteration's directory first (its name shows in
+    /dev/shm) could feed the workers windows or read theirs: the worker refuses it, naming
+    it, what it found and what it expected, and writes nothing there (nor where a link
+    points)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = exchange.base() / f"efdl-stream-{stream_token}-it"
+    try:
+        found = someone_elses(path, kind, elsewhere)
+        with pytest.raises(SharedDirectoryError) as refused:
+            Exchange(arrow(), stream_token, "it", 0, 2)
+        said = str(refused.value)
+        assert str(path) in said and re.search(found, said), said
+        assert "expected a directory (not a symbolic link) of this user" in said
+        assert f"(uid {os.geteuid()}) with mode 0o700" in said
+        assert isinstance(refused.value, PermissionError)
+        assert not list(elsewhere.iterdir())
+        if path.is_dir() and not path.is_symlink():
+            assert not list(path.iterdir())
+    finally:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+
+
+class Planted:
+    """What another user would put in a window: unpickled, it makes ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def plant(taker: Exchange, j: int, lane: int, marker: Path, mode: int = 0o600) -> Path:
+    window = taker.root / f"{j}-{lane}.{taker.worker}"
+    window.write_bytes(pickle.dumps([Planted(marker)], protocol=pickle.HIGHEST_PROTOCOL))
+    window.chmod(mode)
+    return window
+
+
+def test_tar_windows_are_read_without_running_code(stream_token: str, tmp_path: Path) -> None:
+    """Tar samples are dicts of strings and bytes: their windows load as data only, so a
+    pickle that would run code is refused, and does not run."""
+    source = TarSource(["never-read.tar"], rows=[2])
+    owner, taker = (Exchange(source, stream_token, "it", w, 2) for w in (0, 1))
+    samples = [{"__key__": "a/0", "jpg": b"\xff" * 70_000, "cls": b"1"}, {"__key__": "a/1"}]
+    owner.give(0, 0, samples, takers={1})
+    assert taker.take(0, 0, owner=0) == samples
+    marker = tmp_path / "ran"
+    plant(taker, 1, 0, marker)
+    with pytest.raises(DataSourceError, match=r"names posix\.mkdir; expected plain data only"):
+        taker.take(1, 0, owner=0)
+    assert not marker.exists()
+    for side in (owner, taker):
+        side.close(finished=True)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "writable by others",
+        "a link",
+        pytest.param(
+            "another user's",
+            marks=pytest.mark.skipif(not ROOT, reason="giving a file away takes root"),
+        ),
+    ],
+)
+def test_a_window_another_user_could_have_written_is_not_read(
+    stream_token: str, tmp_path: Path, kind: str
+) -> None:
+    """A reader function's samples are unpickled (they may be of any class): only from a
+    regular file of this user that no other can write, opened without following a link."""
+    source = ReaderSource(["a"], lambda shard, start: iter(()), [2])
+    taker = Exchange(source, stream_token, "it", 1, 2)
+    marker = tmp_path / "ran"
+    if kind == "a link":
+        planted = tmp_path / "elsewhere"
+        planted.write_bytes(pickle.dumps([Planted(marker)], protocol=pickle.HIGHEST_PROTOCOL))
+        planted.chmod(0o600)
+        (taker.root / "0-0.1").symlink_to(planted)
+        found = "not a symbolic link"
+    elif kind == "writable by others":
+        plant(taker, 0, 0, marker, mode=0o666)
+        found = "a regular file owned by uid \\d+ with mode 0o666"
+    else:
+        os.chown(plant(taker, 0, 0, marker), OTHER_UID, OTHER_UID)
+        found = f"a regular file owned by uid {OTHER_UID} with mode 0o600"
+    with pytest.raises(SharedDirectoryError, match=found):
+        taker.take(0, 0, owner=0)
+    assert not marker.exists()
+    taker.close(finished=True)
+
+
+def test_sweep_leaves_what_is_not_this_users_directory(stream_token: str, tmp_path: Path) -> None:
+    """A link named as this stream's (to a directory of this user's) is neither followed
+    nor removed by the sweep; nor is another user's directory (as root: given away)."""
+    target = tmp_path / "kept"
+    target.mkdir()
+    (target / "file").write_text("x")
+    link = exchange.base() / f"efdl-stream-{stream_token}-link"
+    theirs = exchange.base() / f"efdl-stream-{stream_token}-theirs"
+    try:
+        link.symlink_to(target, target_is_directory=True)
+        if ROOT:
+            theirs.mkdir()
+            os.chown(theirs, OTHER_UID, OTHER_UID)
+        sweep(stream_token)
+        assert link.is_symlink() and (target / "file").exists()
+        assert theirs.exists() == ROOT
+    finally:
+        link.unlink(missing_ok=True)
+        if theirs.exists():
+            theirs.rmdir()

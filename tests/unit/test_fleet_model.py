@@ -55,6 +55,7 @@ def test_records_round_trip() -> None:
     ("change", "message"),
     [
         ({"argv": ()}, "has no command"),
+        ({"argv": ("--job-id", "other", "t.py")}, "starts with the option '--job-id'"),
         ({"workdir": "code"}, "working directory 'code' is not absolute"),
         ({"min_workers": 9, "max_workers": 8}, "--min 9 and --max 8 are not a size"),
         ({"min_workers": 0}, "--min 0"),
@@ -97,6 +98,7 @@ def test_a_bad_host_record_names_the_field(fields: dict[str, object], message: s
     ("fields", "message"),
     [
         ({"argv": ["train.py", 3]}, "field 'argv' must be a list of strings"),
+        ({"argv": ["--etcd-user", "root", "t.py"]}, "starts with the option '--etcd-user'"),
         ({"env": {"A": 1}}, "field 'env' must map names to strings"),
         ({"min_workers": 0}, "field 'min_workers' is 0; expected 1..65536"),
         ({"priority": 5000}, "priority 5000 is out of range"),
