@@ -22,9 +22,9 @@ first batch of the worker slowest to start is the last one asked for).
 
 Only this user's processes may write a window: what a taker reads becomes its rows (and a
 reader function's samples are unpickled). An iteration's directory is made with mode 0700
-and checked (with ``lstat``: a directory, not a symbolic link, of this user, mode 0700)
-before use, also when another worker made it; a window is opened without following a link
-and read only if it is a regular file of this user that no other can write
+and checked (with ``lstat``: a directory, not a symbolic link, of this user, open to no
+other) before use, also when another worker made it; a window is opened without following a
+link and read only if it is a regular file of this user that no other can write
 (:class:`SharedDirectoryError` otherwise).
 """
 
@@ -103,29 +103,27 @@ def _private(folder: Path) -> None:
 
     Raises:
         SharedDirectoryError: what is there is a link, not a directory, another user's, or
-            open to others.
+            open to others in any way.
     """
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(folder, 0o700)
-    except FileExistsError:
-        pass
-    else:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            os.fchmod(fd, 0o700)
-        finally:
-            os.close(fd)
     info = os.lstat(folder)
     me = os.geteuid()
-    if stat.S_ISDIR(info.st_mode) and info.st_uid == me and stat.S_IMODE(info.st_mode) == 0o700:
-        return
-    raise SharedDirectoryError(
-        f"The directory for this rank's DataLoader workers' windows, {folder}, is "
-        f"{_described(info)}; expected a directory (not a symbolic link) of this user (uid "
-        f"{me}) with mode 0o700, as efdl makes it. Another user may have made it to feed or "
-        "read the windows: remove it, or set EFDL_DATA_SHM to a folder only this user can "
-        "write to."
-    )
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != me or stat.S_IMODE(info.st_mode) & 0o077:
+        raise SharedDirectoryError(
+            f"The directory for this rank's DataLoader workers' windows, {folder}, is "
+            f"{_described(info)}; expected a directory (not a symbolic link) of this user "
+            f"(uid {me}) with mode 0o700, as efdl makes it. Another user may have made it to "
+            "feed or read the windows: remove it, or set EFDL_DATA_SHM to a folder only this "
+            "user can write to."
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:  # this user's, made under a umask like 0o277
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_ino == info.st_ino:  # the one checked
+                os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
 
 
 def _described(info: os.stat_result) -> str:
