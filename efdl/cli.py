@@ -823,6 +823,14 @@ _IGNORED = {
     "replaced (default: 90% of the collective timeout, at least 5 of the longest steps).",
 )
 @click.option(
+    "--fence-timeout",
+    "fence_timeout_s",
+    type=float,
+    help="Seconds this node's workers train on while their agent cannot reach etcd; then "
+    "they stop committing, state in memory, until it can (default: 90, at least 3 lease "
+    "TTLs). A generation cut off from etcd whole is replaced this long after its lease went.",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["text", "json"]),
     help="text (default) or json: one object per line with time, job, node, generation, rank.",
@@ -1114,6 +1122,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         settings = None if cfg.standalone else cfg.etcd_settings(connect_timeout_s=wait_s)
         host = cfg.host or (default_host(settings.endpoints) if settings else "127.0.0.1")
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
+        node = dataclasses.replace(node, fence_s=cfg.fence_s())  # efdl.state.fence
         policy = _policy(cfg, node.slots)
         logs.context.set(node=node.node_id)
         with (

@@ -34,6 +34,9 @@ JOB_TOKEN_MIN_CHARS = 16
 # Secrets an efdl process may be given in its environment: never passed on to the workers (a
 # training script, and what it starts, has no business with etcd) nor to an etcd it starts.
 SECRET_VARIABLES = frozenset({PASSWORD_ENV, JOB_TOKEN_ENV})
+# The fence timeout unless told (LaunchConfig.fence_s): etcd outages shorter than this are
+# trained through.
+DEFAULT_FENCE_S = 90.0
 DEFAULT_JOB_ID = "none"  # torchrun's --rdzv-id default: jobs that name none are one job
 STATIC_PORT = 29500  # torchrun's --master-port default
 _UNIT_SUFFIXES = ("_s",)
@@ -340,6 +343,13 @@ class LaunchConfig(EtcdClientConfig):
         hang_timeout_s: how long an in-place worker may make no step while a peer waits on
             it in a collective before its agent replaces it (efdl.state.hang); None: 90% of
             the workers' collective timeout, and at least five of the longest steps.
+        fence_timeout_s: how long this node's workers may train on while their agent cannot
+            reach etcd; past it they stop committing (their state kept in memory) until it
+            can, and a leader may replace the generation without them only once this long
+            (and a margin) has passed since their node's record went. Training rides out
+            etcd outages shorter than this; a generation cut off from etcd whole is replaced
+            this long after its lease went (docs/rendezvous.md, "Fencing"). None: 90 s, and
+            at least three lease TTLs (:meth:`fence_s`).
         log_format: ``text`` (for people) or ``json`` (one object per line, agent and worker
             lines alike, each with time, job, node, generation and, for workers, rank).
         metrics_port: serve Prometheus metrics on ``--host`` at this port (None: off; 0: a
@@ -397,6 +407,7 @@ class LaunchConfig(EtcdClientConfig):
     warm_workers: int | None = None
     grace_period_s: float = 30.0
     hang_timeout_s: float | None = None
+    fence_timeout_s: float | None = None
     metrics_port: int | None = None
     log_format: str = "text"
     log_dir: Path | None = None
@@ -460,6 +471,12 @@ class LaunchConfig(EtcdClientConfig):
                 f"--hang-timeout ({self.hang_timeout_s} s) must be positive (leave it out for "
                 "the default: 90% of the collective timeout)."
             )
+        if self.fence_timeout_s is not None and self.fence_timeout_s <= 2 * self.lease_ttl_s:
+            raise ConfigError(
+                f"--fence-timeout ({self.fence_timeout_s:g} s) must be longer than two lease "
+                f"TTLs ({2 * self.lease_ttl_s} s, --lease-ttl {self.lease_ttl_s}): workers would "
+                "stop before the lease could tell a lost node from an etcd that is slow."
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts ({self.max_restarts}) must not be negative.")
         if self.log_format not in ("text", "json"):
@@ -505,6 +522,12 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError("--serve-etcd is for a job of several nodes; --standalone is one.")
         if not self.standalone and not self.job_id:
             object.__setattr__(self, "job_id", DEFAULT_JOB_ID)  # torchrun's default run id
+
+    def fence_s(self) -> float:
+        """The fence timeout: ``--fence-timeout``, else 90 s and at least three lease TTLs."""
+        if self.fence_timeout_s is not None:
+            return self.fence_timeout_s
+        return max(DEFAULT_FENCE_S, 3.0 * self.lease_ttl_s)
 
     def placement_timeout_s(self) -> float:
         """How long an in-place worker whose collective failed waits for its next placement:

@@ -68,9 +68,12 @@ class Fields:
         """An integer field in ``low..high``, or None where it is null or absent."""
         return None if self.data.get(name) is None else self.count(name, low, high)
 
-    def number(self, name: str) -> float:
-        """A number field (an integer or a float)."""
-        return float(self.value(name, (int, float)))
+    def number(self, name: str, low: float | None = None, high: float | None = None) -> float:
+        """A number field (an integer or a float), within [``low``, ``high``] where given."""
+        value = float(self.value(name, (int, float)))
+        if (low is not None and not value >= low) or (high is not None and not value <= high):
+            raise self.fail(f"field {name!r} is {value}, outside {low}..{high}.")
+        return value
 
     def text(self, name: str, limit: int = 256) -> str:
         """A string field of at most ``limit`` characters."""

@@ -1,5 +1,7 @@
 """A TCP forwarder on 127.0.0.1 that a test can cut: one client's link to a server goes down
-(every connection reset, new ones refused) and comes back, while the server serves others."""
+(every connection reset, new ones refused) and comes back, while the server serves others.
+Or, harder, the link stalls: packets just stop, both ways (nothing is reset or refused: new
+connections are accepted and never answered), as when a switch port dies."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class Proxy:
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._up = True
+        self._stalled = False  # everything is swallowed; nothing is reset
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, name="proxy", daemon=True).start()
@@ -38,9 +41,25 @@ class Proxy:
                 c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
                 c.close()
 
+    def stall(self) -> None:
+        """Stop forwarding, both ways, without a word: data sent is swallowed, connections
+        stay open, new ones are accepted and never answered, until :meth:`heal`."""
+        with self._lock:
+            self._stalled = True
+
     def heal(self) -> None:
+        """Forward again. After a stall the connections it swallowed data of are reset (their
+        streams lost bytes): the clients connect again."""
         with self._lock:
             self._up = True
+            stalled, self._stalled = self._stalled, False
+            conns = self._conns if stalled else []
+            if stalled:
+                self._conns = []
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+                c.close()
 
     def _accept(self) -> None:
         while True:
@@ -49,7 +68,11 @@ class Proxy:
             except OSError:
                 return
             with self._lock:
-                up = self._up
+                up, stalled = self._up, self._stalled
+                if stalled:
+                    self._conns.append(client)  # held open, never answered
+            if stalled:
+                continue
             if not up:
                 client.close()
                 continue
@@ -67,7 +90,8 @@ class Proxy:
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not self._stalled:
+                    dst.sendall(data)
         except OSError:
             pass
         for s in (src, dst):

@@ -21,7 +21,7 @@ from typing import Any
 
 from efdl import logs
 from efdl._process import private_dir
-from efdl.config import LaunchConfig
+from efdl.config import SECRET_VARIABLES, LaunchConfig
 from efdl.errors import EfdlError, StoreError
 from efdl.history import EventLog
 from efdl.launcher.env import JobContext, worker_env
@@ -63,6 +63,7 @@ from efdl.state.channel import (
     ChannelServer,
     Placement,
 )
+from efdl.state.fence import FENCE_ENV, FenceWriter
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,13 @@ class _LeaseLost:
 @dataclass(frozen=True, slots=True)
 class _EtcdSilent:
     """etcd has not answered for a lease TTL: no round can come until it does."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Reached:
+    """The agent reached etcd again (monotonic ``at``) after its workers' fence closed."""
+
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +177,9 @@ def warm_pool(
     default one per slot on a GPU node or one with at least 4 cores per slot, none on a CPU
     node with fewer: each refill imports torch on a core the workers train on there."""
     size = default_warm(slots, gpus, cpus) if cfg.warm_workers is None else cfg.warm_workers
-    pool = WarmPool(size if warm_command(args) else 0, dict(os.environ))
+    # Never the agent's secrets: a warm process's /proc/<pid>/environ is what it started with.
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    pool = WarmPool(size if warm_command(args) else 0, env)
     pool.fill(slots if pool.size else 0)
     return pool
 
@@ -336,9 +346,13 @@ class NodeAgent:
                 lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
                 self._on_worker_message,
             )
+            # Until when this node's workers may commit: moved on each time the agent reaches
+            # etcd (efdl.state.fence); plain workers are stopped (SIGSTOP) past it.
+            self._fence = FenceWriter(self._run_dir / "fence", cfg.fence_s())
         except BaseException:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
+        self._frozen: set[int] = set()  # plain workers stopped by the fence
         self._rdzv: Participant | None = None
 
     def _describe(self) -> dict[str, object]:
@@ -435,13 +449,19 @@ class NodeAgent:
             self._await_warm()
             self._join()
             while True:
+                fence_at = self._fence_due()
                 due = [
-                    t for t in (self._finish_by, self._refill_at, self._restart_at) if t is not None
+                    t
+                    for t in (self._finish_by, self._refill_at, self._restart_at, fence_at)
+                    if t is not None
                 ]
                 wait_s = min(due) - time.monotonic() if due else None
                 try:
                     event = self._events.get(timeout=None if wait_s is None else max(0.0, wait_s))
                 except queue.Empty:
+                    if fence_at is not None and time.monotonic() >= fence_at:
+                        self._apply_fence()
+                        continue
                     if self._restart_at is not None and time.monotonic() >= self._restart_at:
                         self._restart_at = None
                         if self._rdzv is not None:
@@ -474,11 +494,86 @@ class NodeAgent:
             if self._probe is not None:
                 self._probe.close()
             self._channel.close()
+            self._fence.close()
             self._cache_record.close(timeout_s=2.0)
             self._progress.close(timeout_s=2.0)
             shutil.rmtree(self._run_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _contact(self, at: float) -> None:
+        """From the lease's thread: this agent reached etcd at monotonic ``at``. While the
+        fence is open this moves it on; once it has closed, the agent's loop first checks
+        that the round its workers run is still the job's (:meth:`_reopen_fence`)."""
+        if self._fence.open():
+            self._fence.reached(at)
+        else:
+            self._events.put(_Reached(at))
+
+    def _reopen_fence(self, at: float) -> None:
+        """The fence closed, and etcd answers again: let the workers commit again if the
+        round they run is still the job's (one read of the round key). If a newer round
+        replaced it, they stay fenced: that round's news (a placement, or leave) reaches them
+        from this loop, and nothing of the old generation commits meanwhile."""
+        if self._fence.open():
+            self._fence.reached(at)
+            return
+        holds = self._holds()
+        if holds:
+            keys = JobKeys(self._job)
+            try:
+                current = parse_round(self._store.get(keys.round), keys)
+            except StoreError as exc:  # the next contact tries again
+                log.warning("%s: could not read the round to lift the fence: %s", self._tag(), exc)
+                return
+            if current is None or current.round_id != holds:
+                log.warning(
+                    "%s: etcd answers again, but round %s replaced the one this node's "
+                    "workers run: they stay fenced until its news reaches them.",
+                    self._tag(),
+                    current.generation if current is not None else "(none)",
+                )
+                return
+        self._fence.reached(at)
+        log.warning("%s: etcd answers again; the workers' fence is open.", self._tag())
+        self._apply_fence()
+
+    def _fence_due(self) -> float | None:
+        """When to look at the fence next (plain workers only: efdl-aware ones stop at their
+        own commits): when it closes, or, while it holds them stopped, twice a second."""
+        group = self._group
+        if group is None or not any(w.pid not in self._in_place for w in group.running()):
+            return None
+        if self._frozen:
+            return time.monotonic() + 0.5
+        return self._fence.deadline
+
+    def _apply_fence(self) -> None:
+        """Stop this node's plain workers (SIGSTOP, state in memory) while the agent has not
+        reached etcd for the fence timeout, and let them go on (SIGCONT) once it has; a round
+        that replaced them stops them for good meanwhile."""
+        group = self._group
+        if group is None:
+            return
+        plain = [w for w in group.running() if w.pid not in self._in_place]
+        if not self._fence.open() and not self._frozen and plain:
+            for w in plain:
+                w.signal_group(signal.SIGSTOP)
+                self._frozen.add(w.pid)
+            log.warning(
+                "%s: this agent has not reached etcd for %.0f s (--fence-timeout): its "
+                "workers %s are stopped (SIGSTOP, state in memory) until it does, since a "
+                "leader may replace a generation cut off from etcd.",
+                self._tag(),
+                self._cfg.fence_s(),
+                [w.pid for w in plain],
+            )
+        elif self._frozen and self._fence.open():
+            for w in group.running():
+                if w.pid in self._frozen:
+                    w.signal_group(signal.SIGCONT)
+            log.warning("%s: etcd answers again; workers %s go on.", self._tag(), self._frozen)
+            self._frozen.clear()
 
     def _await_warm(self) -> None:
         """Joining a job that trains by restarts: let this node's warm processes finish
@@ -551,6 +646,7 @@ class NodeAgent:
             on_failure=lambda reason: post(_Failed(reason)),
             events=self._history,
             on_forgot=self._publish_again,
+            on_contact=self._contact,
         )
         self._register(self._rdzv)
         rdzv = self._rdzv
@@ -634,6 +730,8 @@ class NodeAgent:
                     self._channel.send_waiting(w.pid, self._cfg.join_timeout_s)
         elif isinstance(event, _Persisted):
             self._publish_cache(event)
+        elif isinstance(event, _Reached):
+            self._reopen_fence(event.at)
         elif isinstance(event, Event):
             self._note(event)
         elif isinstance(event, _Stepped):
@@ -958,6 +1056,7 @@ class NodeAgent:
         }
         for env in envs.values():
             env[SOCKET_ENV] = str(self._channel.path)
+            env[FENCE_ENV] = str(self._fence.path)
             env[GRACE_ENV] = f"{self._cfg.grace_period_s:g}"
             env[PLACEMENT_TIMEOUT_ENV] = f"{self._cfg.placement_timeout_s():g}"
             env[JOIN_TIMEOUT_ENV] = f"{self._cfg.join_timeout_s:g}"
@@ -996,6 +1095,12 @@ class NodeAgent:
 
     def _stop_workers(self, grace_s: float | None = None) -> None:
         if self._group is not None:
+            # A worker the fence stopped is killed, not woken: woken to take a signal, it
+            # would run on a moment in a generation that may have been replaced.
+            for w in self._group.running():
+                if w.pid in self._frozen:
+                    w.signal_group(signal.SIGKILL)
+            self._frozen.clear()
             # A worker that failed before this stop, its exit not handled yet (a round came
             # first: its peers' failure made it), is a crash all the same: the history says so.
             for w in self._group.workers:

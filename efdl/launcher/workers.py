@@ -251,6 +251,7 @@ class WorkerGroup:
         alive = self.running()
         for w in alive:
             w.signal_group(sig)
+            w.signal_group(signal.SIGCONT)  # one stopped by the fence takes the signal now
         deadline = time.monotonic() + grace_s
         for w in alive:
             try:

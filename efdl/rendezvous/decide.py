@@ -28,6 +28,16 @@ Rules:
   waited for until the leader's deadline (``JobView.returning``): no round is written
   meanwhile. Registered again with ``holds`` naming the round, it is the member it was, and
   nothing changes; not back by the deadline, it has left.
+- Fencing (efdl.state.fence): when no member of the active round is left on etcd's side
+  (none has its record still, or again claiming the round), members whose records went
+  without evidence that their workers stopped may be training still, cut off from etcd;
+  no round is written until their fence timeouts (and a margin) have passed since their
+  records went (``JobView.silent``): by then they have stopped committing. A generation with
+  a member on etcd's side needs no such wait: that member leaves it for the next round, and
+  its collectives need every member.
+
+Two clocks: ``now`` measures durations (monotonic: the settle window, the waits, and
+``wake_at``), ``wall`` stamps rounds and times the join timeout across leaders.
 """
 
 from __future__ import annotations
@@ -38,6 +48,10 @@ from dataclasses import dataclass, field, replace
 
 from efdl.errors import ConfigError
 from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
+
+# Added to a silent member's fence timeout before its generation is replaced: a snapshot
+# whose manifest was being written when the member's fence closed lands within it.
+FENCE_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +109,10 @@ class JobView:
         members: the members of ``round`` when it is active, in rank order.
         returning: members whose record went but whose agent said it runs the round's
             workers still and registers again, each with the time until which to wait.
+        silent: members whose record went without evidence that their workers stopped
+            (no refused probe, no answer that they run none of the round's), each with the
+            time until which they may still be training (the record's going, plus their
+            fence timeout and a margin: see the module rules).
     """
 
     nodes: Mapping[str, NodeView]
@@ -103,6 +121,7 @@ class JobView:
     leader: str = ""
     members: tuple[Member, ...] = ()
     returning: Mapping[str, float] = field(default_factory=dict)
+    silent: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +198,7 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
                 node.joined_revision,
                 group_rank=len(members),
                 probe_port=node.record.probe_port,
+                fence_s=node.record.fence_s,
             )
         )
         rank += counts[node_id]
@@ -252,8 +272,10 @@ def _changes(view: JobView, assignment: Assignment) -> _Changes:
     )
 
 
-def decide(view: JobView, policy: Policy, now: float) -> Decision:
-    """The next round to write, if any; see the module docstring for the rules."""
+def decide(view: JobView, policy: Policy, now: float, wall: float | None = None) -> Decision:
+    """The next round to write, if any; see the module docstring for the rules (and the
+    clocks: ``wall`` defaults to ``now``)."""
+    wall = now if wall is None else wall
     prev = view.round
     generation = (prev.generation if prev else 0) + 1
     if prev is not None and prev.status.final:
@@ -266,6 +288,16 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
     if awaited and prev is not None and prev.status is RoundStatus.ACTIVE:
         until = min(view.returning[n] for n in awaited)
         return Decision(None, until, f"waiting for {names(awaited)} to register again")
+    fenced = _fenced(view, now)
+    if fenced:
+        until = max(view.silent[n] for n in fenced)
+        return Decision(
+            None,
+            until,
+            f"waiting {until - now:.0f} s for {names(fenced)} to stop training: cut off from "
+            "etcd with no member left on its side, the generation stops committing at its "
+            "fence timeout",
+        )
     assignment = assign(view, policy)
     if assignment.workers < policy.min_workers:  # keep the replaced slots: wait for them
         assignment = assign(view, policy, replaced_count=True)
@@ -274,21 +306,21 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         status=RoundStatus.WAITING,
         spares=len(assignment.spares),
         leader=view.leader,
-        created=now,
-        since=now,
+        created=wall,
+        since=wall,
     )
     have = assignment.workers
     if have < policy.min_workers:
         waiting = f"{have} of the {policy.min_workers} workers needed are here"
         if prev is not None and prev.status is RoundStatus.WAITING:
-            deadline = prev.since + policy.join_timeout_s
-            if now >= deadline:
+            deadline = prev.since + policy.join_timeout_s  # wall: leaders share it
+            if wall >= deadline:
                 reason = (
                     f"only {have} of the {policy.min_workers} workers needed joined within "
                     f"the join timeout ({policy.join_timeout_s:g} s)"
                 )
                 return Decision(_with(base, status=RoundStatus.FAILED, reason=reason), None, reason)
-            return Decision(None, deadline, f"waiting: {waiting}")
+            return Decision(None, now + (deadline - wall), f"waiting: {waiting}")
         lost = ""
         if prev is not None and prev.status is RoundStatus.ACTIVE:
             gone = [m.node_id for m in view.members if m.node_id not in view.nodes]
@@ -319,7 +351,7 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         return Decision(None, settle_until, f"settling ({reason})")
     head = view.nodes[assignment.members[0].node_id].record
     round_id = hashlib.blake2b(
-        f"{view.leader}|{generation}|{now!r}".encode(), digest_size=8
+        f"{view.leader}|{generation}|{wall!r}|{now!r}".encode(), digest_size=8
     ).hexdigest()
     new = _with(
         base,
@@ -336,6 +368,22 @@ def decide(view: JobView, policy: Policy, now: float) -> Decision:
         replace(m, generation=generation, round_id=round_id) for m in assignment.members
     )
     return Decision(new, None, reason, members)
+
+
+def _fenced(view: JobView, now: float) -> list[str]:
+    """Members of the active round that may be training still, cut off from etcd with no
+    member of their generation left on its side (see the module rules); [] if none, or if
+    one is left."""
+    prev = view.round
+    if prev is None or prev.status is not RoundStatus.ACTIVE:
+        return []
+    for m in view.members:
+        node = view.nodes.get(m.node_id)
+        if node is not None and (
+            m.revision in (0, node.joined_revision) or node.record.holds == prev.round_id
+        ):
+            return []  # on etcd's side, in the generation: it leaves it for the next round
+    return [m.node_id for m in view.members if view.silent.get(m.node_id, now) > now]
 
 
 def _shape(members: tuple[Member, ...]) -> tuple[tuple[str, int], ...]:

@@ -37,6 +37,9 @@ class LeaseSession:
         on_silent: called from the keep-alive thread when a whole TTL passed without an
             answer (etcd is away; the lease may or may not hold), once per such silence.
         clock: monotonic seconds; an argument for tests.
+        on_contact: called with the monotonic time a request was sent whose answer shows
+            the lease alive (the grant, then each refresh etcd answered with a TTL): this
+            agent reached etcd then, at the latest (efdl.state.fence). Keep it short.
     """
 
     def __init__(
@@ -46,6 +49,7 @@ class LeaseSession:
         on_expired: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_silent: Callable[[], None] | None = None,
+        on_contact: Callable[[float], None] | None = None,
     ) -> None:
         if ttl_s < 2:
             raise ConfigError(f"The lease TTL ({ttl_s} s) must be at least 2 seconds.")
@@ -53,6 +57,7 @@ class LeaseSession:
         self._ttl_s = ttl_s
         self._on_expired = on_expired
         self._on_silent = on_silent
+        self._on_contact = on_contact
         self._clock = clock
         self._stop = threading.Event()
         self._why_expired = ""
@@ -69,6 +74,7 @@ class LeaseSession:
                 f"{store.description} took {granted_in:.1f} s to grant a lease of TTL "
                 f"{ttl_s} s: it may have expired already."
             )
+        self._contact(self._last_ok)
         self._thread = threading.Thread(
             target=self._keep_alive, name=f"efdl-lease-{self.lease_id:x}", daemon=True
         )
@@ -170,7 +176,15 @@ class LeaseSession:
                 )
                 warned = False
             self._last_ok, failures = sent, 0
+            self._contact(sent)
             next_at = sent + self._ttl_s / 3
+
+    def _contact(self, sent: float) -> None:
+        if self._on_contact is not None:
+            try:
+                self._on_contact(sent)
+            except Exception:
+                log.exception("The lease-contact callback failed.")
 
     def close(self, revoke: bool = True) -> None:
         """Stop refreshing; with ``revoke`` end the lease now so its keys go at once."""

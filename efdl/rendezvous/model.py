@@ -159,6 +159,8 @@ class NodeRecord:
             when it registers again after its lease was lost (etcd revoked it, or it expired
             while etcd was away): the leader then takes it for the member it was, not for a
             newcomer, and no round follows. Empty: a node that joins.
+        fence_s: its workers stop committing this long after its agent last reached etcd
+            (efdl.state.fence); 0: an agent that does not fence (an older one).
     """
 
     node_id: str
@@ -173,6 +175,7 @@ class NodeRecord:
     down: int = 0
     probe_port: int = 0
     holds: str = ""
+    fence_s: float = 0.0
 
     @property
     def offered(self) -> int:
@@ -214,6 +217,8 @@ class NodeRecord:
             record = replace(record, probe_port=f.count("probe_port", 0, 65535))
         if "holds" in f:
             record = replace(record, holds=f.text("holds", 64))
+        if "fence_s" in f:
+            record = replace(record, fence_s=f.number("fence_s", 0.0, 1e6))
         if not ID_RE.match(record.node_id) or key.rsplit("/", 1)[-1] != record.node_id:
             raise RecordError(f"{where} names node {record.node_id!r}, not the node of its key.")
         if not HOST_RE.match(record.host):
@@ -327,6 +332,9 @@ class Member:
         probe_port: where the node's agent answered probes when the round was made (0:
             nowhere). A leader that sees the member's record go asks it there whether it still
             runs the round's workers and is registering again (efdl.rendezvous.participant).
+        fence_s: the node's fence timeout when the round was made (its record's): a leader
+            replaces a generation cut off from etcd whole no sooner than this (and a margin)
+            after its members' records went (efdl.state.fence). 0: it does not fence.
     """
 
     node_id: str
@@ -339,6 +347,7 @@ class Member:
     generation: int = 0
     round_id: str = ""
     probe_port: int = 0
+    fence_s: float = 0.0
 
     def to_json(self) -> bytes:
         return dump_record(asdict(self))
@@ -360,6 +369,8 @@ class Member:
         )
         if "probe_port" in f:  # absent from the records of older leaders
             member = replace(member, probe_port=f.count("probe_port", 0, 65535))
+        if "fence_s" in f:
+            member = replace(member, fence_s=f.number("fence_s", 0.0, 1e6))
         if key.rsplit("/", 1)[-1] != member.node_id:
             raise RecordError(f"{where} names node {member.node_id!r}, not the node of its key.")
         return member

@@ -48,7 +48,7 @@ from efdl.rendezvous.api import (
     Watch,
     WatchBatch,
 )
-from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
+from efdl.rendezvous.decide import FENCE_MARGIN_S, JobView, NodeView, Policy, decide
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import (
     EventKind,
@@ -183,7 +183,9 @@ class Participant:
         node: this node's record (registered on :meth:`join`).
         policy: min/max workers, settle window, join timeout (used while leader).
         lease_ttl_s: a crashed node is noticed this long after its last keep-alive.
-        clock: wall-clock seconds (rounds carry wall times for the join timeout).
+        clock: monotonic seconds: the settle window and every wait (a wall clock set back
+            would stall them). Rounds are stamped with ``wall`` seconds (the join timeout
+            spans leaders, on other hosts).
         on_lease_expired: called (from the lease's thread) each time etcd says the lease has
             expired: the node then registers again by itself, with ``holds``; the workers
             need not stop (a generation's workers can only train with each other).
@@ -204,6 +206,8 @@ class Participant:
         on_forgot: called (from the rendezvous thread) when etcd forgot what it held (it came
             back empty, or older: :meth:`KVStore.on_forgot`), after this node has taken in
             what is there now: publish again what only this node's memory still holds.
+        on_contact: called (from the lease's thread) with the monotonic time this node last
+            reached etcd with its lease alive (efdl.state.fence).
     """
 
     def __init__(
@@ -213,7 +217,8 @@ class Participant:
         node: NodeRecord,
         policy: Policy,
         lease_ttl_s: int = 5,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
         on_lease_expired: Callable[[str], None] | None = None,
         on_etcd_silent: Callable[[], None] | None = None,
         holds: Callable[[], str] | None = None,
@@ -222,9 +227,11 @@ class Participant:
         on_failure: Callable[[str], None] | None = None,
         events: EventLog | None = None,
         on_forgot: Callable[[], None] | None = None,
+        on_contact: Callable[[float], None] | None = None,
     ) -> None:
         self.keys = JobKeys(job_id)
         self._on_forgot = on_forgot
+        self._on_contact = on_contact
         self._events = events
         self._on_round = on_round
         self._on_failure = on_failure
@@ -238,6 +245,7 @@ class Participant:
         self._policy = policy
         self._ttl_s = lease_ttl_s
         self._clock = clock
+        self._wall = wall
         self._on_lease_expired = on_lease_expired
         self._on_etcd_silent = on_etcd_silent
         self._holds = holds or (lambda: "")
@@ -264,6 +272,9 @@ class Participant:
         # Leader: members whose record went, and until when to wait for them (clock time):
         # first for their agent's answer, then for them to register again (see decide).
         self._returning: dict[str, float] = {}
+        # Leader: members whose record went with no evidence that their workers stopped, and
+        # until when they may be training still, cut off from etcd (see decide: fencing).
+        self._silent: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         # Evidence of dead nodes (efdl.rendezvous.probe): the node just before this one (its
         # record as read), the nodes whose probe port answered (and their lease then), the
@@ -324,7 +335,11 @@ class Participant:
         """Write this node's record, bound to a new lease; ``holds``: see NodeRecord;
         ``again``: after a lost lease, where an earlier attempt may have been applied."""
         session = LeaseSession(
-            self._store, self._ttl_s, on_expired=self._lease_gone, on_silent=self._on_etcd_silent
+            self._store,
+            self._ttl_s,
+            on_expired=self._lease_gone,
+            on_silent=self._on_etcd_silent,
+            on_contact=self._on_contact,
         )
         with self._cond:
             node = replace(self._node, holds=holds)
@@ -787,6 +802,7 @@ class Participant:
                 known = nodes.get(node_id)
                 nodes.update(parse_nodes((ev.kv,), self.keys))
                 self._returning.pop(node_id, None)
+                self._silent.pop(node_id, None)
                 if known is None or known.lease != ev.kv.lease:  # a newcomer
                     self._probe(self._targets(nodes, {node_id}))
         self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
@@ -810,6 +826,7 @@ class Participant:
         )
         nodes = parse_nodes(snap.kvs, self.keys)
         self._returning.clear()
+        self._silent.clear()
         self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
         self._inbox.put(("wake", None, 0))
         self._probe(self._targets(nodes))  # what answers now may be evidence later
@@ -821,8 +838,15 @@ class Participant:
         """Leader: members of the active round whose record is gone. Each is waited for (no
         round is written) until its agent has answered on its probe port (at most ASK_S):
         if it says it runs the round's workers still, its lease was lost, not its node, and
-        it registers again; a refusal, silence, or another answer means it has left."""
+        it registers again; a refusal, silence, or another answer means it has left. Until
+        a refusal, or an answer that it runs none of the round's workers, it may be training
+        still, cut off from etcd: silent, for its fence timeout and a margin from now (see
+        decide: fencing). A leader that takes over learns of them now: their records went
+        before, so this wait ends later than their fences close, never sooner."""
         now = self._clock()
+        for m in missing:
+            if m.fence_s > 0 and m.node_id != self.node_id:
+                self._silent.setdefault(m.node_id, now + m.fence_s + FENCE_MARGIN_S)
         targets = []
         for m in missing:
             if m.probe_port and m.node_id not in self._returning and m.node_id != self.node_id:
@@ -858,6 +882,10 @@ class Participant:
                 )
             else:
                 self._returning[node_id] = 0.0  # left: not waited for, nor asked again
+                if reply is Reply.REFUSED or reply is Reply.ANSWERED:
+                    # Its agent is gone (nothing listens: its workers died with it), or says
+                    # it runs none of the round's workers: nothing of it trains.
+                    self._silent.pop(node_id, None)
                 log.info(
                     "%s: node %s has left (its agent %s).",
                     self._tag(),
@@ -985,9 +1013,10 @@ class Participant:
             leader=self.node_id,
             members=self._current_members(current),
             returning=dict(self._returning),
+            silent=dict(self._silent),
         )
         now = self._clock()
-        decision = decide(view, self._policy, now)
+        decision = decide(view, self._policy, now, self._wall())
         if decision.round is None:
             return decision.wake_at
         new = decision.round
@@ -1008,6 +1037,7 @@ class Participant:
         )
         if result.succeeded:
             self._cas_failures = 0
+            self._silent.clear()  # the generation they may train in is replaced now
             if decision.members:
                 self._members, self._members_of = decision.members, new.round_id
             if self._events is not None:

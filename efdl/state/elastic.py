@@ -36,7 +36,7 @@ from efdl.errors import RendezvousTimeoutError
 from efdl.state.channel import GRACE_ENV
 from efdl.state.failure import Failure
 from efdl.state.runtime import init_process_group, runtime
-from efdl.state.state import ElasticState, Rescale, elastic_state
+from efdl.state.state import ElasticState, Fenced, Rescale, elastic_state
 
 __all__ = ["ElasticState", "elastic", "elastic_state", "init_process_group"]
 
@@ -158,6 +158,8 @@ def _left_generation(exc: BaseException) -> bool:
     rt = runtime
     if rt.channel is None:
         return False
+    if isinstance(exc, Fenced):
+        return True
     kind = rt.classify(exc)
     if kind is Failure.TIMEOUT and rt.placement is not None:
         return rt.channel.superseded(rt.placement.generation)

@@ -31,12 +31,13 @@ on purpose).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -108,6 +109,7 @@ class HangWatch:
         self._store: Any = None
         self._marked = -1
         self._reported = False
+        self._paused = False  # the main thread waits on purpose
         self._warned = False  # that the collective timeout is short for the steps
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,6 +170,23 @@ class HangWatch:
             if self._connect is not None:
                 self._since = self._clock()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The main thread stands still on purpose (fenced, efdl.state.fence): judge nothing
+        meanwhile; its clock starts again when it goes on."""
+        with self._lock:
+            self._paused = True
+        try:
+            yield
+        finally:
+            now = self._clock()
+            with self._lock:
+                self._paused = False
+                if self._last is not None:
+                    self._last = now
+                if self._since is not None:
+                    self._since = now
+
     def left(self) -> None:
         """This worker left its generation (a rescale, a failure): nothing to judge."""
         with self._lock:
@@ -193,7 +212,8 @@ class HangWatch:
         with self._lock:
             last = self._last if self._last is not None else self._since
             connect, step, first = self._connect, self._step, self._last is None
-        if last is None or connect is None or self._reported or not self._active():
+            paused = self._paused
+        if last is None or connect is None or self._reported or paused or not self._active():
             return
         still = self._clock() - last
         if still < min(2.0, timeout / 4):

@@ -57,6 +57,7 @@ from efdl.state.cache import (
     rank_file,
     split_parts,
 )
+from efdl.state.fence import Fence
 from efdl.state.layout import Layout as RowLayout
 from efdl.state.layout import byte_span
 
@@ -147,11 +148,17 @@ class Persister:
     Args:
         settings: where and how often.
         part_bytes: the largest part file (tests make it small).
+        fence: this worker's fence (efdl.state.fence): no manifest is written once it has
+            closed, so a generation cut off from etcd completes no snapshot its successor
+            could resume from or be overtaken by.
     """
 
-    def __init__(self, settings: CacheSettings, part_bytes: int = PART_BYTES) -> None:
+    def __init__(
+        self, settings: CacheSettings, part_bytes: int = PART_BYTES, fence: Fence | None = None
+    ) -> None:
         self.settings = settings
         self.part_bytes = part_bytes
+        self._fence = fence
         self.storage = SnapshotStorage(settings.url)
         self._buffers: dict[str, torch.Tensor] = {}
         self._copied = threading.Event()
@@ -345,6 +352,13 @@ class Persister:
             if missing:
                 log.warning(
                     "Step %d is not persisted: no rank wrote %s.", job.step, ", ".join(missing[:3])
+                )
+                return
+            if self._fence is not None and not self._fence.open():
+                log.warning(
+                    "Step %d is not persisted: this rank's agent has not reached etcd for "
+                    "longer than its fence timeout (the generation may have been replaced).",
+                    job.step,
                 )
                 return
             manifest = Manifest(job.step, job.epoch, job.world, files, generation=job.generation)

@@ -268,6 +268,15 @@ class Runtime:
         self._events.append(event)
         return event
 
+    @contextlib.contextmanager
+    def hang_paused(self) -> Iterator[None]:
+        """The main thread waits on purpose (fenced): its peers' wait is not its hang."""
+        if self.hang is None:
+            yield
+            return
+        with self.hang.paused():
+            yield
+
     def trains(self) -> None:
         """The state is synced and the training function is called: the hang watch's clock
         starts (efdl.state.hang)."""

@@ -32,13 +32,14 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from efdl.errors import StateLostError
+from efdl.errors import RendezvousTimeoutError, StateLostError
 from efdl.state import sharded, transfer
 from efdl.state import values as state_values
 from efdl.state.cache import CacheSettings, Manifest
 from efdl.state.channel import GRACE_ENV
 from efdl.state.device import device
 from efdl.state.digest import digest
+from efdl.state.fence import Fence, fence
 from efdl.state.layout import Layout, byte_span, rows
 from efdl.state.persist import Persister
 from efdl.state.resume import Resumed, resume
@@ -56,6 +57,8 @@ BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"
 
 # A newcomer whose setup after joining the group made the others wait this long says so.
 SETUP_SAID_S = 1.0
+# How often a fenced rank looks whether its agent reached etcd again (a mapped page).
+FENCE_POLL_S = 0.1
 # DistributedDataParallel's options that efdl sets on each wrapper it builds.
 _DDP_OWN = frozenset({"process_group", "device_mesh", "init_sync", "module"})
 
@@ -79,6 +82,12 @@ class _Flag(enum.IntEnum):
 class StepFailed(dist.DistError):
     """A rank's group reported a communication error: every rank leaves the generation at
     the same commit (a failure of the job's communication: rebuilt in place)."""
+
+
+class Fenced(dist.DistError):
+    """This rank stopped committing because its agent could not reach etcd (efdl.state.fence),
+    and its agent has since placed it in a newer generation, or asked it to leave: it leaves
+    its generation as after a failure, its state as committed."""
 
 
 class ElasticState:
@@ -174,7 +183,8 @@ class ElasticState:
         self._last_sync: transfer.Moved | None = None  # what the last sync moved here
         self._verdicts = Verdicts(runtime.errored, runtime.step_event)
         settings = CacheSettings.from_env()
-        self._persister = Persister(settings) if settings is not None else None
+        self._fence = fence()
+        self._persister = Persister(settings, fence=self._fence) if settings is not None else None
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._on_step_start)
             optimizer.register_step_post_hook(self._on_step_end)
@@ -297,6 +307,8 @@ class ElasticState:
             self._agree_work.wait()
             agreed = [int(x) for x in self._flags.tolist()]
             self._agree_work = None
+        if self._fence is not None and not self._fence.open():
+            self._wait_fenced(self._fence)
         if agreed is not None:
             # Every rank has committed the step before this one (they all started the
             # agreement there): the newest step the job can count on, whatever fails next.
@@ -334,6 +346,42 @@ class ElasticState:
         self._agree_work = dist.all_reduce(
             self._flags, op=dist.ReduceOp.MAX, group=rt.side, async_op=True
         )
+
+    def _wait_fenced(self, f: Fence) -> None:
+        """This rank's agent has not reached etcd for the fence timeout: commit nothing more
+        (no progress, no snapshot, no next step), the state kept in memory, until it does;
+        leave the generation if the agent places this rank in a newer one or asks it to
+        leave meanwhile (:class:`Fenced`). Waits up to the join timeout, checking the
+        fence's page and the channel ten times a second."""
+        rt = runtime
+        generation = rt.placement.generation if rt.placement is not None else 0
+        log.warning(
+            "This rank's agent has not reached etcd for longer than its fence timeout (%.1f s "
+            "past it): step %d is kept in memory and nothing more is committed until it does, "
+            "since a leader may replace a generation cut off from etcd (waiting up to %.0f s).",
+            f.closed_for(),
+            self._step,
+            rt.join_timeout_s,
+        )
+        deadline = time.monotonic() + rt.join_timeout_s
+        with rt.hang_paused():
+            while not f.open():
+                channel = rt.channel
+                if channel is not None and (
+                    channel.leave_requested or channel.closed or channel.superseded(generation)
+                ):
+                    raise Fenced(
+                        f"Fenced at step {self._step} (generation {generation}), and this "
+                        "rank's agent has since placed it in a newer generation or asked it "
+                        "to leave."
+                    )
+                if time.monotonic() > deadline:
+                    raise RendezvousTimeoutError(
+                        f"This rank's agent did not reach etcd within {rt.join_timeout_s:.0f} s "
+                        f"of its fence closing at step {self._step}: ending this worker."
+                    )
+                time.sleep(FENCE_POLL_S)
+        log.warning("This rank's agent reached etcd again: step %d goes on.", self._step)
 
     def _persists_here(self, agreed: list[int], pause: bool) -> bool:
         """Whether every rank persists at this commit: all decide alike, from ``agreed``,

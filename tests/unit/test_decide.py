@@ -314,3 +314,65 @@ def test_reasons_name_a_few_nodes_and_count_the_rest() -> None:
         f"{ids[100]}, {ids[101]}, {ids[102]} and 297 more left"
     )
     assert len(d.reason) < 300
+
+
+# Fencing: a generation cut off from etcd whole is replaced only once it stopped committing.
+
+ONE = Policy(min_workers=1, max_workers=1, settle_s=0.0, join_timeout_s=60)
+
+
+def fencing(fence_s: float = 90.0) -> Decision:
+    """Round 1: node a trains alone (fence timeout ``fence_s``); b waits as a spare."""
+    a = replace(node("a")[1], record=replace(node("a")[1].record, fence_s=fence_s))
+    d = decide(view(("a", a), node("b")), ONE, T0)
+    assert layout(d) == [("a", 1, 0)] and d.members[0].fence_s == fence_s
+    return d
+
+
+def test_a_generation_cut_off_whole_is_replaced_only_after_its_fence() -> None:
+    """a's record went (its lease expired: cut off from etcd, maybe training still) and its
+    agent did not prove otherwise: the spare's round waits until a's workers have stopped
+    committing (the leader's silent deadline), then comes."""
+    r1 = fencing()
+    until = T0 + 10 + 90 + 5  # its record went at T0 + 10; fence 90 s, margin 5 s
+    v = replace(view(node("b"), round=r1), silent={"a": until})
+    d = decide(v, ONE, T0 + 20)
+    assert d.round is None and d.wake_at == until, d
+    assert "to stop training" in d.reason and "a" in d.reason
+    d = decide(v, ONE, until + 0.01)
+    assert layout(d) == [("b", 1, 0)]
+
+
+def test_a_generation_with_a_member_on_etcds_side_is_replaced_at_once() -> None:
+    """Two members; a went silent, b is still registered (on etcd's side, in the
+    generation): b leaves the generation for the next round, and its collectives need b, so
+    the round without a comes at once."""
+    two = Policy(min_workers=1, max_workers=2, settle_s=0.0, join_timeout_s=60)
+    r1 = decide(view(node("a"), node("b")), two, T0)
+    v = replace(view(node("b"), round=r1), silent={"a": T0 + 500})
+    d = decide(v, two, T0 + 20)
+    assert layout(d) == [("b", 1, 0)]
+
+
+def test_a_member_back_claiming_the_round_anchors_it_and_a_rejoined_one_does_not() -> None:
+    r1 = fencing()
+    rid = r1.round.round_id if r1.round else ""
+    back = node("a", rev=77, holds=rid)  # registered again, its workers run the round still
+    v = replace(view(back, node("b"), round=r1), silent={"b": T0 + 500})
+    assert decide(v, ONE, T0 + 20).round is None  # no change: a is the member it was
+    rejoined = node("a", rev=77)  # a new agent under a's id: not in the generation
+    v = replace(view(rejoined, node("b"), round=r1), silent={"a": T0 + 500})
+    d = decide(v, ONE, T0 + 20)
+    assert d.round is None and "to stop training" in d.reason
+
+
+def test_waits_are_timed_on_the_monotonic_clock_and_rounds_stamped_on_the_wall() -> None:
+    """The wall clock was set back an hour: the settle window and every wait run on the
+    monotonic clock (``now``); rounds carry wall times (``wall``), and the join timeout,
+    which spans leaders, is timed on the wall clock."""
+    d = decide(view(node("a"), node("b")), P, T0 + 5.0, wall=T0 - 3600)
+    assert d.round is not None and d.round.created == T0 - 3600
+    waiting = decide(view(node("a")), P, T0, wall=50_000.0)
+    assert waiting.round is not None and waiting.round.since == 50_000.0
+    d = decide(view(node("a"), round=waiting), P, T0 + 1, wall=50_010.0)
+    assert d.round is None and d.wake_at == pytest.approx(T0 + 1 + 50)  # 50 s left, monotonic
