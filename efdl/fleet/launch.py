@@ -150,17 +150,18 @@ def agent_env(
     daemon_env: Mapping[str, str],
     job_env: Sequence[tuple[str, str]],
     private_dir: Path,
+    tmp_dir: Path | None,
     uid: int | None,
 ) -> dict[str, str]:
-    """An agent's environment: the daemon's less :func:`daemon_only`, ``TMPDIR`` its private
-    directory (short: efdl-run's Unix sockets go under it), and under a uid of its own
-    (``uid``) ``HOME`` there too and
-    ``USER``/``LOGNAME`` a name for the uid (which has no account: without them, tools that
-    ask who they are would take the daemon's name, or fail); then the job's own variables,
-    which may set any of these."""
+    """An agent's environment: the daemon's less :func:`daemon_only`; under a uid of its own
+    (``uid``), ``HOME`` its private directory, ``TMPDIR`` ``tmp_dir`` and ``USER``/``LOGNAME``
+    a name for the uid (which has no account: without them, tools that ask who they are would
+    take the daemon's name, or fail); then the job's own variables, which may set any of
+    these."""
     env = {k: v for k, v in daemon_env.items() if not daemon_only(k)}
-    env["TMPDIR"] = str(private_dir)
     if uid is not None:
         env.update(HOME=str(private_dir), USER=f"efdl-job-{uid}", LOGNAME=f"efdl-job-{uid}")
+    if tmp_dir is not None:
+        env["TMPDIR"] = str(tmp_dir)
     env.update(job_env)
     return env

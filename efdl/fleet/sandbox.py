@@ -12,8 +12,9 @@ keep a job's outputs where its own credentials decide who reads them (its cache,
 store), not in directories every job's uid can write.
 
 Each agent gets a private directory (mode 0700, its uid's) under the daemon's state
-directory: its ``TMPDIR`` and ``HOME``, the etcd password and certificate files it may use, and
-the file its exit code is written to. A job's uid must be able to run the daemon's Python
+directory: its ``HOME``, the etcd password and certificate files it may use, and the file its
+exit code is written to; and a ``TMPDIR`` of its own, ``/tmp/efdl-job-<random>`` (0700, its
+uid's: short, for efdl-run's Unix sockets). A job's uid must be able to run the daemon's Python
 (the wrapper and efdl-run are started as it), so the daemon checks at start that every user
 may enter the directories above it and above the state directory.
 """
@@ -29,8 +30,9 @@ import re
 import shutil
 import signal
 import stat
+import tempfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,11 @@ _RANGE_RE = re.compile(r"^\s*(\d{1,10})\s*-\s*(\d{1,10})\s*$")
 # uids no job may get: root, nobody, the 16- and 32-bit -1.
 _SPECIAL = (0, 65534, 65535, 4294967295)
 SHM = Path("/dev/shm")
+# Where a job's agent gets its TMPDIR (efdl-job-<random>, 0700, its uid's): a short path every
+# user may enter (efdl-run's Unix sockets go under TMPDIR, within 107 bytes), not the
+# daemon's own TMPDIR, which may be private to it.
+TMP_ROOT = Path("/tmp")
+TMP_PREFIX = "efdl-job-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +190,27 @@ def make_private_dir(path: Path, uid: int | None) -> None:
     path.mkdir(mode=0o700)
     if uid is not None:
         os.chown(path, uid, uid)
+
+
+def make_private_tmp(uid: int) -> Path:
+    """A new directory ``/tmp/efdl-job-<random>`` (mode 0700) owned by ``uid``: a job's
+    ``TMPDIR``."""
+    path = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=TMP_ROOT))
+    os.chown(path, uid, uid)
+    return path
+
+
+def orphan_tmps(uids: UidRange, known: Collection[str]) -> list[Path]:
+    """The jobs' ``TMPDIR`` directories (:func:`make_private_tmp`) owned by a uid of ``uids``
+    that are not in ``known`` (a daemon that died before removing them)."""
+    found = []
+    for d in TMP_ROOT.glob(f"{TMP_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            st = d.lstat()
+            ours = stat.S_ISDIR(st.st_mode) and uids.first <= st.st_uid <= uids.last
+            if ours and str(d) not in known:
+                found.append(d)
+    return found
 
 
 def write_private(path: Path, data: bytes, uid: int | None) -> None:

@@ -4,16 +4,17 @@ cleans up after it (efdl.fleet.node decides when; this module does it).
 An agent is started without a shell (efdl.fleet.launch: an argv list, the job's command after
 ``--``), in a session of its own, under its job's uid where the daemon has a range of them
 (efdl.fleet.sandbox; no supplementary groups), with a private directory (mode 0700, the
-uid's) for its ``TMPDIR``, ``HOME``, exit code and etcd files. Where etcd has authentication
-on, it gets an etcd user of its own whose role reaches its job's keys alone
-(efdl.fleet.etcd_users), its password in a file of that directory; the daemon's own etcd
-credentials never reach it: not in its environment (efdl.fleet.launch.DAEMON_ONLY), not on
-its command line, not in a file its uid may read (checked at start), and a process of
+uid's) for its ``HOME``, exit code and etcd files, and a ``TMPDIR`` of its own. Where etcd
+has authentication on, it gets an etcd user of its own whose role reaches its job's keys
+alone (efdl.fleet.etcd_users), its password in a file of that directory; the daemon's own
+etcd credentials never reach it: not in its environment (efdl.fleet.launch.DAEMON_ONLY), not
+on its command line, not in a file its uid may read (checked at start), and a process of
 another uid may not read the daemon's ``/proc/<pid>/environ``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -101,13 +102,15 @@ def isolation_from_flags(
 @dataclass(frozen=True, slots=True)
 class AgentFiles:
     """What a daemon keeps of an agent it started, in its state file: where its log and exit
-    code go, its private directory, its uid (None: the daemon's) and its etcd user."""
+    code go, its private directory, its uid (None: the daemon's), its etcd user and its
+    ``TMPDIR`` (under a uid of its own)."""
 
     log: str
     exit: str
     private_dir: str | None = None
     uid: int | None = None
     etcd_user: str | None = None
+    tmp: str | None = None
 
     def row(self) -> dict[str, Any]:
         return {
@@ -116,6 +119,7 @@ class AgentFiles:
             "dir": self.private_dir,
             "uid": self.uid,
             "etcd_user": self.etcd_user,
+            "tmp": self.tmp,
         }
 
     @staticmethod
@@ -128,6 +132,7 @@ class AgentFiles:
             str(row["dir"]) if row.get("dir") else None,
             int(uid) if uid is not None else None,
             str(row["etcd_user"]) if row.get("etcd_user") else None,
+            str(row["tmp"]) if row.get("tmp") else None,
         )
 
 
@@ -256,6 +261,9 @@ class Spawner:
         for d in self.run_dir.iterdir():
             if str(d) not in dirs:
                 sandbox.remove_private_dir(d)
+        if self._iso.uids is not None:
+            for d in sandbox.orphan_tmps(self._iso.uids, {f.tmp for f in known if f.tmp}):
+                sandbox.remove_private_dir(d)
 
     # ---------------------------------------------------------------- an agent
 
@@ -275,12 +283,16 @@ class Spawner:
         files = AgentFiles(str(log_path), str(private / "exit"), str(private), uid, user)
         try:
             sandbox.make_private_dir(private, uid)
+            if uid is not None:
+                tmp = sandbox.make_private_tmp(uid)
+                files = dataclasses.replace(files, tmp=str(tmp))
             access = self._access(private, uid, spec.job_id, user)
             argv = agent_argv(
                 spec.job_id, spec.argv, spec.min_workers, spec.max_workers, spec.cache_url,
                 gpus, node_id, self._address, access,
             )  # fmt: skip
-            env = agent_env(os.environ, spec.env, private, uid)
+            tmp_dir = Path(files.tmp) if files.tmp else None
+            env = agent_env(os.environ, spec.env, private, tmp_dir, uid)
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             with open(fd, "ab") as out:
                 try:
@@ -346,8 +358,9 @@ class Spawner:
         if files.etcd_user is not None:
             self.unreleased.add(files.etcd_user)
             self.retry_releases()
-        if files.private_dir is not None:
-            sandbox.remove_private_dir(Path(files.private_dir))
+        for d in (files.private_dir, files.tmp):
+            if d is not None:
+                sandbox.remove_private_dir(Path(d))
         if last_of_job and files.uid is not None:
             killed = sandbox.sweep(files.uid)
             if killed:

@@ -262,7 +262,11 @@ def test_a_job_runs_as_its_own_uid_without_a_shell_and_reaches_only_its_own_keys
     assert found["daemon environ"] == "denied"
     assert found["state dir"] == found["logs"] == found["agents.json"] == "denied"
     assert found["own dir"] == "allowed"
-    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.stat().st_uid == uid
+    tmp = Path(str(row["tmp"]))
+    assert found["env"]["TMPDIR"] == str(tmp) and tmp.parent == Path("/tmp")
+    assert found["env"]["HOME"] == str(private)
+    for d in (private, tmp):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700 and d.stat().st_uid == uid, d
     daemon_key = secured.pki.daemon[1].read_bytes() if secured.pki else b"-"
     for f in private.rglob("*"):
         assert f.stat().st_uid == uid, f
@@ -292,7 +296,7 @@ def test_a_job_runs_as_its_own_uid_without_a_shell_and_reaches_only_its_own_keys
     fleet.wait("its agent forgotten", lambda: not fleet.agents(HOST), 60)
     with pytest.raises(StoreAuthError):
         EtcdStore(secured.settings(user, password))
-    assert not private.exists()
+    assert not private.exists() and not tmp.exists()
     assert uid not in sandbox.process_uids()
     kv = fleet.store.get(f"/efdl/{other}/secret")
     assert kv is not None and kv.value == b"not yours"

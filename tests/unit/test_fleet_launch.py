@@ -122,16 +122,17 @@ def test_the_daemons_etcd_settings_never_reach_the_agent(tmp_path: Path) -> None
         "USER": "root",
         "TMPDIR": "/tmp",
     }
-    env = agent_env(daemon, (("NCCL_DEBUG", "WARN"),), tmp_path, uid=61005)
+    env = agent_env(daemon, (("NCCL_DEBUG", "WARN"),), tmp_path, Path("/tmp/efdl-job-x"), 61005)
     assert "daemon-secret" not in str(env) and "daemon-token" not in str(env)
     assert "/etc/efdl" not in str(env)
     assert not {k for k in env if k.startswith("EFDL_ETCD") or k == "EFDL_JOB_UIDS"}
     assert env["PATH"] == "/usr/bin" and env["PYTHONPATH"] == "/opt/fakes"
     assert env["NCCL_DEBUG"] == "WARN" and "CREDENTIALS_DIRECTORY" not in env
-    assert env["HOME"] == str(tmp_path) and env["TMPDIR"] == str(tmp_path)
+    assert env["HOME"] == str(tmp_path) and env["TMPDIR"] == "/tmp/efdl-job-x"
     assert env["USER"] == env["LOGNAME"] == "efdl-job-61005"
-    shared = agent_env(daemon, (("TMPDIR", "/scratch"),), tmp_path, uid=None)
+    shared = agent_env(daemon, (("TMPDIR", "/scratch"),), tmp_path, None, uid=None)
     assert shared["HOME"] == "/root" and shared["TMPDIR"] == "/scratch"  # the job's own wins
+    assert agent_env(daemon, (), tmp_path, None, None)["TMPDIR"] == "/tmp"  # the daemon's
 
 
 def test_job_uids_as_root_must_be_asked_for_and_a_range_is_checked() -> None:
