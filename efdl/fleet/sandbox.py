@@ -1,5 +1,5 @@
 """Each fleet job's agents under a user of its own: a uid from a range the operator sets aside
-(``efdl node --job-uids 61000-61999``), in the spirit of systemd's ``DynamicUser=``.
+(``efdl node --job-uids 70000-70999``), in the spirit of systemd's ``DynamicUser=``.
 
 A uid has no account (no passwd or group entry: a uid or gid in the range that has one is
 skipped), its gid is the same number, and it gets no supplementary group. A job holds one
@@ -65,13 +65,13 @@ class UidRange:
         if not 0 < self.first <= self.last < 4294967295:
             raise ConfigError(
                 f"--job-uids {self} is not a range of uids; expected FIRST-LAST with "
-                "0 < FIRST <= LAST < 4294967295, e.g. 61000-61999."
+                "0 < FIRST <= LAST < 4294967295, e.g. 70000-70999."
             )
         special = [u for u in _SPECIAL if self.first <= u <= self.last]
         if special:
             raise ConfigError(
                 f"--job-uids {self} holds uid {special[0]} (nobody, or the value -1 means to "
-                "the kernel); expected a range of ordinary uids, e.g. 61000-61999."
+                "the kernel); expected a range of ordinary uids, e.g. 70000-70999."
             )
 
     def __str__(self) -> str:
@@ -86,7 +86,7 @@ class UidRange:
         m = _RANGE_RE.match(text)
         if not m:
             raise ConfigError(
-                f"--job-uids {text!r} is neither a range of uids FIRST-LAST (e.g. 61000-61999) "
+                f"--job-uids {text!r} is neither a range of uids FIRST-LAST (e.g. 70000-70999) "
                 f"nor {SHARED!r}."
             )
         return UidRange(int(m.group(1)), int(m.group(2)))
@@ -106,7 +106,7 @@ def job_uids(text: str | None, euid: int) -> UidRange | None:
             raise ConfigError(
                 "efdl node runs as root, so every job would run as root and could read this "
                 "daemon's etcd credentials: give --job-uids FIRST-LAST (uids no account uses, "
-                "e.g. 61000-61999) to run each job as a user of its own, or --job-uids shared "
+                "e.g. 70000-70999) to run each job as a user of its own, or --job-uids shared "
                 "to run them all as root knowingly."
             )
         return None
@@ -119,6 +119,36 @@ def job_uids(text: str | None, euid: int) -> UidRange | None:
             "each job as a user of its own; run it as root, or give --job-uids shared."
         )
     return uids
+
+
+SUBORDINATE_IDS = (Path("/etc/subuid"), Path("/etc/subgid"))
+
+
+def check_subordinate_ids(uids: UidRange, files: Iterable[Path] = SUBORDINATE_IDS) -> None:
+    """Refuse a range that overlaps a user's subordinate ids (``name:first:count`` lines of
+    /etc/subuid and /etc/subgid): that user's rootless containers may run as those ids, and
+    so reach a job's files and processes.
+
+    Raises:
+        ConfigError: naming the file, the user and the overlap.
+    """
+    for path in files:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.strip().split(":")
+            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+                continue
+            first, count = int(parts[1]), int(parts[2])
+            low, high = max(first, uids.first), min(first + count - 1, uids.last)
+            if count and low <= high:
+                raise ConfigError(
+                    f"--job-uids {uids} overlaps the subordinate ids {first}-{first + count - 1} "
+                    f"of user {parts[0]!r} in {path} ({low}-{high}): that user's containers may "
+                    "run as them. Choose a range no account, service or subordinate range uses."
+                )
 
 
 def pick_uid(job_id: str, uids: UidRange, unavailable: Callable[[int], bool]) -> int | None:

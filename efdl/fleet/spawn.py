@@ -196,6 +196,7 @@ class Spawner:
         self.logs, self.run_dir = sandbox.prepare_state_dir(self._state)
         uids = self._iso.uids
         if uids is not None:
+            sandbox.check_subordinate_ids(uids)
             sandbox.check_reachable(Path(sys.executable), "the daemon's Python")
             sandbox.check_reachable(self.run_dir, "their private directories under")
             for path in (self._iso.daemon_key, *self._iso.daemon_secret_files):

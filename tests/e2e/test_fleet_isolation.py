@@ -46,7 +46,7 @@ pytestmark = [
 ]
 PASSWORD = f"daemon-{secrets.token_hex(12)}"
 HOST = "gpu-iso"  # short: efdl-run's Unix socket goes under the state directory
-UIDS = "61000-61999"
+UIDS = "70000-70999"
 
 # What the job's uid can reach, and what it was given; it waits for the test's word to end.
 PROBE = """
@@ -237,7 +237,7 @@ def test_a_job_runs_as_its_own_uid_without_a_shell_and_reaches_only_its_own_keys
     uid, user, private = int(row["uid"]), str(row["etcd_user"]), Path(str(row["dir"]))
 
     # Its uid, no account, no supplementary group, and no shell between it and the daemon.
-    assert 61000 <= uid <= 61999 and not sandbox.has_account(uid)
+    assert 70000 <= uid <= 70999 and not sandbox.has_account(uid)
     procs = job_processes(int(row["pid"]))
     wrapper, agent = procs[0], procs[1]
     assert len(procs) >= 3, [p.cmdline() for p in procs]  # wrapper, agent, worker

@@ -343,7 +343,7 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
         *(
             [(["node"], "every job would run as root and could read this daemon's etcd")]
             if os.geteuid() == 0
-            else [(["node", "--job-uids", "61000-61999"], "needs efdl node to run as root")]
+            else [(["node", "--job-uids", "70000-70999"], "needs efdl node to run as root")]
         ),
     ]:
         code, out = efdl_here(etcd_server, keys, *args)

@@ -113,7 +113,7 @@ def test_the_daemons_etcd_settings_never_reach_the_agent(tmp_path: Path) -> None
         "EFDL_ETCD_PASSWORD": "daemon-secret",
         "EFDL_ETCD_PASSWORD_FILE": "/etc/efdl/pw",
         "EFDL_ETCD_KEY": "/etc/efdl/key.pem",
-        "EFDL_JOB_UIDS": "61000-61999",
+        "EFDL_JOB_UIDS": "70000-70999",
         "EFDL_JOB_TOKEN": "daemon-token-0123456789",
         "EFDL_FLEET": "prod",
         "CREDENTIALS_DIRECTORY": "/run/credentials/efdl-node.service",
@@ -122,14 +122,14 @@ def test_the_daemons_etcd_settings_never_reach_the_agent(tmp_path: Path) -> None
         "USER": "root",
         "TMPDIR": "/tmp",
     }
-    env = agent_env(daemon, (("NCCL_DEBUG", "WARN"),), tmp_path, Path("/tmp/efdl-job-x"), 61005)
+    env = agent_env(daemon, (("NCCL_DEBUG", "WARN"),), tmp_path, Path("/tmp/efdl-job-x"), 70005)
     assert "daemon-secret" not in str(env) and "daemon-token" not in str(env)
     assert "/etc/efdl" not in str(env)
     assert not {k for k in env if k.startswith("EFDL_ETCD") or k == "EFDL_JOB_UIDS"}
     assert env["PATH"] == "/usr/bin" and env["PYTHONPATH"] == "/opt/fakes"
     assert env["NCCL_DEBUG"] == "WARN" and "CREDENTIALS_DIRECTORY" not in env
     assert env["HOME"] == str(tmp_path) and env["TMPDIR"] == "/tmp/efdl-job-x"
-    assert env["USER"] == env["LOGNAME"] == "efdl-job-61005"
+    assert env["USER"] == env["LOGNAME"] == "efdl-job-70005"
     shared = agent_env(daemon, (("TMPDIR", "/scratch"),), tmp_path, None, uid=None)
     assert shared["HOME"] == "/root" and shared["TMPDIR"] == "/scratch"  # the job's own wins
     assert agent_env(daemon, (), tmp_path, None, None)["TMPDIR"] == "/tmp"  # the daemon's
@@ -139,9 +139,9 @@ def test_job_uids_as_root_must_be_asked_for_and_a_range_is_checked() -> None:
     with pytest.raises(ConfigError, match="runs as root, so every job would run as root"):
         job_uids(None, euid=0)
     assert job_uids("shared", euid=0) is None and job_uids(None, euid=1000) is None
-    assert job_uids("61000-61999", euid=0) == UidRange(61000, 61999)
+    assert job_uids("70000-70999", euid=0) == UidRange(70000, 70999)
     for text, message in [
-        ("61000", "is neither a range of uids"),
+        ("70000", "is neither a range of uids"),
         ("9-3", "is not a range of uids"),
         ("0-10", "is not a range of uids"),
         ("65000-66000", "holds uid 65534"),
@@ -149,20 +149,29 @@ def test_job_uids_as_root_must_be_asked_for_and_a_range_is_checked() -> None:
         with pytest.raises(ConfigError, match=message):
             job_uids(text, euid=0)
     with pytest.raises(ConfigError, match="needs efdl node to run as root \\(it runs as uid 1000"):
-        job_uids("61000-61999", euid=1000)
+        job_uids("70000-70999", euid=1000)
+
+
+def test_a_range_that_overlaps_a_users_subordinate_ids_is_refused(tmp_path: Path) -> None:
+    subuid = tmp_path / "subuid"
+    subuid.write_text("alice:100000:65536\n# a comment\nbob:165536:65536\n")
+    sandbox.check_subordinate_ids(UidRange(70000, 70999), [subuid, tmp_path / "missing"])
+    overlap = r"ids 165536-231071 of user 'bob' in .* \(200000-200009\)"
+    with pytest.raises(ConfigError, match=overlap):
+        sandbox.check_subordinate_ids(UidRange(200000, 200009), [subuid])
 
 
 def test_a_job_gets_the_same_uid_from_its_id_or_the_next_free_one() -> None:
-    uids = UidRange(61000, 61009)
+    uids = UidRange(70000, 70009)
     first = pick_uid("llama-7b", uids, lambda u: False)
-    assert first is not None and first in range(61000, 61010)
+    assert first is not None and first in range(70000, 70010)
     assert pick_uid("llama-7b", uids, lambda u: False) == first  # the same on every host
-    taken = {first, 61000 + (first - 61000 + 1) % 10}
+    taken = {first, 70000 + (first - 70000 + 1) % 10}
     second = pick_uid("llama-7b", uids, lambda u: u in taken)
-    assert second == 61000 + (first - 61000 + 2) % 10
+    assert second == 70000 + (first - 70000 + 2) % 10
     assert pick_uid("llama-7b", uids, lambda u: True) is None
     assert (
-        len({pick_uid(f"job-{i}", UidRange(61000, 61999), lambda u: False) for i in range(50)}) > 40
+        len({pick_uid(f"job-{i}", UidRange(70000, 70999), lambda u: False) for i in range(50)}) > 40
     )
 
 
