@@ -14,6 +14,7 @@ another uid may not read the daemon's ``/proc/<pid>/environ``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -246,7 +247,9 @@ class Spawner:
 
     def forget_orphans(self, known: Collection[AgentFiles]) -> None:
         """Delete the etcd users and private directories of this host's agents that no
-        recorded agent has (a daemon that died between making and recording them)."""
+        recorded agent has (a daemon that died between making and recording them). The
+        ``TMPDIR``s are told by their owner's uid, from this daemon's range: a range is one
+        daemon's alone."""
         users = {f.etcd_user for f in known}
         dirs = {f.private_dir for f in known}
         if self._auth and self._users is not None:
@@ -262,9 +265,12 @@ class Spawner:
         for d in self.run_dir.iterdir():
             if str(d) not in dirs:
                 sandbox.remove_private_dir(d)
-        if self._iso.uids is not None:
+        if self._iso.uids is not None:  # those of no process too (an agent unrecorded runs)
+            running = sandbox.process_uids()
             for d in sandbox.orphan_tmps(self._iso.uids, {f.tmp for f in known if f.tmp}):
-                sandbox.remove_private_dir(d)
+                with contextlib.suppress(OSError):
+                    if d.lstat().st_uid not in running:
+                        sandbox.remove_private_dir(d)
 
     # ---------------------------------------------------------------- an agent
 

@@ -18,7 +18,9 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import stat
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ pytestmark = [
 ]
 PASSWORD = f"daemon-{secrets.token_hex(12)}"
 HOST = "gpu-iso"  # short: efdl-run's Unix socket goes under the state directory
-UIDS = "70000-70999"
+UIDS = {"auth": "70000-70499", "tls+auth": "70500-70999"}  # a range is one daemon's
 
 # What the job's uid can reach, and what it was given; it waits for the test's word to end.
 PROBE = """
@@ -180,7 +182,7 @@ def secured(request: pytest.FixtureRequest, base: Path, tmp_path: Path) -> Itera
     with EmbeddedEtcd(tls=tls, extra_args=("--auth-token=simple",)) as server:
         _enable_auth(server, pki)
         fleet = Fleet(
-            server, base, job_uids=UIDS, daemon_env=daemon_env, daemon_args=args,
+            server, base, job_uids=UIDS[request.param], daemon_env=daemon_env, daemon_args=args,
             settings=client_settings(server, pki, "daemon", "root", PASSWORD),
         )  # fmt: skip
         try:
@@ -237,7 +239,8 @@ def test_a_job_runs_as_its_own_uid_without_a_shell_and_reaches_only_its_own_keys
     uid, user, private = int(row["uid"]), str(row["etcd_user"]), Path(str(row["dir"]))
 
     # Its uid, no account, no supplementary group, and no shell between it and the daemon.
-    assert 70000 <= uid <= 70999 and not sandbox.has_account(uid)
+    first, last = map(int, fleet.job_uids.split("-"))
+    assert first <= uid <= last and not sandbox.has_account(uid)
     procs = job_processes(int(row["pid"]))
     wrapper, agent = procs[0], procs[1]
     assert len(procs) >= 3, [p.cmdline() for p in procs]  # wrapper, agent, worker
@@ -267,12 +270,11 @@ def test_a_job_runs_as_its_own_uid_without_a_shell_and_reaches_only_its_own_keys
     assert found["env"]["HOME"] == str(private)
     for d in (private, tmp):
         assert stat.S_IMODE(d.stat().st_mode) == 0o700 and d.stat().st_uid == uid, d
-    daemon_key = secured.pki.daemon[1].read_bytes() if secured.pki else b"-"
+    daemons = [PASSWORD.encode(), *([secured.pki.daemon[1].read_bytes()] if secured.pki else [])]
     for f in private.rglob("*"):
         assert f.stat().st_uid == uid, f
         if f.is_file():
-            assert PASSWORD.encode() not in f.read_bytes(), f
-            assert daemon_key not in f.read_bytes(), f
+            assert not [d for d in daemons if d in f.read_bytes()], f
     if secured.pki is not None:  # the jobs' certificate, not the daemon's
         assert (private / "etcd-key.pem").read_bytes() == secured.pki.jobs[1].read_bytes()
         flags = agent.cmdline()
@@ -290,13 +292,26 @@ def test_a_job_runs_as_its_own_uid_without_a_shell_and_reaches_only_its_own_keys
             with pytest.raises(StoreAuthError):
                 as_job.put(key, b"overwritten")
 
-    # It ends: its etcd user, its directory and its uid's processes go.
+    # A restarted daemon adopts it, uid, etcd user and directories included, and a stray
+    # process of its uid (one a job could leave behind) is no reason to keep the uid.
+    daemon.send_signal(signal.SIGKILL)
+    daemon.wait(timeout=30)
+    fleet.start(HOST)
+    node_log = base / f"node-{HOST}.log"
+    fleet.wait("the new daemon to adopt the agent", lambda: "adopted agent" in node_log.read_text())
+    assert fleet.agents(HOST) == [row]
+    sleep = shutil.which("sleep")  # not this Python: other users may not reach it here
+    assert sleep is not None
+    stray = subprocess.Popen([sleep, "300"], user=uid, group=uid, extra_groups=[])
+
+    # It ends: its etcd user, its directories and its uid's processes go.
     (out / "release").touch()
     fleet.wait("the job to finish", lambda: fleet.status("probe").phase is Phase.FINISHED, 120)
     fleet.wait("its agent forgotten", lambda: not fleet.agents(HOST), 60)
     with pytest.raises(StoreAuthError):
         EtcdStore(secured.settings(user, password))
     assert not private.exists() and not tmp.exists()
+    assert stray.wait(timeout=30) == -signal.SIGKILL  # killed when its job ended here
     assert uid not in sandbox.process_uids()
     kv = fleet.store.get(f"/efdl/{other}/secret")
     assert kv is not None and kv.value == b"not yours"
