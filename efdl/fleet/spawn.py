@@ -209,7 +209,7 @@ class Spawner:
                     )
             log.info(
                 "Host %s: each job runs as a uid of its own from %s, with no supplementary "
-                "group (the GPUs' /dev/nvidia* files must be open to them: docs/fleet.md).",
+                "group (the GPUs' /dev/nvidia* files must be open to them: docs/deploy.md).",
                 self.host_id, uids,
             )  # fmt: skip
         else:
@@ -220,10 +220,10 @@ class Spawner:
                 "as root with --job-uids FIRST-LAST to keep jobs apart.",
                 self.host_id, os.geteuid(),
             )  # fmt: skip
-        self._auth = self._users is not None and self._users.auth_enabled()
-        if self._auth:
-            assert self._users is not None
-            self._users.check_can_manage_users()
+        users = self._users
+        self._auth = users is not None and users.auth_enabled()
+        if users is not None and self._auth:
+            users.check_can_manage_users()
             log.info(
                 "Host %s: etcd has authentication on: each agent gets an etcd user of its "
                 "own, whose role reaches its job's keys (/efdl/<job>/) alone.",
@@ -343,8 +343,7 @@ class Spawner:
                 sandbox.write_private(private / name, source.read_bytes(), uid)
                 copies[name] = private / name
         password_file = None
-        if user is not None:
-            assert self._users is not None
+        if user is not None and self._users is not None:  # (a user is named with auth on)
             password = secrets.token_urlsafe(32)
             password_file = private / "etcd-password"
             sandbox.write_private(password_file, password.encode() + b"\n", uid)
