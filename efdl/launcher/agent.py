@@ -26,6 +26,7 @@ from efdl.errors import EfdlError, StoreError
 from efdl.history import EventLog
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.gpus import free_slot
+from efdl.launcher.hangs import HangJudge
 from efdl.launcher.metrics import Metrics
 from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
@@ -64,6 +65,7 @@ from efdl.state.channel import (
     Placement,
 )
 from efdl.state.fence import FENCE_ENV, FenceWriter
+from efdl.state.hang import BEAT_DIR_ENV, POLL_S, Hang
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +150,11 @@ class _Stepped:
 
 @dataclass(frozen=True, slots=True)
 class _Hung:
-    """An in-place worker made no step for the hang timeout while a peer waited on it."""
+    """An in-place worker made no step for the hang timeout while a peer waited on it
+    (efdl.launcher.hangs)."""
 
     pid: int
-    step: int
-    stalled_s: float
-    timeout_s: float
+    hang: Hang
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +355,15 @@ class NodeAgent:
             raise
         self._frozen: set[int] = set()  # plain workers stopped by the fence
         self._rdzv: Participant | None = None
+        # In-place workers' hangs, judged from outside them; the pids to judge, as a snapshot
+        # the judge's thread can read (efdl.launcher.hangs).
+        self._judged_pids: frozenset[int] = frozenset()
+        self._judge = HangJudge(
+            self._run_dir,
+            lambda: self._judged_pids,
+            self._store_of,
+            lambda pid, hang: self._events.put(_Hung(pid, hang)),
+        ).start()
 
     def _describe(self) -> dict[str, object]:
         """What this agent says of itself to a probe (``efdl status``, and a leader that saw
@@ -411,16 +421,6 @@ class NodeAgent:
                 r = self._round
                 if r is not None and r.member is not None and r.member.first_rank == 0:
                     self._progress.offer(Progress(agreed, generation, time.time()).to_json())
-        elif kind == "hung" and isinstance(step, int):
-            still, timeout = msg.get("stalled_s"), msg.get("timeout_s")
-            self._events.put(
-                _Hung(
-                    pid,
-                    step,
-                    float(still) if isinstance(still, int | float) else 0.0,
-                    float(timeout) if isinstance(timeout, int | float) else 0.0,
-                )
-            )
         elif kind == "state_lost" and isinstance(msg.get("message"), str):
             self._events.put(_StateLost(str(msg["message"])))
         elif kind == "resumed" and isinstance(step, int):
@@ -478,6 +478,10 @@ class NodeAgent:
                         f"within the grace period ({self._cfg.grace_period_s:g} s); stopped them.",
                     ) from None
                 self._handle(event)
+                group = self._group
+                self._judged_pids = frozenset(
+                    w.pid for w in (group.running() if group else ()) if w.pid in self._in_place
+                )
         except AgentExit as done:
             (log.info if done.code == 0 else log.error)("%s: %s", self._tag(), done)
             return done.code
@@ -488,6 +492,7 @@ class NodeAgent:
             if self._rdzv is not None:
                 self._rdzv.leave()
             self._warm.close()
+            self._judge.close()
             self._history.close(timeout_s=2.0)
             self._metrics.close()
             self._server.close()
@@ -537,6 +542,14 @@ class NodeAgent:
         self._fence.reached(at)
         log.warning("%s: etcd answers again; the workers' fence is open.", self._tag())
         self._apply_fence()
+
+    def _store_of(self, generation: int) -> tuple[str, int] | None:
+        """The c10d store of ``generation`` if it is the round this node's workers run (from
+        the hang judge's thread: reads of single attributes)."""
+        r = self._round
+        if r is None or r.generation != generation or not r.store_port:
+            return None
+        return r.store_host, r.store_port
 
     def _fence_due(self) -> float | None:
         """When to look at the fence next (plain workers only: efdl-aware ones stop at their
@@ -776,12 +789,23 @@ class NodeAgent:
         worker = next((w for w in group.running() if w.pid == ev.pid), None) if group else None
         if worker is None:
             return
+        h = ev.hang
+        frozen = (
+            f"; it has been frozen for {h.frozen_s:.0f} s (its own threads do not run: a C call "
+            "that holds the GIL, or a stopped process)"
+            if h.frozen_s >= 3 * POLL_S
+            else ""
+        )
+        since = (
+            f"since its state was synced at step {h.step}" if h.first else f"after step {h.step}"
+        )
         text = (
-            f"worker rank {worker.rank} (pid {ev.pid}) made no step for {ev.stalled_s:.0f} s "
-            f"after step {ev.step} while a peer waited on it (hang timeout {ev.timeout_s:.0f} s)"
+            f"worker rank {worker.rank} (pid {ev.pid}) made no step for {h.stalled_s:.0f} s "
+            f"{since} while a peer waited on it in a collective of group {h.group} (hang "
+            f"timeout {h.timeout_s:.0f} s){frozen}"
         )
         log.error("%s: %s: killing it.", self._tag(), text)
-        self._record(EventKind.HANG, self._generation, text, step=ev.step)
+        self._record(EventKind.HANG, self._generation, text, step=h.step)
         worker.signal_group(signal.SIGKILL)
 
     def _state_lost(self, message: str) -> None:
@@ -1057,6 +1081,7 @@ class NodeAgent:
         for env in envs.values():
             env[SOCKET_ENV] = str(self._channel.path)
             env[FENCE_ENV] = str(self._fence.path)
+            env[BEAT_DIR_ENV] = str(self._run_dir)
             env[GRACE_ENV] = f"{self._cfg.grace_period_s:g}"
             env[PLACEMENT_TIMEOUT_ENV] = f"{self._cfg.placement_timeout_s():g}"
             env[JOIN_TIMEOUT_ENV] = f"{self._cfg.join_timeout_s:g}"
@@ -1122,6 +1147,7 @@ class NodeAgent:
                 self._rdzv.set_down(0)
 
     def _on_exit(self, ev: WorkerExit) -> None:
+        self._judge.forget(ev.pid)
         group = self._group
         if group is None or ev.pid not in group.pids:
             return  # a worker of a group we stopped on purpose

@@ -212,6 +212,7 @@ class EtcdStore(KVStore):
         # What etcd's answers said of it so far (see the module docstring, forgetting).
         self._cluster_id = 0
         self._seen_revision = 0
+        self._forgets = 0  # how many times etcd was found to have forgotten
         self._confirming = False  # a check of a suspicious header is under way
         # One attempt's share of a request's time when there are members to fail over to.
         n = len(self._channels)
@@ -341,14 +342,25 @@ class EtcdStore(KVStore):
         return StoreError(f"etcd at {endpoint} failed {what} ({code.name}: {details}).")
 
     def _call(
-        self, what: str, fn: Callable[[_Channel, Any, float], T], timeout_s: float | None = None
+        self,
+        what: str,
+        fn: Callable[[_Channel, Any, float], T],
+        timeout_s: float | None = None,
+        observe: bool = False,
     ) -> T:
+        """One RPC (see :meth:`_failing_over`); with ``observe``, a linearizable one whose
+        answer's header is compared with what etcd said before it was sent (see
+        :meth:`_observe`)."""
         started = time.monotonic()
+        floor, forgets = self._seen_revision, self._forgets
         try:
-            return self._failing_over(what, fn, timeout_s)
+            resp = self._failing_over(what, fn, timeout_s)
         finally:
             if self.on_request is not None:
                 self.on_request(time.monotonic() - started)
+        if observe and forgets == self._forgets:  # else: compared with what etcd forgot
+            self._observe(resp.header, floor)  # type: ignore[attr-defined]
+        return resp
 
     def _failing_over(
         self, what: str, fn: Callable[[_Channel, Any, float], T], timeout_s: float | None = None
@@ -428,8 +440,8 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"get {key}" + (f" at revision {revision}" if revision else ""),
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return _kv(resp.kvs[0]) if resp.kvs else None
 
     def get_prefix(self, prefix: str, revision: int = 0) -> PrefixSnapshot:
@@ -439,8 +451,8 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"get prefix {prefix}" + (f" at revision {revision}" if revision else ""),
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def get_range(self, start: str, end: str) -> PrefixSnapshot:
@@ -448,8 +460,8 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"get the keys from {start} to {end}",
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def last_created(self, prefix: str, before: int) -> PrefixSnapshot:
@@ -466,16 +478,17 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"get the last key created under {prefix} before revision {before}",
             lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return PrefixSnapshot(tuple(_kv(kv) for kv in resp.kvs), resp.header.revision)
 
     def put(self, key: str, value: bytes, lease: int = NO_LEASE) -> int:
         request = etcdrpc.PutRequest(key=_b(key), value=value, lease=lease)
         resp = self._call(
-            f"put {key}", lambda ch, md, t: ch.kv.Put(request, timeout=t, metadata=md)
+            f"put {key}",
+            lambda ch, md, t: ch.kv.Put(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return int(resp.header.revision)
 
     def delete(self, key: str, *, prefix: bool = False) -> int:
@@ -483,8 +496,8 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"delete {key}",
             lambda ch, md, t: ch.kv.DeleteRange(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return int(resp.deleted)
 
     @staticmethod
@@ -529,8 +542,8 @@ class EtcdStore(KVStore):
         resp = self._call(
             f"transaction on {keys}",
             lambda ch, md, t: ch.kv.Txn(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         gets = tuple(
             tuple(_kv(kv) for kv in r.response_range.kvs)
             for r in resp.responses
@@ -601,16 +614,20 @@ class EtcdStore(KVStore):
     def _revision_now(self, key: str) -> int:
         request = etcdrpc.RangeRequest(key=_b(key), count_only=True)
         resp = self._call(
-            f"get {key}", lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md)
+            f"get {key}",
+            lambda ch, md, t: ch.kv.Range(request, timeout=t, metadata=md),
+            observe=True,
         )
-        self._observe(resp.header)
         return int(resp.header.revision)
 
     # ---------------------------------------------------------------- forgetting
 
-    def _observe(self, header: Any) -> None:
-        """A linearizable answer's header (its revision is etcd's newest): compare it with
-        what etcd said before; a new cluster id or a lower revision means it forgot."""
+    def _observe(self, header: Any, floor: int) -> None:
+        """A linearizable answer's header (its revision is etcd's newest when it answered):
+        compare it with what etcd said before; a new cluster id, or a revision below
+        ``floor`` (the highest seen when the request was sent: every revision seen then was
+        applied before this request), means it forgot. (Below a revision seen *after* it
+        was sent is no sign: answers to requests sent at once may arrive in any order.)"""
         cluster_id, revision = int(header.cluster_id), int(header.revision)
         why = ""
         with self._lock:
@@ -620,13 +637,14 @@ class EtcdStore(KVStore):
                     f"its cluster id changed from {known:x} to {cluster_id:x} (it was made anew: "
                     "its data directory was lost, or it was restored from a backup)"
                 )
-            elif revision < seen:
+            elif revision < floor:
                 why = (
-                    f"its revision is {revision}, below the {seen} it reported before (it was "
+                    f"its revision is {revision}, below the {floor} it reported before (it was "
                     "restored from a backup, or its data directory was lost)"
                 )
             if why:
                 self._cluster_id, self._seen_revision = cluster_id, revision
+                self._forgets += 1
             else:
                 self._cluster_id = cluster_id or known
                 self._seen_revision = max(seen, revision)

@@ -38,6 +38,8 @@ from efdl.state.failure import Failure, classify
 from efdl.state.hang import HangWatch
 
 log = logging.getLogger(__name__)
+# The collective timeout unless the script or EFDL_COLLECTIVE_TIMEOUT sets one (torch's).
+COLLECTIVE_TIMEOUT_S = 600.0
 # How many CUDA events the step verdicts cycle through (Runtime.step_event).
 _STEP_EVENTS = 16
 # torch's switch for gloo groups that connect each pair of ranks at its first use.
@@ -53,8 +55,12 @@ class Runtime:
         self.channel: AgentChannel | None = None
         self.placement: Placement | None = None
         self.backend = "gloo"
+        # torch's own default (10 minutes): a dead or hung peer is found sooner by other means
+        # (a closed connection, its lease and the breaker, the hang judge); this bounds what
+        # nothing else ends, and must let a rank's long legitimate work (a checkpoint save)
+        # through, since the hang timeout is most of it.
         self.timeout = datetime.timedelta(
-            seconds=float(os.environ.get("EFDL_COLLECTIVE_TIMEOUT", "30"))
+            seconds=float(os.environ.get("EFDL_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT_S)))
         )
         # How long to wait for the next placement after leaving a generation, and how long a
         # generation may take to gather all its ranks: set by the agent from its settings.
@@ -121,7 +127,7 @@ class Runtime:
             self.breaker.on_cut(p.generation, nccl_aborter(default))
         if self.hang is not None:  # its own client of the store, with short timeouts
             quick = datetime.timedelta(seconds=2)
-            self.hang.joined(lambda: ready.connect(p, quick), self.side)
+            self.hang.joined(lambda: ready.connect(p, quick), self.side, p.generation)
         self.placement = p
         self._undeclared = (p, store) if defer else None
         self.held_up_since = None if self._undeclared else time.monotonic()
@@ -409,9 +415,12 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
 
     Args:
         backend: ``gloo`` or ``nccl``.
-        timeout_s: bound on collectives and on joining a group; a dead peer surfaces as an
-            error within this (default 30 s, or ``EFDL_COLLECTIVE_TIMEOUT``). Longer than the
-            slowest legitimate collective. (Moving state to a newcomer is cut into messages
+        timeout_s: bound on collectives and on joining a group (default 600 s, torch's, or
+            ``EFDL_COLLECTIVE_TIMEOUT``). A dead peer surfaces sooner (its connections close),
+            and a hung one is cut loose once the next generation is ready; this bounds what
+            nothing else ends. Longer than the slowest legitimate collective, and than any
+            one rank's work the others wait for (a checkpoint rank 0 saves): the hang timeout
+            is 90% of it. (Moving state to a newcomer is cut into messages
             that each take a fraction of it, however large the state.)
     """
     rt = runtime
@@ -439,9 +448,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
     if path:
         rt.channel = AgentChannel(path, placement.local_rank, on_round=rt.on_round)
         if rt.hang is None:
-            rt.hang = HangWatch.from_env(
-                rt.channel.notify, rt.timeout.total_seconds(), lambda: rt.in_elastic_fn
-            )
+            rt.hang = HangWatch.from_env(rt.timeout.total_seconds(), lambda: rt.in_elastic_fn)
             atexit.register(rt.hang.close)
         rt.hang.set_collective_timeout(rt.timeout.total_seconds())
         if standby:  # a replacement: ready, waiting for a place

@@ -8,6 +8,9 @@ Real efdl-run agents on 127.0.0.1, a real etcd, gloo on CPU, the efdl-aware test
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +22,14 @@ from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, Progress
 from efdl.state.cache import SnapshotStorage
-from tests.e2e.harness import Job, check_consistent, last_step_of, latest_gen, steps_at_world
+from tests.e2e.harness import (
+    Job,
+    check_consistent,
+    last_step_of,
+    latest_gen,
+    regrown,
+    steps_at_world,
+)
 from tests.etcd_memory import backup, restore, wipe
 from tests.faults.conftest import Recorder
 from tests.faults.test_faults import Jobs, jobs, stop_and_check_no_orphans
@@ -187,4 +197,96 @@ def test_etcd_restored_from_an_older_backup_under_a_running_job(
         assert "has forgotten what it held" in out, out[-3000:]
         assert out.count("the round changed under us") < 20, out[-3000:]
     trained_apart(rows)
+    check_consistent(rows)
+
+
+def _pair(jobs: Jobs, *extra: str, **env: str) -> tuple[Job, Rows, str, str]:
+    """Two nodes training (one worker each): the job, its rows, and which node has rank 1 and
+    which rank 0."""
+    job = jobs.new()
+    job.common = [*job.common, *extra]
+    job.env.update(env)
+    for name in "ab":
+        job.start(name, script="elastic_steps.py")
+    rows = job.wait_for("2 workers", steps_at_world(2))
+    g = latest_gen(rows)
+    one = str(next(r["node"] for r in rows if r["gen"] == g and r["rank"] == 1))
+    return job, rows, one, "a" if one == "b" else "b"
+
+
+def _replaced_not_the_healthy(
+    job: Job, rows: Rows, stuck: str, healthy: str, t0: float, record: Recorder
+) -> None:
+    """The stuck worker's agent killed it, the job trained on without it, the healthy rank
+    was never replaced, and the replacement joined."""
+    g = latest_gen([r for r in rows if float(r["t"]) <= t0])  # type: ignore[arg-type]
+    healthy_pids = {r["pid"] for r in rows if r["node"] == healthy}
+    rows = job.wait_for("training without it", steps_at_world(1, g), 90)
+    alone = min(float(r["t"]) for r in rows if int(r["gen"]) > g and r["world"] == 1)  # type: ignore[arg-type, call-overload]
+    assert alone - t0 < 5 + 10, f"it took {alone - t0:.1f} s to go on without the stuck worker"
+    record.recovered(alone - t0)
+    rows = job.wait_for("its replacement", regrown(2), 120)
+    assert {r["pid"] for r in rows if r["node"] == healthy} == healthy_pids, "healthy replaced"
+    out = job.agents[stuck].output()
+    assert "made no step" in out and "frozen for" in out, out[-3000:]
+    trained_apart(rows)
+    check_consistent(rows)
+
+
+def test_a_worker_frozen_in_c_with_the_gil_held(jobs: Jobs, record: Recorder, attempt: int) -> None:
+    """Rank 1's main thread enters a C call that holds the GIL after step 20 (libc's sleep
+    through ctypes.PyDLL): none of its threads runs (no beat, no channel), its process and
+    agent alive; its peer waits on it in the next step's collective. Its agent, which judges
+    from outside (the worker's last beat, the peer's mark), kills it after the hang timeout
+    (--hang-timeout 5; the peer's collective timeout is 15 s): the job trains on without it,
+    the healthy rank is never the one replaced, and the replacement joins."""
+    job, _, frozen, healthy = _pair(jobs, "--hang-timeout", "5", FREEZE_AT="1:20")
+    marker = job.out / "frozen.pid"
+    job.wait_for("rank 1 frozen", lambda _: marker.exists(), 60)
+    t0 = marker.stat().st_mtime
+    _replaced_not_the_healthy(job, job.events(), frozen, healthy, t0, record)
+
+
+def test_a_worker_stopped_alone(jobs: Jobs, record: Recorder, attempt: int) -> None:
+    """Rank 1's worker SIGSTOPped after step 20, its agent alive (a process stuck in a
+    driver): it is killed by its agent after the hang timeout (--hang-timeout 5), never its
+    healthy peer; the job trains on without it, and its replacement joins."""
+    job, rows, stopped, healthy = _pair(jobs, "--hang-timeout", "5")
+    rows = job.wait_for(
+        "rank 1's step 20", lambda rs: any(r["rank"] == 1 and r["step"] == 20 for r in rs), 60
+    )
+    pid = int(next(r["pid"] for r in rows if r["rank"] == 1 and r["step"] == 20))  # type: ignore[call-overload]
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.time()
+    jobs.watch(job, [pid])
+    _replaced_not_the_healthy(job, job.events(), stopped, healthy, t0, record)
+
+
+def test_a_rank_0_checkpoint_save_at_the_defaults(
+    jobs: Jobs, record: Recorder, attempt: int
+) -> None:
+    """Rank 0 saves a checkpoint for 35 s after step 20 (rank 0 only, as most scripts do:
+    torch.save, mostly in C with the GIL held) while rank 1 waits for it in the next step's
+    collective, at efdl's defaults (collective timeout 600 s, torch's; hang timeout 540 s):
+    nobody is killed, nothing is rebuilt, and training goes on after the save (recovery: the
+    time rank 1 stood still)."""
+    job, rows, _, _ = _pair(jobs, COLLECTIVE_TIMEOUT="default", SAVE_AT="0:20:35")
+    g = latest_gen(rows)
+    pids = {r["pid"] for r in rows}
+    saves = job.out / "saves.jsonl"
+    rows = job.wait_for(
+        "steps after the save",
+        lambda rs: saves.exists() and any(int(r["step"]) >= 25 for r in rs),  # type: ignore[call-overload]
+        120,
+    )
+    saved = json.loads(saves.read_text().splitlines()[0])
+    assert saved["seconds"] >= 35, saved
+    one = sorted(float(r["t"]) for r in rows if r["rank"] == 1)  # type: ignore[arg-type]
+    stood = max(b - a for a, b in itertools.pairwise(one))
+    assert stood >= 30, f"rank 1 did not wait for the save ({stood:.1f} s)"
+    record.recovered(stood)
+    assert latest_gen(rows) == g, "the job was rebuilt"
+    assert {r["pid"] for r in rows} == pids, "a worker was replaced"
+    outputs = "".join(a.output() for a in job.agents.values())
+    assert "made no step" not in outputs, outputs[-3000:]
     check_consistent(rows)

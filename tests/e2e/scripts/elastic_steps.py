@@ -24,10 +24,16 @@ connects (up to 120 s).
 CORRUPT_AT="rank:step" (once per job): that rank changes one parameter element after that
 step's update (a replica gone its own way: a torn update, a flipped bit).
 HANG_AT="rank:step" (once per job): that rank's main thread sleeps forever after committing
-that step (its process and its agent live on: a hang, not a crash). HANG_AT_ENTRY=step (once
-per job): a process that enters the training function again (after a rescale), at that step or
-later and in a world of two or more, sleeps forever before its first batch (a DataLoader that
-waits on a read at an iteration's start).
+that step (its process and its agent live on: a hang, not a crash). FREEZE_AT="rank:step"
+(once per job): after committing that step, that rank's main thread enters a C call that
+holds the GIL (libc's sleep through ctypes.PyDLL): none of its threads runs, as in a native
+call stuck in a driver. SAVE_AT="rank:step:seconds" (once per job): after committing that
+step, that rank saves a checkpoint for that long (torch.save of 64 MB, again and again, as a
+slow disk would make one save last: real work, mostly in C with the GIL held) while the others
+wait for it in the next step. COLLECTIVE_TIMEOUT=default: efdl's default (torch's 600 s).
+HANG_AT_ENTRY=step (once per job): a process that enters the training function again (after a
+rescale), at that step or later and in a world of two or more, sleeps forever before its first
+batch (a DataLoader that waits on a read at an iteration's start).
 Errors that are not communication: OOM_AT="rank:step" (once per job) raises CUDA's
 out-of-memory error there; SKIP_BARRIER_AT="rank:step" (first generation): every rank but
 that one enters a dist.barrier() at that step, which times out after COLLECTIVE_TIMEOUT
@@ -42,6 +48,8 @@ BACKEND=nccl (default gloo); DEVICE=cuda trains on efdl.device() (the GPU suite)
 row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
 
+import ctypes
+import io
 import json
 import os
 import select
@@ -82,6 +90,20 @@ def stick(what: str) -> None:
     os._exit(4)
 
 
+def checkpoint(seconds: float) -> None:
+    """A checkpoint save that lasts ``seconds``: 64 MB through torch.save again and again (a
+    slow disk's one save), then a row saying how long it took."""
+    data = {"weights": torch.randn(16 << 20)}
+    started = time.monotonic()
+    saves = 0
+    while time.monotonic() - started < seconds:
+        torch.save(data, io.BytesIO())
+        saves += 1
+    took = time.monotonic() - started
+    with open(out / "saves.jsonl", "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "seconds": took, "saves": saves}) + "\n")
+
+
 def once(fault: str) -> bool:
     """Whether this process is the first of the job to reach ``fault`` (it claims it)."""
     try:
@@ -111,7 +133,8 @@ spawned = os.environ.get("EFDL_GENERATION")
 efdl.state.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
 if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start slow
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
-timeout = float(os.environ.get("COLLECTIVE_TIMEOUT", "15"))
+collective = os.environ.get("COLLECTIVE_TIMEOUT", "15")
+timeout = None if collective == "default" else float(collective)
 efdl.init_process_group(os.environ.get("BACKEND", "gloo"), timeout_s=timeout)
 if spawned != "1" and os.environ.get("SETUP_GATE"):  # its setup lasts until the test says
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gate:
@@ -300,6 +323,13 @@ def train(state: efdl.ElasticState) -> None:
             state.commit()
             if here == os.environ.get("HANG_AT") and once(f"hang-{here}"):
                 stick(f"after step {state.step}")
+            if here == os.environ.get("FREEZE_AT") and once(f"freeze-{here}"):
+                (out / "frozen.pid").write_text(str(os.getpid()))
+                ctypes.PyDLL(None).sleep(int(STUCK_S))  # the GIL held throughout
+                os._exit(4)  # not replaced within STUCK_S
+            save_rank, _, save = os.environ.get("SAVE_AT", "::").rpartition(":")
+            if here == save_rank and once(f"save-{here}"):
+                checkpoint(float(save))
 
 
 train(state)
