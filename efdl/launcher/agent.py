@@ -371,6 +371,7 @@ class NodeAgent:
         group = self._group
         return {
             "pid": os.getpid(),
+            "node_id": self._node.node_id,
             "generation": self._generation,
             "workers": len(group.running()) if group is not None else 0,
             "in_place": self._rebuilds_in_place(),

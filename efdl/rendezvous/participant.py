@@ -59,7 +59,7 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
-from efdl.rendezvous.probe import Reply, ask_all, knock_all
+from efdl.rendezvous.probe import Reply, ask, ask_all, knock_all
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ TXN_OPS = 128
 # refusal in a row up to the maximum.
 CAS_BACKOFF_S = 0.05
 CAS_BACKOFF_MAX_S = 2.0
+
+
+# What _own_member says of a round whose member records are being replaced by a newer one's.
+_SUPERSEDED = Member("", 1, 0)
 
 
 def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: float = 0.5) -> T:
@@ -275,6 +279,8 @@ class Participant:
         # Leader: members whose record went with no evidence that their workers stopped, and
         # until when they may be training still, cut off from etcd (see decide: fencing).
         self._silent: dict[str, float] = {}
+        # Leader: members already waited for in this generation (see _on_asked).
+        self._waited: set[str] = set()
         self._thread: threading.Thread | None = None
         # Evidence of dead nodes (efdl.rendezvous.probe): the node just before this one (its
         # record as read), the nodes whose probe port answered (and their lease then), the
@@ -322,14 +328,50 @@ class Participant:
         """Register this node (bound to a new lease) and start following rounds.
 
         Raises:
-            DuplicateNodeError: a live node with the same id is already in the job.
+            DuplicateNodeError: a live node with the same id is already in the job (its
+                record stands, or it runs the current round while its lease is lost).
             StoreError: etcd failed.
         """
+        self._check_not_held()
         self._register()
         self._thread = threading.Thread(
             target=self._run, name=f"efdl-rdzv-{self.node_id}", daemon=True
         )
         self._thread.start()
+
+    def _check_not_held(self) -> None:
+        """Refuse this node's id if a live agent holds it: a member of the current round
+        whose record went (its lease was lost: cut off from etcd, or etcd revoked it) while
+        its agent still runs the round's workers, and registers again by itself. Taken by a
+        second agent meanwhile, the id would make two nodes one. Two small reads, and one
+        question to that agent's probe port (an agent that does not answer may be alive: it
+        is fenced, efdl.state.fence, and its generation waited out)."""
+        read = self._retried(
+            "read the round and this node's place",
+            lambda: self._store.txn(
+                [], [Get(self.keys.round), Get(self.keys.member(self.node_id))]
+            ),
+        )
+        current = parse_round(read.gets[0][0] if read.gets[0] else None, self.keys)
+        if current is None or current.status is not RoundStatus.ACTIVE or not read.gets[1]:
+            return
+        kv = read.gets[1][0]
+        try:
+            member = Member.from_json(kv.value, kv.key)
+        except RecordError:
+            return
+        if member.round_id != current.round_id or not member.probe_port:
+            return
+        reply, said = ask(member.host, member.probe_port)
+        if reply is not Reply.ANSWERED or said is None:
+            return
+        if said.get("node_id") == self.node_id and said.get("holds") == current.round_id:
+            raise DuplicateNodeError(
+                f"Node id {self.node_id!r} is held by a live agent of job {self.keys.job_id!r} "
+                f"at {member.host} (probe port {member.probe_port}, pid {said.get('pid')}), "
+                f"which runs round {current.generation} while it registers again after losing "
+                "its lease; give this node another --node-id."
+            )
 
     def _register(self, holds: str = "", again: bool = False) -> None:
         """Write this node's record, bound to a new lease; ``holds``: see NodeRecord;
@@ -559,7 +601,16 @@ class Participant:
         if acted >= latest.generation:
             return
         if latest.status is RoundStatus.ACTIVE:
-            latest = replace(latest, member=self._own_member(latest))
+            member = self._own_member(latest)
+            if member is _SUPERSEDED:
+                log.info(
+                    "%s: round %d is being replaced (this node's record is of a newer one): "
+                    "acting on the newer round when it comes.",
+                    self._tag(),
+                    latest.generation,
+                )
+                return
+            latest = replace(latest, member=member)
         with self._cond:
             self._served = latest
             self._cond.notify_all()
@@ -577,7 +628,10 @@ class Participant:
 
     def _own_member(self, r: Round) -> Member | None:
         """This node's record in active round ``r`` (None: not a member), as it was when the
-        leader had written them all: one small read, unless this node wrote the round."""
+        leader had written them all: one small read, unless this node wrote the round. When
+        that revision was compacted, the record as it is now: one of a newer round than ``r``
+        means that ``r`` is being replaced (:data:`_SUPERSEDED`: do not act on ``r``; taking
+        the node for no member would send its in-place workers away for nothing)."""
         if self._members_of == r.round_id:
             return next((m for m in self._members if m.node_id == self.node_id), None)
         key = self.keys.member(self.node_id)
@@ -595,7 +649,9 @@ class Participant:
         except RecordError as exc:
             log.error("%s: ignoring a bad member record: %s", self._tag(), exc)
             return None
-        return member if member.round_id == r.round_id else None
+        if member.round_id == r.round_id:
+            return member
+        return _SUPERSEDED if member.generation > r.generation else None
 
     def _serve(self, r: Round) -> int:
         try:
@@ -827,6 +883,7 @@ class Participant:
         nodes = parse_nodes(snap.kvs, self.keys)
         self._returning.clear()
         self._silent.clear()
+        self._waited.clear()
         self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
         self._inbox.put(("wake", None, 0))
         self._probe(self._targets(nodes))  # what answers now may be evidence later
@@ -869,7 +926,15 @@ class Participant:
             if node_id not in self._returning:
                 continue  # registered again meanwhile
             holds = said.get("holds") if said else None
-            if reply is Reply.ANSWERED and current is not None and holds == current.round_id:
+            if (
+                reply is Reply.ANSWERED
+                and current is not None
+                and holds == current.round_id
+                and node_id not in self._waited
+            ):
+                # Once per member and generation: an agent whose lease keeps being lost (or
+                # anything that answers on its port) cannot hold every round back for good.
+                self._waited.add(node_id)
                 wait_s = REJOIN_TTLS * self._ttl_s
                 self._returning[node_id] = self._clock() + wait_s
                 log.warning(
@@ -1038,6 +1103,7 @@ class Participant:
         if result.succeeded:
             self._cas_failures = 0
             self._silent.clear()  # the generation they may train in is replaced now
+            self._waited.clear()
             if decision.members:
                 self._members, self._members_of = decision.members, new.round_id
             if self._events is not None:

@@ -17,7 +17,13 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
-from efdl.rendezvous.participant import REJOIN_TTLS, Participant, close_job, read_members
+from efdl.rendezvous.participant import (
+    _SUPERSEDED,
+    REJOIN_TTLS,
+    Participant,
+    close_job,
+    read_members,
+)
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.status import read_status
 from tests.proxy import Proxy
@@ -64,7 +70,7 @@ class Cluster:
         record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots)
         if probe:  # listens for liveness probes, as efdl-run's agent does
             self.probes[node_id] = ProbeListener(
-                "127.0.0.1", lambda n=node_id: {"holds": self.holds(n)}
+                "127.0.0.1", lambda n=node_id: {"node_id": n, "holds": self.holds(n)}
             )
             probe_port = self.probes[node_id].port
         record = replace(record, probe_port=probe_port)
@@ -614,8 +620,10 @@ def test_a_node_reads_its_place_as_it_was_when_the_round_was_written(
 ) -> None:
     """The leader may already be writing the next round's member records when a node reads its
     own: it reads at the revision the round names, so it gets this round's place; the status
-    reads every member there too. Once that revision is compacted, the newest record counts,
-    and one of another round means: not a member of this one."""
+    reads every member there too. Once that revision is compacted, the newest record counts:
+    one of a newer round means that this one is being replaced (the node waits for the newer
+    round: taking itself for no member of this one would send its in-place workers away for
+    nothing); one of an older round means: not a member of this one."""
     c = cluster(ttl_s=10)
     c.add("a")
     c.add("b")
@@ -628,5 +636,56 @@ def test_a_node_reads_its_place_as_it_was_when_the_round_was_written(
     assert c.agents["b"]._own_member(mine) == mine.member
     assert [m.node_id for m in read_members(store, keys, r)] == ["a", "b"]
     store.compact(store.put(keys.prefix + "tick", b"1"))
-    assert c.agents["b"]._own_member(mine) is None
+    assert c.agents["b"]._own_member(mine) is _SUPERSEDED
     assert [m.node_id for m in read_members(store, keys, r)] == ["a"]
+    older = replace(mine.member, generation=max(1, r.generation - 1), round_id="older")
+    store.put(keys.member("b"), older.to_json())
+    assert c.agents["b"]._own_member(mine) is None
+
+
+def test_a_node_id_held_by_a_live_agent_is_refused_to_a_second_one(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """Agent a runs the round; its lease is lost (etcd revoked it) and its record gone while
+    it lives, about to register again: a second agent started with id a is refused, naming
+    the live one, rather than made a member in its place. Once a's agent is gone (its probe
+    port refuses), a new agent may take the id (a restart under a fixed --node-id)."""
+    from efdl.errors import DuplicateNodeError
+
+    c = cluster(min_workers=1, max_workers=2, ttl_s=10)
+    first = c.add("a", probe=True)
+    r = c.wait(shape(("a", 1)))
+    first.abandon()  # it stops renewing, as one cut off from etcd; its agent lives on
+    admin = c.store()
+    kv = admin.get(JobKeys(c.job).node("a"))
+    assert kv is not None
+    admin.revoke_lease(kv.lease)
+    with pytest.raises(DuplicateNodeError, match=r"held by a live agent .* round"):
+        c.add("a")
+    c.probes["a"].close()  # now a's agent is gone
+    del c.agents["a"]
+    second = c.add("a")
+    assert second.node_id == "a" and r.generation >= 1
+
+
+def test_a_member_that_keeps_saying_it_comes_back_is_waited_for_once_a_generation(
+    cluster: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent whose lease keeps being lost, or anything that answers on its probe port
+    that it runs the round, cannot hold every round back: the leader waits for a member to
+    register again once per generation. The second time the round without it comes."""
+    c = cluster(min_workers=1, ttl_s=3)
+    for n in "ab":
+        c.add(n, probe=True)
+    r1 = c.wait(shape(("a", 1), ("b", 1)))
+    c.holding["b"] = r1.round_id
+    with caplog.at_level(logging.INFO, logger="efdl.rendezvous.participant"):
+        _revoke(c, "b")
+        _registered_again(c, "b")  # waited for, came back: nothing changes
+        assert _same(c.agents["a"].current_round, r1)
+        c.agents["b"].abandon()  # the next time it answers again, but does not come back
+        c.stores[0].revoke_lease(c.agents["b"]._session.lease_id)  # type: ignore[union-attr]
+        r2 = c.wait(lambda r: r.generation > r1.generation, "a")
+    assert r2.world_size == 1
+    waits = [m for m in caplog.messages if "for it to register again" in m]
+    assert len(waits) == 1, waits
