@@ -290,3 +290,58 @@ def test_a_rank_0_checkpoint_save_at_the_defaults(
     outputs = "".join(a.output() for a in job.agents.values())
     assert "made no step" not in outputs, outputs[-3000:]
     check_consistent(rows)
+
+
+@pytest.mark.parametrize("script", ["elastic_steps.py", "steps.py"])
+def test_a_job_cut_off_from_etcd_past_its_fence_stops_and_goes_on(
+    etcd_server: EmbeddedEtcd,
+    proxied: Proxy,
+    tmp_path: Path,
+    record: Recorder,
+    attempt: int,
+    script: str,
+) -> None:
+    """A one-node job cut off from etcd (its link stalls) longer than its fence timeout (8 s),
+    with nobody to replace it: its worker stops at the fence (efdl-aware: its commit waits,
+    state in memory; a plain script: SIGSTOP), and when the link heals the agent registers
+    again claiming the round, finds the round still the job's, and the same worker goes on
+    in the same generation: nothing restarted, nothing lost (recovery: from the heal to the
+    next step)."""
+    out = tmp_path / "job"
+    out.mkdir()
+    job = Job(
+        out,
+        etcd_server.endpoint.target,
+        f"fence-{uuid.uuid4().hex[:8]}",
+        [
+            *("--lease-ttl", "3", "--settle", "0.5", "--grace-period", "10"),
+            *("--min", "1", "--max", "1", "--nproc-per-node", "1"),
+            *("--fence-timeout", str(FENCE_S), "--etcd", proxied.address),
+        ],
+        {"STEP_SECONDS": "0.1"},
+    )
+    try:
+        job.start("a", script=script)
+        rows = job.wait_for("training", lambda rs: len(rs) >= 10)
+        g, pids = latest_gen(rows), {r["pid"] for r in rows}
+        t_cut = time.time()
+        proxied.stall()
+        fenced_by = t_cut + FENCE_S + 2  # the fence, a step, and slack
+        job.wait_for("the fence", lambda _: time.time() > fenced_by + 4, 60)
+        t_heal = time.time()
+        proxied.heal()
+        rows = job.wait_for("steps after the heal", lambda rs: stepped_after(rs, t_heal), 90)
+        during = [r for r in rows if fenced_by < float(r["t"]) < t_heal]  # type: ignore[arg-type]
+        assert not during, f"trained past its fence while cut off: {during[:3]}"
+        after = min(float(r["t"]) for r in rows if float(r["t"]) > t_heal)  # type: ignore[arg-type]
+        record.recovered(after - t_heal)
+        assert {r["pid"] for r in rows} == pids, "a worker was restarted"
+        assert latest_gen(rows) == g
+        if script == "elastic_steps.py":
+            check_consistent(rows)
+    finally:
+        stop_and_check_no_orphans(job, [])
+
+
+def stepped_after(rows: Rows, t: float) -> bool:
+    return any(float(r["t"]) > t for r in rows)  # type: ignore[arg-type]
