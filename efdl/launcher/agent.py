@@ -48,7 +48,7 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
-from efdl.rendezvous.outputs import put_unless_newer
+from efdl.rendezvous.outputs import Position, guarded_put
 from efdl.rendezvous.participant import Participant, end_job, parse_round
 from efdl.rendezvous.probe import ProbeListener, Reply, ask
 from efdl.state.cache import CacheSettings, SnapshotStorage
@@ -185,6 +185,11 @@ def warm_pool(
     return pool
 
 
+def _position(record: type[CacheRecord] | type[Progress]) -> Callable[[bytes, str], Position]:
+    """Where a record of this kind stands: (generation, step)."""
+    return lambda raw, key: record.from_json(raw, key).position
+
+
 def _how(code: int) -> str:
     """How a worker process ended, from its exit status (negative: the signal)."""
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -313,14 +318,7 @@ class NodeAgent:
         # Both records are written only over older ones: a generation replaced while cut off
         # from etcd publishes nothing over its successor's (efdl.rendezvous.outputs).
         self._cache_record = LatestPublisher(
-            lambda value: put_unless_newer(
-                store,
-                keys.cache,
-                value,
-                CacheRecord.from_json(value, keys.cache).position,
-                lambda raw, key: CacheRecord.from_json(raw, key).position,
-                "cache record",
-            ),
+            guarded_put(store, keys.cache, _position(CacheRecord), "cache record"),
             "cache record",
         )
         # The job's newest committed step (generation, step): what this node knows of it
@@ -329,14 +327,7 @@ class NodeAgent:
         self._job_progress: tuple[int, int] = (0, 0)
         self._cache_known: CacheRecord | None = None  # the newest cache record this node knows
         self._progress = LatestPublisher(
-            lambda value: put_unless_newer(
-                store,
-                keys.progress,
-                value,
-                Progress.from_json(value, keys.progress).position,
-                lambda raw, key: Progress.from_json(raw, key).position,
-                "progress record",
-            ),
+            guarded_put(store, keys.progress, _position(Progress), "progress record"),
             "progress record",
         )
         # Removed when run() ends. The job id, cut short: the socket's path must stay short.

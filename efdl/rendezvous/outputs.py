@@ -26,6 +26,16 @@ TRIES = 5
 Position = tuple[int, int]  # (generation, step): newer generation first, then newer step
 
 
+def guarded_put(
+    store: KVStore, key: str, position_of: Callable[[bytes, str], Position], what: str
+) -> Callable[[bytes], bool]:
+    """A writer of records under ``key`` (:func:`put_unless_newer`), each record's position
+    read from itself: for efdl.launcher.publish.LatestPublisher."""
+    return lambda value: put_unless_newer(
+        store, key, value, position_of(value, key), position_of, what
+    )
+
+
 def put_unless_newer(
     store: KVStore,
     key: str,

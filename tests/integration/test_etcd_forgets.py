@@ -32,13 +32,24 @@ def until_value(watch: Watch, key: str, value: bytes) -> list[WatchBatch]:
     return batches
 
 
+class Told:
+    """What a store's listeners were told (KVStore.on_forgot)."""
+
+    def __init__(self, store: EtcdStore) -> None:
+        self.reasons: list[str] = []
+        self.event = threading.Event()
+        store.on_forgot(self.heard)
+
+    def heard(self, why: str) -> None:
+        self.reasons.append(why)
+        self.event.set()
+
+
 def test_an_emptied_etcd_is_found_and_watches_go_on_from_what_is_there(
     own_etcd: EmbeddedEtcd,
 ) -> None:
     store = EtcdStore(own_etcd.settings())
-    forgot: list[str] = []
-    told = threading.Event()
-    store.on_forgot(lambda why: (forgot.append(why), told.set()))
+    told = Told(store)
     try:
         for i in range(50):  # a revision well above what the emptied etcd will have
             store.put(f"/j/filler{i % 5}", b"x")
@@ -47,8 +58,8 @@ def test_an_emptied_etcd_is_found_and_watches_go_on_from_what_is_there(
         assert next_batch(watch).events[0].kv.key == "/j/a"
         wipe(own_etcd)  # same member and cluster: only the revisions say it
         store.put("/j/b", b"2")
-        assert told.wait(DEADLINE_S), "the store did not find that etcd forgot"
-        assert "below the" in forgot[0] or "cluster id changed" in forgot[0], forgot
+        assert told.event.wait(DEADLINE_S), "the store did not find that etcd forgot"
+        assert "below the" in told.reasons[0] or "cluster id changed" in told.reasons[0]
         batches = until_value(watch, "/j/b", b"2")
         assert any(b.reset for b in batches), batches  # re-listed, not resumed
         store.put("/j/c", b"3")  # and the watch goes on from there
@@ -62,9 +73,7 @@ def test_an_etcd_restored_from_an_older_backup_is_found_by_its_revision(
     own_etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     store = EtcdStore(own_etcd.settings())
-    forgot: list[str] = []
-    told = threading.Event()
-    store.on_forgot(lambda why: (forgot.append(why), told.set()))
+    told = Told(store)
     try:
         store.put("/j/round", b"generation 1")
         backup(own_etcd, tmp_path / "backup.db")
@@ -76,8 +85,8 @@ def test_an_etcd_restored_from_an_older_backup_is_found_by_its_revision(
         restore(own_etcd, tmp_path / "backup.db")  # same member, same cluster id
         kv = store.get("/j/round")  # an answer whose revision is below those seen
         assert kv is not None and kv.value == b"generation 1"
-        assert told.wait(DEADLINE_S), "the store did not find that etcd went back"
-        assert "below the" in forgot[0], forgot
+        assert told.event.wait(DEADLINE_S), "the store did not find that etcd went back"
+        assert "below the" in told.reasons[0], told.reasons
         batches = until_value(watch, "/j/round", b"generation 1")
         assert batches[-1].reset  # what the backup holds, as a re-list
         store.put("/j/round", b"generation 42")
