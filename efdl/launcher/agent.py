@@ -510,25 +510,27 @@ class NodeAgent:
     def _reopen_fence(self, at: float) -> None:
         """The fence closed, and etcd answers again: let the workers commit again if the
         round they run is still the job's (one read of the round key). If a newer round
-        replaced it, they stay fenced: that round's news (a placement, or leave) reaches them
+        replaced it (even one this node has already acted on: its old workers may not have
+        left yet), they stay fenced: that round's news (a placement, or leave) reaches them
         from this loop, and nothing of the old generation commits meanwhile."""
         if self._fence.open():
             self._fence.reached(at)
             return
-        holds = self._holds()
-        if holds:
+        group, r = self._group, self._round
+        if group is not None and group.running():
             keys = JobKeys(self._job)
             try:
                 current = parse_round(self._store.get(keys.round), keys)
             except StoreError as exc:  # the next contact tries again
                 log.warning("%s: could not read the round to lift the fence: %s", self._tag(), exc)
                 return
-            if current is None or current.round_id != holds:
+            if r is None or current is None or current.round_id != r.round_id:
                 log.warning(
-                    "%s: etcd answers again, but round %s replaced the one this node's "
-                    "workers run: they stay fenced until its news reaches them.",
+                    "%s: etcd answers again, but round %s is not the one this node's workers "
+                    "run (%s): they stay fenced until its news reaches them.",
                     self._tag(),
                     current.generation if current is not None else "(none)",
+                    r.generation if r is not None else "none",
                 )
                 return
         self._fence.reached(at)

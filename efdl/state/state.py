@@ -365,8 +365,10 @@ class ElasticState:
         )
         deadline = time.monotonic() + rt.join_timeout_s
         with rt.hang_paused():
-            while not f.open():
+            while True:
                 channel = rt.channel
+                # News first, and once more when the fence opens: a rank its agent has since
+                # placed elsewhere or sent away never commits again in this generation.
                 if channel is not None and (
                     channel.leave_requested or channel.closed or channel.superseded(generation)
                 ):
@@ -375,6 +377,8 @@ class ElasticState:
                         "rank's agent has since placed it in a newer generation or asked it "
                         "to leave."
                     )
+                if f.open():
+                    break
                 if time.monotonic() > deadline:
                     raise RendezvousTimeoutError(
                         f"This rank's agent did not reach etcd within {rt.join_timeout_s:.0f} s "
