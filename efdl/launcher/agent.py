@@ -947,12 +947,12 @@ class NodeAgent:
             log.info("%s: the job waits: %s.", self._tag(), r.reason)
             return  # in-place workers wait for the next round with their state in memory
         member = r.member
+        # Its workers are told how far the job got (a generation of newcomers only must not
+        # start over from step 0, nor stale holders roll it back): one small read per round,
+        # by spares too, so that a spare placed after etcd forgot the record still knows.
+        self._read_progress()
         if member is not None:
             self._round = r
-            # Its workers are told how far the job got (a generation of newcomers only must
-            # not start over from step 0, nor stale holders roll it back): one small read
-            # per round.
-            self._read_progress()
         if self._rebuilds_in_place():
             self._rebuild_in_place(r)
             return

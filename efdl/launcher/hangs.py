@@ -123,10 +123,10 @@ class HangJudge:
 
     def _marks(
         self, generation: int
-    ) -> tuple[Callable[[str, int], bool], Callable[[str], int | None]]:
-        """What the ranks of ``generation`` marked on its store: whether a rank stood inside
-        collective ``n`` of a group, and the highest ``n`` of a group; nothing where the
-        store cannot be asked."""
+    ) -> tuple[Callable[[str, int], int], Callable[[str], int | None]]:
+        """What the ranks of ``generation`` marked on its store: how many marks say a rank
+        stood inside collective ``n`` of a group, and the highest ``n`` of a group; nothing
+        where the store cannot be asked."""
 
         def ask(fn: Callable[[Any], T], default: T) -> T:
             where = self._store_of(generation)
@@ -143,10 +143,10 @@ class HangJudge:
                 self._stores.pop(where, None)
                 return default
 
-        def marked(group: str, n: int) -> bool:
-            return ask(lambda store: bool(store.check([MARK_KEY.format(group, n)])), False)
+        def marks(group: str, n: int) -> int:
+            return ask(lambda store: int(store.add(MARK_KEY.format(group, n), 0)), 0)
 
         def top(group: str) -> int | None:
             return ask(lambda store: read_top(store, group), None)
 
-        return marked, top
+        return marks, top

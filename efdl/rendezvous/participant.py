@@ -83,6 +83,9 @@ TXN_OPS = 128
 # A leader whose round write was refused decides again after this long, doubling with each
 # refusal in a row up to the maximum.
 CAS_BACKOFF_S = 0.05
+# How long, in lease TTLs, a leader that finds the active round's member records lost (etcd
+# forgot them) waits for its members to register again claiming it.
+RECORDS_LOST_TTLS = 3.0
 CAS_BACKOFF_MAX_S = 2.0
 
 
@@ -281,6 +284,8 @@ class Participant:
         self._silent: dict[str, float] = {}
         # Leader: members already waited for in this generation (see _on_asked).
         self._waited: set[str] = set()
+        # Leader: rounds whose member records etcd lost, and since when (see _decide).
+        self._records_lost: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         # Evidence of dead nodes (efdl.rendezvous.probe): the node just before this one (its
         # record as read), the nodes whose probe port answered (and their lease then), the
@@ -376,12 +381,22 @@ class Participant:
     def _register(self, holds: str = "", again: bool = False) -> None:
         """Write this node's record, bound to a new lease; ``holds``: see NodeRecord;
         ``again``: after a lost lease, where an earlier attempt may have been applied."""
+        # Contact counts only once this lease's record is written (efdl.state.fence): a lease
+        # granted while the record cannot be written (its id held, etcd refusing) proves
+        # nothing a leader can see, and must not move the workers' fence on.
+        registered = threading.Event()
+        on_contact = self._on_contact
+
+        def contact(at: float) -> None:
+            if registered.is_set() and on_contact is not None:
+                on_contact(at)
+
         session = LeaseSession(
             self._store,
             self._ttl_s,
             on_expired=self._lease_gone,
             on_silent=self._on_etcd_silent,
-            on_contact=self._on_contact,
+            on_contact=contact,
         )
         with self._cond:
             node = replace(self._node, holds=holds)
@@ -423,6 +438,7 @@ class Participant:
         with self._cond:
             self._session, self._my_revision = session, result.revision
             self._node, self._unpublished = node, False
+        registered.set()
         log.info(
             "Job %s: node %s %s (lease %x).",
             self.keys.job_id,
@@ -858,7 +874,16 @@ class Participant:
                 known = nodes.get(node_id)
                 nodes.update(parse_nodes((ev.kv,), self.keys))
                 self._returning.pop(node_id, None)
-                self._silent.pop(node_id, None)
+                claim = nodes.get(node_id)
+                current = self._round
+                if (
+                    claim is not None
+                    and current is not None
+                    and claim.record.holds == (current.round_id)
+                ):
+                    # The member it was, back: its workers are on etcd's side again. (A new
+                    # agent under its id, claiming nothing, says nothing of the old workers.)
+                    self._silent.pop(node_id, None)
                 if known is None or known.lease != ev.kv.lease:  # a newcomer
                     self._probe(self._targets(nodes, {node_id}))
         self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
@@ -946,18 +971,29 @@ class Participant:
                     wait_s,
                 )
             else:
-                self._returning[node_id] = 0.0  # left: not waited for, nor asked again
-                if reply is Reply.REFUSED or reply is Reply.ANSWERED:
-                    # Its agent is gone (nothing listens: its workers died with it), or says
-                    # it runs none of the round's workers: nothing of it trains.
+                self._returning[node_id] = 0.0  # not waited for again, nor asked again
+                runs_it = current is not None and holds == current.round_id
+                said_none = reply is Reply.ANSWERED and said is not None and not runs_it
+                if reply is Reply.REFUSED or said_none:
+                    # Its agent is gone (nothing listens: its workers died with it), or says,
+                    # in so many words, that it runs none of the round's workers: nothing of
+                    # it trains. Anything else (silence, a connection that says nothing: a
+                    # stopped or hung agent, or one that runs the round but was waited for
+                    # once already) leaves it to its fence.
                     self._silent.pop(node_id, None)
                 log.info(
-                    "%s: node %s has left (its agent %s).",
+                    "%s: node %s %s.",
                     self._tag(),
                     node_id,
-                    "answered that it runs no round of ours"
-                    if reply is Reply.ANSWERED
-                    else f"{reply.value}",
+                    "has left (its agent refused the connection: it is gone)"
+                    if reply is Reply.REFUSED
+                    else "has left (its agent answered that it runs no round of ours)"
+                    if said_none
+                    else "is not waited for (its agent runs the round still, and was waited "
+                    "for once this generation): its generation is replaced once it stopped"
+                    if runs_it
+                    else f"is not waited for (its agent's probe port: {reply.value}, nothing "
+                    "said): its generation is replaced once it stopped",
                 )
 
     # ---------------------------------------------------------------- evidence of dead nodes
@@ -1071,16 +1107,36 @@ class Participant:
         """Decide once as leader; write the round if there is one. Returns when to wake."""
         with self._cond:
             current = self._round
+        now = self._clock()
+        members = self._current_members(current)
+        if current is not None and current.status is RoundStatus.ACTIVE:
+            if len(members) < current.nodes:
+                members = self._recovered(current, members, nodes)
+            if len(members) < current.nodes:
+                lost_at = self._records_lost.setdefault(current.round_id, now)
+                until = lost_at + RECORDS_LOST_TTLS * self._ttl_s
+                if now < until:
+                    if lost_at == now:
+                        log.warning(
+                            "%s: etcd holds %d of round %d's %d member records (it forgot): "
+                            "waiting up to %.0f s for its members to register again, "
+                            "claiming it.",
+                            self._tag(),
+                            len(members),
+                            current.generation,
+                            current.nodes,
+                            until - now,
+                        )
+                    return until
         view = JobView(
             nodes,
             current,
             last_change=last_change,
             leader=self.node_id,
-            members=self._current_members(current),
+            members=members,
             returning=dict(self._returning),
             silent=dict(self._silent),
         )
-        now = self._clock()
         decision = decide(view, self._policy, now, self._wall())
         if decision.round is None:
             return decision.wake_at
@@ -1125,6 +1181,40 @@ class Participant:
         else:
             self._round_deleted()
         return self._clock() + pause
+
+    def _recovered(
+        self, r: Round, members: tuple[Member, ...], nodes: dict[str, NodeView]
+    ) -> tuple[Member, ...]:
+        """Round ``r``'s members when etcd lost some of their records: those read, then the
+        nodes that registered again claiming ``r`` (their workers run it: their state must
+        not be sent away for a spare's), in join order, ranked after them. Taken for the
+        members they were; their worker counts are what their records offer."""
+        known = {m.node_id for m in members}
+        claimants = sorted(
+            (n for n, v in nodes.items() if v.record.holds == r.round_id and n not in known),
+            key=lambda n: (nodes[n].joined_revision, n),
+        )
+        out = list(members)
+        rank = sum(m.workers for m in members)
+        for n in claimants:
+            v = nodes[n]
+            out.append(
+                Member(
+                    n,
+                    max(1, v.record.offered),
+                    rank,
+                    v.record.host,
+                    v.record.incarnation,
+                    v.joined_revision,
+                    len(out),
+                    r.generation,
+                    r.round_id,
+                    v.record.probe_port,
+                    v.record.fence_s,
+                )
+            )
+            rank += out[-1].workers
+        return tuple(out)
 
     def _write_members(self, members: tuple[Member, ...], gone: set[str]) -> int:
         """Write the members' records of the next round (and delete those of the nodes that

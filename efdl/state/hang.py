@@ -48,7 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,7 @@ class Beat:
         counts: the collectives it has entered, by process group.
         first: it has not committed in this generation yet (``since`` is its training
             function's entry, after its state was synced at ``step``).
+        marked: the count it marked last in each group (its own marks, told from its peers').
     """
 
     at: float
@@ -115,19 +116,23 @@ class Beat:
     timeout_s: float
     counts: Mapping[str, int]
     first: bool = False
+    marked: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps({**asdict(self), "counts": dict(self.counts)}).encode()
+        return json.dumps(
+            {**asdict(self), "counts": dict(self.counts), "marked": dict(self.marked)}
+        ).encode()
 
     @staticmethod
     def from_json(raw: bytes) -> Beat:
         """Raises ValueError (or KeyError, TypeError) for anything but a worker's beat."""
         d = json.loads(raw)
-        counts = d["counts"]
-        if not isinstance(counts, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) for k, v in counts.items()
-        ):
-            raise ValueError("bad counts")
+        counts, marked = d["counts"], d.get("marked", {})
+        for name, value in (("counts", counts), ("marked", marked)):
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) for k, v in value.items()
+            ):
+                raise ValueError(f"bad {name}")
         since = d["since"]
         return Beat(
             float(d["at"]),
@@ -137,6 +142,7 @@ class Beat:
             float(d["timeout_s"]),
             counts,
             bool(d.get("first", False)),
+            marked,
         )
 
 
@@ -155,13 +161,17 @@ class Hang:
 def judge(
     beat: Beat,
     now: float,
-    marked: Callable[[str, int], bool],
+    marks: Callable[[str, int], int],
     top: Callable[[str], int | None] = lambda group: None,
 ) -> Hang | None:
     """Whether the worker that wrote ``beat`` is hung at ``now`` (see the module docstring).
-    ``marked(group, n)``: whether some rank marked that it stood inside collective ``n`` of
+    ``marks(group, n)``: how many marks ranks made that they stood inside collective ``n`` of
     ``group``; ``top(group)``: the highest such ``n`` (None: none). Pure but for those, which
-    are asked only once the worker has made no progress for its timeout."""
+    are asked only once the worker has made no progress for its timeout.
+
+    A frozen worker (its beat silent) is hung also when a peer stands inside the very
+    collective it entered last (a mark at its own count that is not its own): stopped inside
+    a collective, it holds the peers that entered it with it."""
     if beat.since is None:
         return None
     stalled = now - beat.since
@@ -169,11 +179,12 @@ def judge(
         return None
     frozen = max(0.0, now - beat.at)
     for group, count in sorted(beat.counts.items()):
-        if marked(group, count + 1):
+        if marks(group, count + 1) > 0:
             return Hang(beat.step, stalled, beat.timeout_s, frozen, group, beat.first)
         if frozen >= FROZEN_S:  # its counts may be behind: it entered more before it froze
             highest = top(group)
-            if highest is not None and highest > count:
+            own = int(beat.marked.get(group) == count)
+            if (highest is not None and highest > count) or marks(group, count) > own:
                 return Hang(beat.step, stalled, beat.timeout_s, frozen, group, beat.first)
     return None
 
@@ -337,7 +348,7 @@ class HangWatch:
         with self._lock:
             judged = self._connect is not None and not self._paused and self._active()
             generation, step, skip = self._generation, self._step, self._skip
-            first = self._last is None
+            first, marked = self._last is None, dict(self._marked)
         counts = self._count(skip) if judged else {}
         now = self._clock()
         with self._lock:
@@ -346,7 +357,9 @@ class HangWatch:
                     self._moved = now
                 self._seen = counts
             progress = self._progress()
-        return Beat(now, generation, step, progress if judged else None, timeout, counts, first)
+        return Beat(
+            now, generation, step, progress if judged else None, timeout, counts, first, marked
+        )
 
     def _write_beat(self) -> None:
         """The beat, to its file (atomically: the agent never reads half of it)."""

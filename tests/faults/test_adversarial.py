@@ -349,3 +349,35 @@ def test_a_job_cut_off_from_etcd_past_its_fence_stops_and_goes_on(
 
 def stepped_after(rows: Rows, t: float) -> bool:
     return any(float(r["t"]) > t for r in rows)  # type: ignore[arg-type]
+
+
+def test_etcd_emptied_under_a_job_with_hot_spares(
+    jobs: Jobs, own_etcd: EmbeddedEtcd, record: Recorder, attempt: int
+) -> None:
+    """etcd loses its data while one node trains (--max 1) and two hot spares wait: whoever
+    registers first after the wipe may lead, and finds none of the round's member records;
+    it waits for the round's members to register again claiming it, and takes the one that
+    does for the member it was: the training worker keeps its state and goes on, no spare
+    takes its place (recovery: the longest time between two steps from the wipe on)."""
+    job = jobs.new(own_etcd.endpoint.target, ttl=3)
+    job.common = [*job.common, "--max", "1"]
+    job.start("a", script="elastic_steps.py")
+    job.wait_for("a trains", steps_at_world(1))
+    for spare in ("s0", "s1"):
+        job.start(spare, script="elastic_steps.py")
+        wait_until(f"{spare} a spare", lambda s=spare: "is a spare" in job.agents[s].output(), 90)
+    rows = job.wait_for("40 steps", lambda rs: len(rs) >= 40)
+    pids = {r["pid"] for r in rows}
+    t0 = time.time()
+    wipe(own_etcd)
+    rows = job.wait_for(
+        "30 more steps after the wipe",
+        lambda rs: len([r for r in rs if float(r["t"]) > t0]) >= 30,  # type: ignore[arg-type]
+        120,
+    )
+    assert {r["pid"] for r in rows} == pids, "the training worker was replaced"
+    assert {r["node"] for r in rows} == {"a"}, "a spare took the trained state's place"
+    stamps = sorted(float(r["t"]) for r in rows if float(r["t"]) > t0)  # type: ignore[arg-type]
+    record.recovered(max(b - a for a, b in itertools.pairwise([t0, *stamps])))
+    trained_apart(rows)
+    check_consistent(rows)

@@ -66,8 +66,9 @@ class Cluster:
         probe: bool = False,
         probe_port: int = 0,
         store: EtcdStore | None = None,
+        fence_s: float = 0.0,
     ) -> Participant:
-        record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots)
+        record = NodeRecord(node_id, "127.0.0.1", 29500 + len(self.agents), slots, fence_s=fence_s)
         if probe:  # listens for liveness probes, as efdl-run's agent does
             self.probes[node_id] = ProbeListener(
                 "127.0.0.1", lambda n=node_id: {"node_id": n, "holds": self.holds(n)}
@@ -689,3 +690,102 @@ def test_a_member_that_keeps_saying_it_comes_back_is_waited_for_once_a_generatio
     assert r2.world_size == 1
     waits = [m for m in caplog.messages if "for it to register again" in m]
     assert len(waits) == 1, waits
+
+
+class Mute:
+    """A probe port whose agent is stopped or hung: the kernel completes connections into
+    the listen backlog, and nothing is ever said (nor refused)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_server(("127.0.0.1", port), backlog=64, reuse_port=False)
+        self.port: int = self.sock.getsockname()[1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def mute(c: Cluster, node: str) -> Mute:
+    """``node``'s agent stops: its probe port goes on accepting, and says nothing."""
+    port = c.probes[node].port
+    c.probes[node].close()
+    return Mute(port)
+
+
+def _fenced_spare(c: Cluster, fence_s: float) -> tuple[Participant, Round]:
+    """Node a trains alone (fence ``fence_s``); s waits as a spare and leads once a's record
+    is gone. Returns s and the round."""
+    c.add("a", probe=True, fence_s=fence_s)
+    r = c.wait(shape(("a", 1)))
+    spare = c.add("s", probe=True, fence_s=fence_s)
+    wait_until("s to see the round", lambda: spare.current_round is not None, 15)
+    return spare, r
+
+
+def _asked(spare: Participant, node: str) -> None:
+    wait_until(
+        f"the leader to have asked {node}",
+        lambda: spare.is_leader and spare._returning.get(node) == 0.0,
+        20,
+    )
+
+
+def test_a_stopped_agent_that_says_nothing_is_no_evidence_its_workers_stopped(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """a's agent is stopped (its probe port accepts, says nothing): its workers may train on.
+    The spare that leads keeps a silent, and waits its fence out: no round at once."""
+    c = cluster(min_workers=1, max_workers=1, ttl_s=3)
+    spare, r = _fenced_spare(c, fence_s=60)
+    stopped = mute(c, "a")
+    try:
+        c.agents["a"].abandon()
+        c.stores[0].revoke_lease(c.agents["a"]._session.lease_id)  # type: ignore[union-attr]
+        _asked(spare, "a")
+        assert "a" in spare._silent, "a stopped agent's silence taken for evidence"
+        assert _same(spare.current_round, r)
+    finally:
+        stopped.close()
+
+
+def test_a_member_cut_off_again_is_waited_out_though_its_agent_answers(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """a's link flaps: cut off, it says it runs the round, comes back (waited for once);
+    cut off again in the same generation, it says so again: not waited for again, but still
+    training, cut off: its fence is waited out before a round replaces it."""
+    c = cluster(min_workers=1, max_workers=1, ttl_s=3)
+    spare, r = _fenced_spare(c, fence_s=60)
+    c.holding["a"] = r.round_id
+    _revoke(c, "a")
+    _registered_again(c, "a")  # waited for, back
+    wait_until("s to lead", lambda: spare.is_leader, 15)
+    wait_until("a back", lambda: "a" not in spare._silent and "a" in spare._waited, 15)
+    c.agents["a"].abandon()  # cut off again; its agent still answers that it runs the round
+    c.stores[0].revoke_lease(c.agents["a"]._session.lease_id)  # type: ignore[union-attr]
+    _asked(spare, "a")
+    assert "a" in spare._silent
+    assert _same(spare.current_round, r)
+
+
+def test_a_new_agent_under_a_silent_members_id_does_not_end_its_fence_wait(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """a is cut off (its probe silent too: a partition), and an agent is started under id a
+    elsewhere (a pod rescheduled under the same name): its record claims nothing of the old
+    round's workers, so the leader keeps waiting out a's fence."""
+    c = cluster(min_workers=1, max_workers=1, ttl_s=3)
+    spare, r = _fenced_spare(c, fence_s=60)
+    silent = mute(c, "a")  # partitioned: nothing answers (a timeout, as for a stopped agent)
+    try:
+        c.agents["a"].abandon()
+        c.stores[0].revoke_lease(c.agents["a"]._session.lease_id)  # type: ignore[union-attr]
+        _asked(spare, "a")
+        del c.agents["a"]
+        c.add("a", fence_s=60)  # the second agent, claiming nothing
+        wait_until(
+            "the new record", lambda: c.stores[0].get(JobKeys(c.job).node("a")) is not None, 15
+        )
+        assert "a" in spare._silent
+        assert _same(spare.current_round, r)
+    finally:
+        silent.close()

@@ -52,8 +52,8 @@ class Store:
     def get(self, key: str) -> bytes:
         return self.values[key]
 
-    def marked(self, group: str, n: int) -> bool:
-        return self.check([MARK_KEY.format(group, n)])
+    def marked(self, group: str, n: int) -> int:
+        return self.add(MARK_KEY.format(group, n), 0)
 
     def top(self, group: str) -> int | None:
         return read_top(self, group)
@@ -109,6 +109,35 @@ def test_a_frozen_rank_is_judged_from_the_last_beat_it_wrote() -> None:
     # The top speaks only of a worker whose beat went silent: a fresh beat's counts are
     # where it stands, and only a mark one above them says a peer waits on it.
     assert judge(frozen.beat(), clock.now, store.marked, store.top) is None
+
+
+def test_a_rank_stopped_inside_a_collective_its_peer_entered_too_is_hung() -> None:
+    """Rank 1 entered the step's all-reduce with rank 0 and was stopped inside it: their
+    counts are equal, so no mark is above its count; but its beat is silent, and a peer's
+    mark (not its own) stands at its count: it holds that peer."""
+    clock, store = Clock(), Store()
+    stopped = rank(store, clock, {"0": 35})
+    peer = rank(store, clock, {"0": 35})
+    for w in (stopped, peer):
+        w.committed(31)
+    clock.now += 3
+    look(stopped)  # it stood a while before it was stopped: its own mark at 35
+    last = stopped.beat()
+    look(peer)  # the peer, inside the same collective, marks 35 too
+    clock.now += 10
+    verdict = judge(Beat.from_json(last.to_json()), clock.now, store.marked, store.top)
+    assert verdict is not None and verdict.frozen_s == 10.0
+    assert judge(peer.beat(), clock.now, store.marked, store.top) is None  # it beats on
+    # Its own mark alone is no peer waiting: a rank frozen in a long save of its own, whom
+    # nobody waits for inside a collective, is left to the collective timeout.
+    lone, alone = Store(), rank(Store(), clock, {"0": 35})
+    alone._connect = lambda: lone
+    alone.committed(31)
+    clock.now += 3
+    look(alone)
+    last = alone.beat()
+    clock.now += 10
+    assert judge(Beat.from_json(last.to_json()), clock.now, lone.marked, lone.top) is None
 
 
 def test_collectives_entered_are_progress() -> None:
