@@ -282,8 +282,10 @@ class Participant:
         # Leader: members whose record went with no evidence that their workers stopped, and
         # until when they may be training still, cut off from etcd (see decide: fencing).
         self._silent: dict[str, float] = {}
-        # Leader: members already waited for in this generation (see _on_asked).
+        # Leader: members already waited for in this generation, and those waited for now
+        # (see _on_asked).
         self._waited: set[str] = set()
+        self._rejoining: set[str] = set()
         # Leader: rounds whose member records etcd lost, and since when (see _decide).
         self._records_lost: dict[str, float] = {}
         self._thread: threading.Thread | None = None
@@ -874,6 +876,7 @@ class Participant:
                 known = nodes.get(node_id)
                 nodes.update(parse_nodes((ev.kv,), self.keys))
                 self._returning.pop(node_id, None)
+                self._rejoining.discard(node_id)
                 claim = nodes.get(node_id)
                 current = self._round
                 if (
@@ -909,6 +912,7 @@ class Participant:
         self._returning.clear()
         self._silent.clear()
         self._waited.clear()
+        self._rejoining.clear()
         self._await([m for m in self._current_members(self._round) if m.node_id not in nodes])
         self._inbox.put(("wake", None, 0))
         self._probe(self._targets(nodes))  # what answers now may be evidence later
@@ -927,8 +931,9 @@ class Participant:
         before, so this wait ends later than their fences close, never sooner."""
         now = self._clock()
         for m in missing:
-            if m.fence_s > 0 and m.node_id != self.node_id:
-                self._silent.setdefault(m.node_id, now + m.fence_s + FENCE_MARGIN_S)
+            # Newly missing only: one asked already may have been found gone since.
+            if m.fence_s > 0 and m.node_id != self.node_id and m.node_id not in self._returning:
+                self._silent[m.node_id] = now + m.fence_s + FENCE_MARGIN_S
         targets = []
         for m in missing:
             if m.probe_port and m.node_id not in self._returning and m.node_id != self.node_id:
@@ -948,8 +953,8 @@ class Participant:
         with self._cond:
             current = self._round
         for node_id, (reply, said) in replies.items():
-            if node_id not in self._returning:
-                continue  # registered again meanwhile
+            if node_id not in self._returning or node_id in self._rejoining:
+                continue  # registered again meanwhile, or waited for already (a 2nd answer)
             holds = said.get("holds") if said else None
             if (
                 reply is Reply.ANSWERED
@@ -960,6 +965,7 @@ class Participant:
                 # Once per member and generation: an agent whose lease keeps being lost (or
                 # anything that answers on its port) cannot hold every round back for good.
                 self._waited.add(node_id)
+                self._rejoining.add(node_id)
                 wait_s = REJOIN_TTLS * self._ttl_s
                 self._returning[node_id] = self._clock() + wait_s
                 log.warning(
@@ -1160,6 +1166,7 @@ class Participant:
             self._cas_failures = 0
             self._silent.clear()  # the generation they may train in is replaced now
             self._waited.clear()
+            self._rejoining.clear()
             if decision.members:
                 self._members, self._members_of = decision.members, new.round_id
             if self._events is not None:
