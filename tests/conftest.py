@@ -10,12 +10,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.memory_store import MemoryStore
 from tests.s3 import s3_stand_in
+
+# Property tests: the same examples on every run ("ci": derandomized, so that a run passes
+# or fails by the code alone); the wide random search is its own command:
+#   EFDL_HYPOTHESIS=wide python -m pytest tests/unit/test_allocate.py -k invariants --timeout 0
+settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None)
+settings.register_profile("wide", max_examples=100_000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("EFDL_HYPOTHESIS", "ci"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -16,6 +16,9 @@ The rules, in the order they apply:
    resume later at whatever size is free). If all that cannot make its min, nothing is taken
    from anyone and the job waits. A running job that fell below its min and cannot get it
    back is suspended when it has a cache (its GPUs would idle), else it waits as it is.
+   Mins are served again, by priority, until nothing changes: the GPUs a suspension frees
+   serve every job that waits for them in the same decision (a job suspended earlier in it
+   included, which then runs on), so that deciding again at once changes nothing.
 4. GPUs left over go to running elastic jobs up to their ``max``: higher priority first,
    and within a priority one GPU at a time to the job that holds the fewest (fair share).
 5. Placement prefers fewer hosts per job: a job grows first on hosts it is on, then on the
@@ -95,7 +98,8 @@ class _Work:
     job: Job
     held: Held = field(default_factory=dict)
     phase: Phase = Phase.QUEUED
-    notes: list[str] = field(default_factory=list)
+    facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
+    notes: list[str] = field(default_factory=list)  # what this decision did to it
     frozen: bool = False  # resized less than the interval ago: the allocator leaves it be
     waiting: str = ""  # why it lacks its min, if it does
 
@@ -150,13 +154,15 @@ def allocate(
                     lost.append(f"{host}:{i}")
         if lost:
             named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
-            w.notes.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
+            w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
         if w.size > w.spec.max_workers:  # a record from before a change of its spec
             _give_back(w, free, w.size - w.spec.max_workers)
-            w.notes.append(f"shrunk to its max of {w.spec.max_workers}")
+            w.facts.append(f"shrunk to its max of {w.spec.max_workers}")
         w.frozen = now - w.job.status.changed < policy.resize_interval_s
-    for _ in range(len(work) + 1):  # rules 2-3: each job's min, by priority; again while a
-        # job that could not keep its min was suspended (its GPUs may make another's)
+    for _ in range(3 * len(work) + 3):  # rules 2-3: each job's min, by priority, again
+        # while a pass changed something (a suspension's GPUs may make another's min). Each
+        # pass that changes something moves GPUs to a job of higher priority or starts one;
+        # the bound only guards against a mistake in that argument.
         if not any([_serve_min(w, work, free) for w in work]):
             break
     _grow(work, free)  # rule 4
@@ -166,17 +172,16 @@ def allocate(
 def _serve_min(w: _Work, work: list[_Work], free: Held) -> bool:
     """Give ``w`` its min if it lacks it (rule 3); True if that freed GPUs for others."""
     need = w.spec.min_workers - w.size
-    suspended_now = w.phase is Phase.SUSPENDED and w.job.status.phase is Phase.RUNNING
-    if need <= 0 or suspended_now:  # (it resumes in a later decision, not this one)
+    if need <= 0:
         return False
     short = need - _count(free)
     plan, found = _reclaim_plan(w, work, short)
     if found < short:
         if w.phase is Phase.RUNNING and w.spec.cache_url:
-            _give_back(w, free, w.size)
-            w.phase = Phase.SUSPENDED
-            w.notes.append(
-                f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up"
+            _stop(
+                w,
+                free,
+                f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up",
             )
             return True
         if w.phase is Phase.RUNNING:
@@ -193,9 +198,7 @@ def _serve_min(w: _Work, work: list[_Work], free: Held) -> bool:
     w.waiting = ""
     for victim, take in plan:
         if take >= victim.size:
-            _give_back(victim, free, victim.size)
-            victim.phase = Phase.SUSPENDED
-            victim.notes.append(f"suspended to make room for {w.id} (priority {w.spec.priority})")
+            _stop(victim, free, f"suspended to make room for {w.id} (priority {w.spec.priority})")
         else:
             _give_back(victim, free, take)
             victim.notes.append(
@@ -203,9 +206,26 @@ def _serve_min(w: _Work, work: list[_Work], free: Held) -> bool:
             )
     _place(w, free, need)
     if w.phase is not Phase.RUNNING:
-        w.notes.append("resumed" if w.phase is Phase.SUSPENDED else "started")
+        was = w.job.status.phase
+        if was is Phase.RUNNING:  # suspended earlier in this decision: it never stops
+            w.notes = [f"kept at its min of {w.spec.min_workers} on GPUs freed meanwhile"]
+        else:
+            w.notes.append("resumed" if was is Phase.SUSPENDED else "started")
         w.phase = Phase.RUNNING
     return _count(free) > 0
+
+
+def _stop(w: _Work, free: Held, why: str) -> None:
+    """Take all of ``w``'s GPUs. A job that ran before this decision is suspended; one that
+    started in it goes back to where it was (queued or suspended), as if it never started."""
+    _give_back(w, free, w.size)
+    was = w.job.status.phase
+    if was is Phase.RUNNING:
+        w.phase = Phase.SUSPENDED
+        w.notes = [why]
+    else:
+        w.phase = was
+        w.notes = []
 
 
 def _reclaim_plan(w: _Work, work: list[_Work], short: int) -> tuple[list[tuple[_Work, int]], int]:
@@ -307,7 +327,8 @@ def _decision(work: list[_Work], now: float) -> Decision:
     for w in work:
         old = w.job.status
         gpus = _gpus(w.held) if w.phase is Phase.RUNNING else ()
-        text = "; ".join([*w.notes, w.waiting] if w.waiting else w.notes)
+        notes = [*w.facts, *w.notes]
+        text = "; ".join([*notes, w.waiting] if w.waiting else notes)
         if gpus != old.gpus or w.phase is not old.phase:  # (the GPUs are in the record:
             # a reason names them while they are few)
             text = text or "placed"
