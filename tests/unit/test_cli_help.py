@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from efdl.cli import _job_config, main, run_main
+from efdl.cli import main, run_main
+from efdl.cli.common import job_config
 from efdl.errors import ConfigError
 
 
@@ -46,9 +47,9 @@ def test_the_job_comes_from_the_flag_then_efdl_job_id_then_the_config_file(
     config = tmp_path / "job.yaml"
     config.write_text("job-id: from-yaml\netcd: 127.0.0.1:2379\n")
     monkeypatch.delenv("EFDL_JOB_ID", raising=False)
-    assert _job_config(None, config, {})[0] == "from-yaml"
+    assert job_config(None, config, {})[0] == "from-yaml"
     monkeypatch.setenv("EFDL_JOB_ID", "from-env")
-    assert _job_config(None, config, {})[0] == "from-env"
-    assert _job_config("from-flag", config, {})[0] == "from-flag"
+    assert job_config(None, config, {})[0] == "from-env"
+    assert job_config("from-flag", config, {})[0] == "from-flag"
     with pytest.raises(ConfigError, match="The job id 'a/b' is not allowed"):
-        _job_config("a/b", None, {})
+        job_config("a/b", None, {})

@@ -149,7 +149,7 @@ def test_settings_validation(tmp_path: Path) -> None:
 
 
 def test_launch_config_maps_torchrun_nnodes_to_workers() -> None:
-    from efdl.cli import _policy
+    from efdl.cli.run import _policy
     from efdl.config import LaunchConfig
 
     cfg = load(LaunchConfig, {"standalone": True, "nnodes": "2:4"}, env={})

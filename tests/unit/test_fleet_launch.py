@@ -56,7 +56,7 @@ def test_efdl_run_reads_the_daemons_options_and_passes_the_command_on_literally(
     """efdl-run's own parser, on the argv the daemon builds: the spec's '--etcd' and
     '--job-id' are the script's arguments, not efdl-run's options."""
     seen: list[tuple[object, list[str]]] = []
-    monkeypatch.setattr("efdl.cli.launch", lambda cfg, args: seen.append((cfg, args)) or 0)
+    monkeypatch.setattr("efdl.cli.run.launch", lambda cfg, args: seen.append((cfg, args)) or 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("")
     argv = agent_argv("job-a", HOSTILE, 1, 4, "", (3,), "h-g3-ab12", "10.0.0.1", EtcdAccess("e:1"))

@@ -1,0 +1,315 @@
+"""The fleet's commands: efdl submit, jobs, cancel, allocator, node (docs/fleet.md). The
+fleet's modules are imported by these commands alone."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from efdl.errors import ConfigError, EfdlError
+from efdl.launcher.node import default_host
+from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.lease import LeaseSession
+from efdl.rendezvous.model import check_id
+
+if TYPE_CHECKING:  # the fleet's modules are imported by its commands alone
+    from efdl.fleet.allocate import Policy as FleetPolicy
+from efdl.cli.common import (
+    F,
+    etcd_config,
+    etcd_options,
+    handle_errors,
+    parse_since,
+    stop_on_sigterm,
+)
+
+
+def _fleet_policy(resize_interval: float, history_days: float) -> FleetPolicy:
+    """The allocator's settings from --resize-interval and --history-days
+    (efdl.fleet.allocate.Policy)."""
+    from efdl.fleet.allocate import Policy as FleetPolicy
+
+    if resize_interval < 0:
+        raise ConfigError(
+            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
+        )
+    if not history_days > 0:
+        raise ConfigError(f"--history-days {history_days} is not a number of days > 0.")
+    return FleetPolicy(resize_interval, history_s=history_days * 86400)
+
+
+_history_option = click.option(
+    "--history-days",
+    type=float,
+    default=7.0,
+    show_default=True,
+    help="Days the fleet's events are kept (efdl jobs --history, efdl timeline --fleet).",
+)
+
+
+def _fleet_option(fn: F) -> F:
+    return click.option(
+        "--fleet",
+        help="The fleet (its keys: /efdl-fleet/<fleet>/); or EFDL_FLEET; default 'default'.",
+    )(fn)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@etcd_options
+@_fleet_option
+@click.option("--job-id", required=True, help="The job's id (its keys: /efdl/<job-id>/).")
+@click.option("--min", "min_workers", type=int, required=True, help="Fewest workers to train with.")
+@click.option("--max", "max_workers", type=int, help="Most workers (default: --min).")
+@click.option(
+    "--priority", type=int, default=0, show_default=True, help="-1000..1000; higher first."
+)
+@click.option("--cache-url", help="The remote cache; a job without one is never suspended.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    help="Directory holding the code on every host (default: this one).",
+)
+@click.option("--env", multiple=True, help="NAME=VALUE for the workers (repeatable).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@handle_errors
+def submit(
+    fleet: str | None,
+    job_id: str,
+    min_workers: int,
+    max_workers: int | None,
+    priority: int,
+    cache_url: str | None,
+    workdir: Path | None,
+    env: tuple[str, ...],
+    command: tuple[str, ...],
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Put a job into the fleet: efdl submit --job-id X --min 2 --max 8 -- train.py ARGS."""
+    from efdl.fleet.commands import fleet_keys, spec_from_flags
+    from efdl.fleet.registry import submit as submit_job
+
+    keys = fleet_keys(fleet)
+    spec = spec_from_flags(
+        check_id(job_id), command, workdir, min_workers, max_workers, priority, cache_url, env
+    )
+    cfg = etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        submit_job(store, keys, spec)
+    click.echo(
+        f"job {spec.job_id}: queued in fleet {keys.fleet} ({spec.min_workers}-"
+        f"{spec.max_workers} workers, priority {spec.priority}); see efdl jobs."
+    )
+
+
+@click.command()
+@etcd_options
+@_fleet_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--history", is_flag=True, help="Each job's GPUs over time (every status change) instead."
+)
+@click.option("--job-id", help="With --history: only this job.")
+@click.option("--since", help="With --history: only since a duration (10m, 2h) or a time.")
+@handle_errors
+def jobs(
+    fleet: str | None,
+    as_json: bool,
+    history: bool,
+    job_id: str | None,
+    since: str | None,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Show the fleet's jobs (priority, phase, GPUs, where or why) and hosts."""
+    from efdl.fleet.commands import fleet_keys, format_jobs, jobs_json
+    from efdl.fleet.history import format_history
+    from efdl.fleet.registry import read_events as read_fleet_events
+    from efdl.fleet.registry import read_fleet
+
+    if not history and (job_id is not None or since is not None):
+        raise ConfigError("--job-id and --since go with --history.")
+    keys = fleet_keys(fleet)
+    cfg = etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        if history:
+            events, problems = read_fleet_events(store, keys, since=parse_since(since) or None)
+            click.echo(format_history(events, job_id))
+            for p in problems:
+                click.echo(f"bad record skipped: {p}")
+            return
+        view = read_fleet(store, keys)
+    click.echo(jobs_json(view) if as_json else format_jobs(view, time.time()))
+
+
+@click.command()
+@etcd_options
+@_fleet_option
+@click.argument("job_id")
+@click.option("--reason", default="cancelled by efdl cancel", help="Recorded with the job.")
+@handle_errors
+def cancel(
+    fleet: str | None, job_id: str, reason: str, config_file: Path | None, **flags: Any
+) -> None:
+    """Cancel a fleet job: its hosts stop its agents (a graceful leave)."""
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.registry import cancel as cancel_job
+
+    keys = fleet_keys(fleet)
+    cfg = etcd_config(config_file, flags)
+    with EtcdStore(cfg.etcd_settings()) as store:
+        st = cancel_job(store, keys, check_id(job_id), reason)
+    click.echo(f"job {job_id}: {st.phase.value} ({st.reason}).")
+
+
+@click.command()
+@etcd_options
+@_fleet_option
+@click.option("--id", "candidate_id", help="This candidate's id (default: host name + suffix).")
+@click.option(
+    "--resize-interval",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Least seconds between two resizes of one job.",
+)
+@_history_option
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Seconds until a dead allocator is replaced.",
+)
+@handle_errors
+def allocator(
+    fleet: str | None,
+    candidate_id: str | None,
+    resize_interval: float,
+    history_days: float,
+    lease_ttl_s: int,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Stand for the fleet's allocator and allocate while leading (until SIGTERM/Ctrl-C)."""
+    import contextlib
+    import socket
+
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.leader import Allocator
+
+    policy = _fleet_policy(resize_interval, history_days)
+    keys = fleet_keys(fleet)
+    host = socket.gethostname().split(".")[0] or "allocator"
+    name = check_id(candidate_id or f"{host}-{uuid.uuid4().hex[:6]}", "candidate id")
+    cfg = etcd_config(config_file, flags)
+    stop = stop_on_sigterm()
+    with (
+        EtcdStore(cfg.etcd_settings()) as store,
+        LeaseSession(store, lease_ttl_s, on_expired=lambda why: stop.set()) as session,
+    ):
+        click.echo(f"allocator {name}: standing for fleet {keys.fleet}.", err=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            Allocator(store, keys, name, session.lease_id, policy).run(stop)
+    if session.expired:
+        raise EfdlError(f"allocator {name}: its lease ended ({session.why_expired}); exiting.")
+
+
+@click.command()
+@etcd_options
+@_fleet_option
+@click.option("--host-id", help="This host's id in the fleet (default: its host name).")
+@click.option(
+    "--host", "address", help="The address peers reach this host at (default: the route to etcd)."
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="Where the daemon keeps its agents' PIDs and logs (default: /var/lib/efdl-node/<fleet>).",
+)
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Seconds until a host whose daemon is away is given up.",
+)
+@click.option(
+    "--resize-interval",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Least seconds between two resizes of one job (when this host allocates).",
+)
+@_history_option
+@click.option("--no-allocator", is_flag=True, help="Never stand for the fleet's allocator.")
+@click.option(
+    "--job-uids",
+    envvar="EFDL_JOB_UIDS",
+    help="FIRST-LAST: run each job as a uid of its own from this range (needs root); "
+    "'shared': as this daemon's user. Required when the daemon runs as root.",
+)
+@click.option(
+    "--job-etcd-cert",
+    type=click.Path(path_type=Path),
+    help="Client certificate the jobs' agents present to etcd (never the daemon's own).",
+)
+@click.option("--job-etcd-key", type=click.Path(path_type=Path), help="Its key.")
+@handle_errors
+def node(
+    fleet: str | None,
+    host_id: str | None,
+    address: str | None,
+    state_dir: Path | None,
+    lease_ttl_s: int,
+    resize_interval: float,
+    history_days: float,
+    no_allocator: bool,
+    job_uids: str | None,
+    job_etcd_cert: Path | None,
+    job_etcd_key: Path | None,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Run this GPU host in a fleet: register its GPUs, run the agents placed on it."""
+    import socket
+
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.etcd_users import EtcdUsers
+    from efdl.fleet.node import HostDaemon
+    from efdl.fleet.spawn import isolation_from_flags
+
+    policy = _fleet_policy(resize_interval, history_days)
+    keys = fleet_keys(fleet)
+    name = check_id(host_id or socket.gethostname(), "host id")
+    cfg = etcd_config(config_file, flags)
+    settings = cfg.etcd_settings()
+    isolation = isolation_from_flags(job_uids, job_etcd_cert, job_etcd_key, cfg, settings)
+    stop = stop_on_sigterm()
+    state = state_dir or Path("/var/lib/efdl-node") / keys.fleet
+    users = EtcdUsers(settings)  # its agents' etcd users, where etcd has auth on
+    with users as store:
+        daemon = HostDaemon(
+            store,
+            keys,
+            name,
+            address or default_host(settings.endpoints),
+            settings.endpoint_list,
+            state,
+            lease_ttl_s=lease_ttl_s,
+            allocator=not no_allocator,
+            policy=policy,
+            isolation=isolation,
+            users=users,
+        )
+        click.echo(f"efdl node {name}: in fleet {keys.fleet} (state in {state}).", err=True)
+        try:
+            daemon.run(stop)
+        except KeyboardInterrupt:
+            stop.set()

@@ -1,0 +1,524 @@
+"""efdl-run: the node agent's command, its options made one LaunchConfig, and the launch
+around it (an embedded or served etcd, the job's start, the agent)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from efdl import __version__, logs
+from efdl._process import skip_final_gc, sweep_private_dirs
+from efdl.cli.common import etcd_options, handle_errors, log, setup_logging, store_for
+from efdl.cli.torchrun_flags import IGNORED, apply_rdzv_conf, rendezvous_flags
+from efdl.config import DEFAULT_JOB_ID, EtcdClientConfig, LaunchConfig, load, read_yaml
+from efdl.errors import ConfigError, EfdlError
+from efdl.kubeflow import pet_params
+from efdl.launcher.agent import NodeAgent, warm_pool
+from efdl.launcher.gpus import cuda_ids, discover, select
+from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
+from efdl.rendezvous.api import Endpoint, EtcdSettings, EventType
+from efdl.rendezvous.decide import Policy
+from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.model import JobKeys, check_id
+from efdl.rendezvous.participant import parse_round, start_job
+from efdl.rendezvous.served import (
+    ServedEtcd,
+    default_state_dir,
+    make_job_directory,
+    refusal,
+    resolve,
+)
+
+
+@click.command(
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]}
+)
+@click.version_option(__version__, prog_name="efdl-run")
+@etcd_options
+@click.option("--standalone", is_flag=True, default=None, help="Embedded etcd, this node only.")
+@click.option("--job-id", "--rdzv-id", "--rdzv_id", "job_id", help="The job's id.")
+@click.option("--min", "min_workers", type=int, help="Fewest workers to train with.")
+@click.option("--max", "max_workers", type=int, help="Most workers; more nodes wait as spares.")
+@click.option("--nnodes", help="torchrun's MIN:MAX nodes (times --nproc-per-node workers).")
+@click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    help="Workers here: N, gpu, cpu or auto (default: one per GPU, else 1).",
+)
+@click.option(
+    "--gpus",
+    help="GPUs for the job: all (default: those visible), free (no compute process on them), "
+    "or indices/UUIDs such as 2,5.",
+)
+@click.option("--node-id", help="This node's id in the job (default: host name + suffix).")
+@click.option(
+    "--host",
+    "--local-addr",
+    "--local_addr",
+    "host",
+    help="Address peers use to reach this node; the store binds to it.",
+)
+@click.option(
+    "--store-port",
+    "store_port",
+    type=int,
+    help="Fixed port for the c10d store (default: any free port).",
+)
+@click.option(
+    "--master-addr",
+    "--master_addr",
+    "master_addr",
+    help="torchrun's static rendezvous (--nnodes > 1, no etcd): the address where the node "
+    "of --node-rank 0 serves the job's etcd (default 127.0.0.1).",
+)
+@click.option(
+    "--master-port",
+    "--master_port",
+    "master_port",
+    type=int,
+    help="Its port (default 29500); on one node, the c10d store's port.",
+)
+@click.option(
+    "--node-rank",
+    "--node_rank",
+    "node_rank",
+    type=int,
+    help="torchrun's static launch: 0 serves the rendezvous (ranks come from it).",
+)
+@click.option(
+    "--serve-etcd",
+    is_flag=True,
+    default=None,
+    help="Serve the job's etcd here (embedded, on --etcd's first endpoint, an address of "
+    "this host); the job lives as long as this node does.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="Where the etcd this node serves keeps its data, kept for a restart of this node "
+    "(default: $XDG_STATE_HOME/efdl, else ~/.local/state/efdl).",
+)
+@click.option("--lease-ttl", "lease_ttl_s", type=int, help="Seconds until a dead node is noticed.")
+@click.option("--settle", "settle_s", type=float, help="Seconds to batch joins into one round.")
+@click.option(
+    "--join-timeout",
+    "join_timeout_s",
+    type=float,
+    help="Seconds the job may wait below --min before it fails.",
+)
+@click.option(
+    "--max-restarts",
+    "--max_restarts",
+    "max_restarts",
+    type=int,
+    help="Restarts of failed workers on this node before it gives up (a failure that repeats "
+    "the last one's error with no step trained between is not restarted).",
+)
+@click.option(
+    "--warm-workers",
+    "warm_workers",
+    type=int,
+    help="Worker processes kept started ahead of need, torch imported (default: one per "
+    "worker slot on a GPU node or one with 4+ cores per slot, else none; 0: none). About "
+    "300 MB of host memory each.",
+)
+@click.option(
+    "--grace-period",
+    "--shutdown-timeout",
+    "--shutdown_timeout",
+    "grace_period_s",
+    type=float,
+    help="Seconds from SIGTERM to SIGKILL for workers and for leaving.",
+)
+@click.option(
+    "--hang-timeout",
+    "hang_timeout_s",
+    type=float,
+    help="Seconds an in-place worker may make no step while a peer waits on it before it is "
+    "replaced (default: 90% of the collective timeout, at least 5 of the longest steps).",
+)
+@click.option(
+    "--fence-timeout",
+    "fence_timeout_s",
+    type=float,
+    help="Seconds this node's workers train on while their agent cannot reach etcd; then "
+    "they stop committing, state in memory, until it can (default: 90, at least 3 lease "
+    "TTLs). A generation cut off from etcd whole is replaced this long after its lease went.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    help="text (default) or json: one object per line with time, job, node, generation, rank.",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    help="Serve Prometheus metrics on --host at this port (default: off; 0: any free port).",
+)
+@click.option(
+    "--log-dir",
+    "--log_dir",
+    "log_dir",
+    type=click.Path(path_type=Path),
+    help="Keep per-rank log files here.",
+)
+@click.option(
+    "--tee",
+    "-t",
+    "tee",
+    help="Show these streams on the console, each line labelled [rankN]:, also where they "
+    "are redirected: 1 stdout, 2 stderr, 3 both, or per local rank (0:1,1:2).",
+)
+@click.option(
+    "--redirects",
+    "-r",
+    "redirects",
+    help="Send these streams to the --log-dir files only: 1 stdout, 2 stderr, 3 both, or "
+    "per local rank (0:1,1:2).",
+)
+@click.option(
+    "--local-ranks-filter",
+    "--local_ranks_filter",
+    "local_ranks_filter",
+    help="Show only these local ranks' output on the console (e.g. 0 or 0,1).",
+)
+@click.option(
+    "--rank-prefix",
+    is_flag=True,
+    default=None,
+    help="Label each worker line on the console with its rank, [rankN]: (default: lines as "
+    "the worker printed them, as torchrun shows them).",
+)
+@click.option(
+    "--duplicate-stdout-filters",
+    "--duplicate_stdout_filters",
+    "duplicate_stdout_filters",
+    help="Copy stdout lines containing any of these comma-separated strings to "
+    "LOG_DIR/JOB/filtered_stdout.log (needs --log-dir).",
+)
+@click.option(
+    "--duplicate-stderr-filters",
+    "--duplicate_stderr_filters",
+    "duplicate_stderr_filters",
+    help="The same for stderr (LOG_DIR/JOB/filtered_stderr.log).",
+)
+@click.option(
+    "--signals-to-handle",
+    "--signals_to_handle",
+    "signals_to_handle",
+    help="Signals on which this node leaves the job gracefully (e.g. add SIGUSR1 for SLURM).",
+)
+@click.option(
+    "--virtual-local-rank",
+    "--virtual_local_rank",
+    "virtual_local_rank",
+    is_flag=True,
+    default=None,
+    help="Every worker sees LOCAL_RANK=0 and only its own GPU (as cuda:0).",
+)
+@click.option("--role", help="ROLE_NAME of the workers.")
+@click.option(
+    "--cache-url",
+    help="Persist committed state here (directory or fsspec URL, e.g. s3://bucket/job).",
+)
+@click.option(
+    "--cache-every-steps", type=int, help="Persist every N commits (default 0: not by count)."
+)
+@click.option(
+    "--cache-every",
+    "cache_every_s",
+    type=float,
+    help="Persist when this many seconds passed since the last (default 60; 0: not by time).",
+)
+@click.option("--cache-keep", type=int, help="Complete snapshots to keep (default 2).")
+@click.option(
+    "--new-run",
+    is_flag=True,
+    default=None,
+    help="Start a new run of a job that finished, was stopped or failed (keeps its cache).",
+)
+@click.option("-m", "--module", "module", is_flag=True, help="Run SCRIPT as a module (python -m).")
+@click.option(
+    "--no-python",
+    "--no_python",
+    "no_python",
+    is_flag=True,
+    help="SCRIPT is an executable, not a Python file.",
+)
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", hidden=True)
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "rdzv_endpoint", hidden=True)
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", hidden=True)
+@click.option("--monitor-interval", "--monitor_interval", "monitor_interval", hidden=True)
+@click.option("--start-method", "--start_method", "start_method", hidden=True)
+@click.option("--run-path", "--run_path", "run_path", is_flag=True, default=None, hidden=True)
+@click.option("--logs-specs", "--logs_specs", "logs_specs", hidden=True)
+@click.option("--numa-binding", "--numa_binding", "numa_binding", hidden=True)
+@click.option("--event-log-handler", "--event_log_handler", "event_log_handler", hidden=True)
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+@handle_errors
+def run_main(
+    script: str,
+    script_args: tuple[str, ...],
+    config_file: Path | None,
+    module: bool,
+    no_python: bool,
+    verbose: bool,
+    **flags: Any,
+) -> None:
+    """Run SCRIPT on this node as part of an elastic job (a drop-in for torchrun).
+
+    \b
+    efdl-run --etcd etcd-1:2379 --job-id resnet --min 2 --max 8 train.py --lr 0.1
+    efdl-run --standalone --nproc-per-node 2 train.py
+    """
+    setup_logging(verbose)
+    cfg = launch_config(flags, config_file, os.environ)
+    if cfg.log_format != "text":
+        setup_logging(verbose, cfg.log_format)
+    args = _worker_command(script, script_args, module, no_python)
+    code = launch(cfg, args)
+    skip_final_gc()  # its workers are gone: so should it be, at once
+    sys.exit(code)
+
+
+def launch_config(
+    flags: dict[str, Any], config_file: Path | None, env: Mapping[str, str]
+) -> LaunchConfig:
+    """efdl-run's options (as click parsed them, torchrun's spellings included) with its
+    config file and environment, as one config; torchrun's options that efdl does not need
+    are dropped with a line saying what it does instead."""
+    params = pet_params(flags, env)
+    rdzv_backend = params.pop("rdzv_backend")
+    rdzv_endpoint = params.pop("rdzv_endpoint")
+    rdzv_conf = params.pop("rdzv_conf")
+    for name, why in IGNORED.items():
+        if params.pop(name, None) is not None:
+            log.info("Ignoring --%s: %s.", name.replace("_", "-"), why)
+    rendezvous_flags(rdzv_backend, rdzv_endpoint, params)
+    if rdzv_conf:
+        apply_rdzv_conf(rdzv_conf, params)
+    data = read_yaml(config_file) if config_file else {}
+    cfg = load(LaunchConfig, params, env=env, yaml_data=data, yaml_source=str(config_file or ""))
+    if cfg.standalone and not params.get("standalone") and not data.get("standalone"):
+        log.info("No etcd was given and the job is one node: running it standalone.")
+    if cfg.standalone and not cfg.job_id:
+        # As torchrun: a run of its own, which no other standalone run on this host shares
+        # (a script's checkpoint named after TORCHELASTIC_RUN_ID is this run's alone).
+        cfg = dataclasses.replace(cfg, job_id=f"standalone-{uuid.uuid4().hex[:12]}")
+        log.info("Standalone run %s (a fresh id: give --job-id to resume a run later).", cfg.job_id)
+    if cfg.job_id == DEFAULT_JOB_ID and not cfg.standalone:
+        log.info(
+            "No --job-id was given: the job is %r, torchrun's default run id (every job on "
+            "this etcd without one is the same job).",
+            DEFAULT_JOB_ID,
+        )
+    given = params.get("etcd") or env.get("EFDL_ETCD") or data.get("etcd")
+    static = not cfg.standalone and cfg.etcd != given  # torchrun's static rendezvous
+    for name in ("master_addr", "master_port", "node_rank"):
+        if getattr(cfg, name) is not None and given:
+            log.info(
+                "Ignoring --%s: the rendezvous runs on the etcd given (--etcd), which ranks "
+                "the nodes and tells them the store's address.",
+                name.replace("_", "-"),
+            )
+    if static:
+        log.info(
+            "No etcd was given for a job of several nodes: as torchrun's static rendezvous, "
+            "%s at %s (--master-addr:--master-port).",
+            "this node serves the job's etcd" if cfg.serve_etcd else "the node of rank 0 serves it",
+            cfg.etcd,
+        )
+        if not cfg.serve_etcd:  # the serving node checks where it listens, when it does
+            at = Endpoint.parse(cfg.etcd or "")
+            refused = refusal(
+                at.target, resolve(at.host, at.port), cfg.job_token(env) is not None, False
+            )
+            if refused:
+                raise ConfigError(refused)
+    for stream in ("stdout", "stderr"):
+        if cfg.log_dir is None and getattr(cfg, f"duplicate_{stream}_filters"):
+            log.info(
+                "Ignoring --duplicate-%s-filters: the copies go under --log-dir, and none is set.",
+                stream,
+            )
+    return cfg
+
+
+def _worker_command(
+    script: str, script_args: tuple[str, ...], module: bool, no_python: bool
+) -> list[str]:
+    if module:
+        return [sys.executable, "-m", script, *script_args]
+    if no_python:
+        if not shutil.which(script):
+            raise ConfigError(f"The program {script!r} (--no-python) was not found.")
+        return [script, *script_args]
+    if not Path(script).is_file():
+        raise ConfigError(f"The training script {script!r} does not exist.")
+    return [sys.executable, script, *script_args]
+
+
+def launch(cfg: LaunchConfig, args: list[str]) -> int:
+    """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
+    logs.context.set(job=cfg.job_id or "", node=cfg.node_id or "")
+    for path in sweep_private_dirs():
+        log.info("Removed %s, left by an efdl process that was killed.", path)
+    gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
+    slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
+    warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
+    try:
+        job_id = check_id(cfg.job_id or DEFAULT_JOB_ID)
+        # A node started while etcd is away waits for it as long as the job may wait for
+        # its members, saying so (it joins once etcd is back).
+        wait_s = max(2 * cfg.etcd_timeout_s, cfg.join_timeout_s)
+        settings = None if cfg.standalone else cfg.etcd_settings(connect_timeout_s=wait_s)
+        host = cfg.host or (default_host(settings.endpoints) if settings else "127.0.0.1")
+        node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
+        node = dataclasses.replace(node, fence_s=cfg.fence_s())  # efdl.state.fence
+        policy = _policy(cfg, node.slots)
+        logs.context.set(node=node.node_id)
+        with (
+            _served_etcd(cfg, settings) as served,
+            store_for(cfg, cfg.standalone, settings) as (
+                store,
+                _,
+            ),
+        ):
+            start_job(store, job_id, cfg.new_run, timeout_s=cfg.join_timeout_s)
+            log.info(
+                "efdl %s: job %s on %s: %d-%d workers; this node %s offers %d.",
+                __version__,
+                job_id,
+                store.description,
+                policy.min_workers,
+                policy.max_workers,
+                node.node_id,
+                node.slots,
+            )
+            ids = cuda_ids(gpus[: len(node.gpus)], os.environ.get("CUDA_DEVICE_ORDER"))
+            code = NodeAgent(cfg, args, store, node, policy, job_id, ids, warm).run()
+            if served:
+                _await_departures(store, job_id, cfg.lease_ttl_s + cfg.grace_period_s + 5)
+                served.job_ended = _job_ended(store, job_id)
+            return code
+    finally:
+        warm.close()  # the agent's run closes it; this is for a start that failed before
+
+
+@contextmanager
+def _served_etcd(cfg: LaunchConfig, settings: EtcdSettings | None) -> Iterator[ServedEtcd | None]:
+    """With --serve-etcd, the job's etcd, embedded, on the first endpoint (its address
+    resolved: etcd listens on an IP), with auth on if a job token is given (refused on an
+    address other hosts reach without one), its data in the job's directory under
+    --state-dir; stopped on the way out, its data removed if the job ended."""
+    if not cfg.serve_etcd or settings is None:
+        yield None
+        return
+    at = settings.endpoints[0]
+    token = cfg.job_token()
+    addresses = resolve(at.host, at.port)
+    refused = refusal(at.target, addresses, token is not None, serving=True)
+    if refused:
+        raise ConfigError(refused)
+    if not addresses:
+        raise ConfigError(
+            f"Cannot serve the job's etcd at {at.target}: {at.host!r} does not resolve."
+        )
+    state = cfg.state_dir or default_state_dir(os.environ)
+    job_id = check_id(cfg.job_id or DEFAULT_JOB_ID)
+    served = ServedEtcd(at, addresses[0], make_job_directory(state, job_id, at.port), token)
+    served.start()
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+def _job_ended(store: EtcdStore, job_id: str) -> bool:
+    """Whether job ``job_id``'s round says it ended (finished, stopped, failed); False if
+    etcd cannot say."""
+    keys = JobKeys(job_id)
+    try:
+        r = parse_round(store.get(keys.round), keys)
+    except EfdlError:
+        return False
+    return r is not None and r.status.final
+
+
+def _await_departures(store: EtcdStore, job_id: str, timeout_s: float) -> None:
+    """This node serves the job's etcd and is done: wait (up to ``timeout_s``) for the other
+    nodes to read how the job ended and leave (their records go), for they need etcd until
+    then. Watched, not polled."""
+    keys = JobKeys(job_id)
+    deadline = time.monotonic() + timeout_s
+    try:
+        snap = store.get_prefix(keys.nodes)
+        left = {kv.key for kv in snap.kvs}
+        if not left:
+            return
+        log.info(
+            "Waiting up to %.0f s for the job's %d other node(s) to leave before stopping the "
+            "etcd this node serves.",
+            timeout_s,
+            len(left),
+        )
+        with store.watch(keys.nodes, prefix=True, start_revision=snap.revision + 1) as watch:
+            while left and (remaining := deadline - time.monotonic()) > 0:
+                batch = watch.get(timeout_s=remaining)
+                if batch is None:
+                    continue
+                if batch.reset:
+                    left.clear()
+                for ev in batch.events:
+                    (left.add if ev.type is EventType.PUT else left.discard)(ev.kv.key)
+    except EfdlError:
+        return  # etcd is going with this node anyway
+    if left:
+        log.warning(
+            "The job's other nodes did not leave within %.0f s; stopping its etcd.", timeout_s
+        )
+
+
+def _show_defaults(command: click.Command, *configs: type) -> None:
+    """Add each option's default, from the config dataclasses where the layering keeps it
+    (a flag's own default is None: not given), to its --help text."""
+    defaults = {
+        f.name: f.default
+        for cls in configs
+        for f in dataclasses.fields(cls)
+        if f.default not in (None, False, "", dataclasses.MISSING)
+    }
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.name not in defaults:
+            continue
+        if param.help and "default" not in param.help:
+            param.help = f"{param.help} [default: {defaults[param.name]}]"
+
+
+_show_defaults(run_main, LaunchConfig, EtcdClientConfig)
+
+
+def _policy(cfg: LaunchConfig, slots: int) -> Policy:
+    if cfg.min_workers is None and cfg.max_workers is None:
+        if cfg.nnodes:
+            lo, hi = cfg.node_range()
+            low, high = lo * slots, hi * slots
+        else:
+            low = high = slots  # torchrun's default: this node alone
+    else:
+        low = cfg.min_workers or 1
+        high = cfg.max_workers or 1_000_000
+    return Policy(low, high, cfg.settle_s, cfg.join_timeout_s)
