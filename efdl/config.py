@@ -502,6 +502,11 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(f"--node-rank ({self.node_rank}) must not be negative.")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port ({self.master_port}) must be 1..65535.")
+        if self.standalone and self.etcd:
+            raise ConfigError(
+                f"--standalone starts an etcd of its own on 127.0.0.1, and --etcd (or "
+                f"EFDL_ETCD) names another, {self.etcd}: give one of them."
+            )
         if not self.standalone and not self.etcd:
             nodes = self.node_range() if self.nnodes is not None else (1, 1)
             if nodes[1] > 1:

@@ -169,7 +169,12 @@ class EfdlRendezvousHandler(RendezvousHandler):
         return current is not None and current.status.final
 
     def set_closed(self) -> None:
-        close_job(self._store, self._run_id, f"closed by torchrun on node {self._node.node_id}")
+        close_job(
+            self._store,
+            self._run_id,
+            f"closed by torchrun on node {self._node.node_id}",
+            by=self._node.node_id,
+        )
 
     def num_nodes_waiting(self) -> int:
         """Nodes that a newer round admitted (or that a membership change replaced): torchrun

@@ -73,7 +73,8 @@ def etcd_options(fn: F) -> F:
 
 
 def handle_errors(fn: F) -> F:
-    """Turn an EfdlError into ``efdl: <sentence>`` on stderr and exit code 2."""
+    """Turn an EfdlError into ``efdl: <sentence>`` on stderr and exit code 2, and a Ctrl-C
+    into exit code 130 (as a shell reports SIGINT)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -82,6 +83,9 @@ def handle_errors(fn: F) -> F:
         except EfdlError as exc:
             click.echo(f"efdl: error: {exc}", err=True)
             sys.exit(2)
+        except KeyboardInterrupt:  # (click would say "Aborted!" and exit 1)
+            click.echo("efdl: interrupted (Ctrl-C).", err=True)
+            sys.exit(130)
 
     return wrapper  # type: ignore[return-value]
 

@@ -3,6 +3,7 @@ fleet's modules are imported by these commands alone."""
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -149,16 +150,28 @@ def jobs(
 @click.command()
 @etcd_options
 @_fleet_option
-@click.argument("job_id")
+@click.option("--job-id", help="The job to cancel.")
+@click.argument("job", required=False)
 @click.option("--reason", default="cancelled by efdl cancel", help="Recorded with the job.")
 @handle_errors
 def cancel(
-    fleet: str | None, job_id: str, reason: str, config_file: Path | None, **flags: Any
+    fleet: str | None,
+    job_id: str | None,
+    job: str | None,
+    reason: str,
+    config_file: Path | None,
+    **flags: Any,
 ) -> None:
-    """Cancel a fleet job: its hosts stop its agents (a graceful leave)."""
+    """Cancel a fleet job: its hosts stop its agents (a graceful leave). efdl cancel --job-id
+    JOB (JOB alone, as before, also works)."""
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.registry import cancel as cancel_job
 
+    if job_id and job and job_id != job:
+        raise ConfigError(f"--job-id {job_id!r} and the job {job!r} differ; give one of them.")
+    job_id = job_id or job
+    if not job_id:
+        raise ConfigError("No job was named: give --job-id JOB.")
     keys = fleet_keys(fleet)
     cfg = etcd_config(config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
@@ -293,6 +306,13 @@ def node(
     isolation = isolation_from_flags(job_uids, job_etcd_cert, job_etcd_key, cfg, settings)
     stop = stop_on_sigterm()
     state = state_dir or Path("/var/lib/efdl-node") / keys.fleet
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--state-dir {state}: cannot create it ({exc.strerror or exc}); expected a "
+            "directory this daemon can write (its agents' PIDs and logs)."
+        ) from None
     users = EtcdUsers(settings)  # its agents' etcd users, where etcd has auth on
     with users as store:
         daemon = HostDaemon(
@@ -312,4 +332,9 @@ def node(
         try:
             daemon.run(stop)
         except KeyboardInterrupt:
-            stop.set()
+            click.echo(
+                f"efdl node {name}: stopped (Ctrl-C); its agents train on, and a daemon "
+                "started again within the lease TTL adopts them.",
+                err=True,
+            )
+            sys.exit(130)

@@ -30,7 +30,13 @@ from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus
 from efdl.rendezvous.participant import Participant, close_job
-from efdl.rendezvous.status import format_status, read_status, status_json
+from efdl.rendezvous.status import (
+    format_status,
+    no_such_job,
+    read_status,
+    status_json,
+    unknown_job,
+)
 
 
 @click.command()
@@ -132,13 +138,16 @@ def status(job_id: str | None, as_json: bool, config_file: Path | None, **flags:
     job_id, cfg = job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
         st = read_status(store, job_id)
+        if not st.known:
+            raise EfdlError(no_such_job(store, job_id))
         events, _ = read_events(store, job_id)
     if as_json:
         click.echo(status_json(st))
         return
     click.echo(format_status(st))
     if events:
-        trained, still = stood_still(events, time.time())
+        end = st.round.created if st.round is not None and st.round.status.final else None
+        trained, still = stood_still(events, end or time.time())
         click.echo(
             f"since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(events[0].time))}: "
             f"trained {trained:.0f} s, stood still {still:.1f} s (the pauses of rescales and "
@@ -195,6 +204,9 @@ def stop(job_id: str | None, reason: str, config_file: Path | None, **flags: Any
     """End a job cleanly: every agent stops its workers and exits 0."""
     job_id, cfg = job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
+        unknown = unknown_job(store, job_id)
+        if unknown:  # (a stop would leave a closed job of that name, refusing a later run)
+            raise EfdlError(unknown)
         r = close_job(store, job_id, reason)
     click.echo(f"job {job_id}: generation {r.generation} is {r.status.value} ({r.reason}).")
 

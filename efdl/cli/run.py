@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -17,7 +19,7 @@ from typing import Any
 import click
 
 from efdl import __version__, logs
-from efdl._process import skip_final_gc, sweep_private_dirs
+from efdl._process import TEMP_PREFIX, skip_final_gc, sweep_private_dirs
 from efdl.cli.common import etcd_options, handle_errors, log, setup_logging, store_for
 from efdl.cli.torchrun_flags import IGNORED, apply_rdzv_conf, rendezvous_flags
 from efdl.config import DEFAULT_JOB_ID, EtcdClientConfig, LaunchConfig, load, read_yaml
@@ -294,6 +296,11 @@ def run_main(
     sys.exit(code)
 
 
+# An unnamed standalone run's job id: a run of its own, which no later run can resume.
+FRESH_PREFIX = "standalone-"
+_FRESH = re.compile(rf"^{FRESH_PREFIX}[0-9a-f]{{12}}$")
+
+
 def launch_config(
     flags: dict[str, Any], config_file: Path | None, env: Mapping[str, str]
 ) -> LaunchConfig:
@@ -317,7 +324,7 @@ def launch_config(
     if cfg.standalone and not cfg.job_id:
         # As torchrun: a run of its own, which no other standalone run on this host shares
         # (a script's checkpoint named after TORCHELASTIC_RUN_ID is this run's alone).
-        cfg = dataclasses.replace(cfg, job_id=f"standalone-{uuid.uuid4().hex[:12]}")
+        cfg = dataclasses.replace(cfg, job_id=f"{FRESH_PREFIX}{uuid.uuid4().hex[:12]}")
         log.info("Standalone run %s (a fresh id: give --job-id to resume a run later).", cfg.job_id)
     if cfg.job_id == DEFAULT_JOB_ID and not cfg.standalone:
         log.info(
@@ -375,7 +382,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     """Run the node agent for ``cfg``; with --standalone, around an embedded etcd."""
     logs.context.set(job=cfg.job_id or "", node=cfg.node_id or "")
     for path in sweep_private_dirs():
-        log.info("Removed %s, left by an efdl process that was killed.", path)
+        log.debug("Removed %s, the private directory of an efdl process that is gone.", path)
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
     warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
@@ -416,6 +423,35 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
             return code
     finally:
         warm.close()  # the agent's run closes it; this is for a start that failed before
+        if cfg.standalone and _FRESH.match(cfg.job_id or ""):
+            _remove_run_files(cfg.job_id or "", Path(tempfile.gettempdir()))
+
+
+def _remove_run_files(job_id: str, temp: Path) -> None:
+    """An unnamed standalone run ends: what its script left in the temp directory under a
+    name holding its id (a checkpoint for its restarts: digits-<id>.pt) serves no later run,
+    which has an id of its own (as torchrun's --standalone): removed, saying so."""
+    try:
+        left = [
+            p for p in temp.iterdir() if job_id in p.name and not p.name.startswith(TEMP_PREFIX)
+        ]
+    except OSError:
+        return
+    for path in left:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except OSError as exc:
+            log.warning("Could not remove %s (%s).", path, exc.strerror or exc)
+            continue
+        log.info(
+            "Removed %s: named after this run (%s), which no later run resumes (give --job-id "
+            "to resume a run).",
+            path,
+            job_id,
+        )
 
 
 @contextmanager

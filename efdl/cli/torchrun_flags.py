@@ -25,7 +25,7 @@ IGNORED = {
     "--local-ranks-filter say; LogsSpecs plugins are not loaded",
     "numa_binding": "workers are not bound to NUMA nodes (bind them with --no-python numactl "
     "... or in the script)",
-    "event_log_handler": "efdl's events go to etcd: `efdl events JOB` lists them",
+    "event_log_handler": "efdl's events go to etcd: `efdl events --job-id JOB` lists them",
 }
 
 
@@ -50,6 +50,15 @@ def rendezvous_flags(backend: str | None, endpoint: str | None, params: dict[str
         if params.get("etcd") or not endpoint:
             where = "the etcd at --etcd" if params.get("etcd") else "a static rendezvous"
             log.info("--rdzv-backend %s: efdl's rendezvous runs on %s.", backend, where)
+            return
+        if endpoint.rpartition(":")[2] == "0":  # what torchrun --standalone expands to
+            params["standalone"] = True
+            log.info(
+                "--rdzv-backend %s --rdzv-endpoint %s: torchrun's single-node line "
+                "(--standalone); efdl runs it standalone, on an etcd of its own.",
+                backend,
+                endpoint,
+            )
             return
         # c10d's store is served by the node at the endpoint: efdl's etcd is, there.
         at = Endpoint.parse(endpoint if ":" in endpoint.strip("[]") else f"{endpoint}:29400")

@@ -44,7 +44,7 @@ def spec_from_flags(
             f"--workdir {str(workdir)!r} is not a directory here; expected the directory that "
             "holds the code on every host."
         )
-    return JobSpec(
+    spec = JobSpec(
         job_id=job_id,
         argv=tuple(command),
         workdir=str(where),
@@ -55,6 +55,13 @@ def spec_from_flags(
         env=tuple(sorted(pairs)),
         submitted=time.time(),
     )
+    script = command[0] if command else ""
+    if script.endswith(".py") and not (where / script).is_file():  # (a program is on PATH)
+        raise ConfigError(
+            f"The training script {script!r} is not in {where}; expected a file there (the "
+            "directory that holds the code on every host: --workdir, else this one)."
+        )
+    return spec
 
 
 def format_jobs(view: FleetView, now: float) -> str:

@@ -173,6 +173,7 @@ class HostDaemon:
                     self._host = None  # register again
                     stop.wait(RETRY_S)
         finally:
+            stop.set()  # (a Ctrl-C ends the loop without it, and the allocator waits on it)
             session.close(revoke=False)  # a restart within the TTL keeps this host's record
             for t in threads:
                 t.join(timeout=30)

@@ -807,7 +807,13 @@ class NodeAgent:
         the reason), rather than let restarts start it over from step 0."""
         self._stop_workers(grace_s=min(self._cfg.grace_period_s, 5.0))
         try:
-            end_job(self._store, self._job, RoundStatus.FAILED, message.rstrip("."))
+            end_job(
+                self._store,
+                self._job,
+                RoundStatus.FAILED,
+                message.rstrip("."),
+                by=self._node.node_id,
+            )
         except StoreError as exc:
             log.error("%s: could not end the job in etcd: %s", self._tag(), exc)
         raise AgentExit(1, message)
@@ -979,10 +985,9 @@ class NodeAgent:
         self._start_workers(r, range(member.workers))
 
     def _observe(self, r: Round) -> None:
-        """The round in the metrics; a final round (written by whoever ended the job, not by
-        the leader's decision) in the history, by the leader."""
-        if r.status.final and self._rdzv is not None and self._rdzv.is_leader:
-            self._history.round(r)
+        """The round in the metrics (its event is in the history already: whoever writes a
+        round writes its event, a final one in the same transaction: efdl.rendezvous
+        .participant.end_job)."""
         self._metrics.round(r)
 
     def _rebuilds_in_place(self) -> bool:
@@ -1169,6 +1174,7 @@ class NodeAgent:
                     self._job,
                     RoundStatus.FINISHED,
                     f"the workers of node {self._node.node_id} finished",
+                    by=self._node.node_id,
                 )
             except StoreError as exc:
                 raise AgentExit(

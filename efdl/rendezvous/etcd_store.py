@@ -84,6 +84,7 @@ _RETRY_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # Watches ask for a member with a leader: one cut off from the quorum ends them ("no leader")
 # instead of keeping them open and silent (etcd's clientv3.WithRequireLeader).
 _REQUIRE_LEADER = ("hasleader", "true")
+CONNECT_SAY_EVERY_S = 30.0  # how often a client that waits for etcd at its start says so
 
 # gRPC Python wakes every thread blocked on a stream 10 times a second (only so that Ctrl-C can
 # interrupt the main thread). New data still wakes a reader at once through its condition
@@ -251,9 +252,10 @@ class EtcdStore(KVStore):
         return (("token", self._token),) if self._token else None
 
     def _connect(self) -> None:
-        deadline = time.monotonic() + self._settings.connect_timeout_s
+        start = time.monotonic()
+        deadline = start + self._settings.connect_timeout_s
         last: grpc.RpcError | None = None
-        said = False
+        say_at = start + 1.0  # a second of silence is long enough to say what we wait for
         while True:
             refusals = 0  # TLS handshakes refused for the client certificate: not transient
             for index, ch in enumerate(self._channels):
@@ -275,13 +277,15 @@ class EtcdStore(KVStore):
                     refusals += _certificate_refused(exc.details() or "")
             if refusals == len(self._channels) or time.monotonic() >= deadline:
                 break
-            if not said and time.monotonic() >= deadline - self._settings.connect_timeout_s + 1:
-                said = True  # a second of silence is long enough to say what we wait for
+            if (now := time.monotonic()) >= say_at:  # then again every half minute
+                say_at = now + CONNECT_SAY_EVERY_S
                 log.warning(
-                    "Waiting for etcd at %s (%s); giving up %.0f s from now.",
+                    "%s for etcd at %s (%s): %.0f s so far, giving up %.0f s from now.",
+                    "Waiting" if now - start < CONNECT_SAY_EVERY_S else "Still waiting",
                     self._settings.endpoint_list,
                     (last.details() or "no answer").splitlines()[0][:160] if last else "",
-                    deadline - time.monotonic(),
+                    now - start,
+                    deadline - now,
                 )
             time.sleep(0.2)
         detail = last.details() if last is not None else "no answer"

@@ -51,6 +51,7 @@ from efdl.rendezvous.api import (
 from efdl.rendezvous.decide import FENCE_MARGIN_S, JobView, NodeView, Policy, decide
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import (
+    Event,
     EventKind,
     JobKeys,
     Member,
@@ -1255,13 +1256,16 @@ def end_job(
     status: RoundStatus = RoundStatus.CLOSED,
     reason: str = "stopped by efdl stop",
     generation: int | None = None,
+    by: str = "efdl stop",
 ) -> Round | None:
-    """Write a final round (compare-and-swap), so every agent of the job ends.
+    """Write a final round (compare-and-swap), so every agent of the job ends, and its event
+    in the job's history in the same transaction (one event per end, whoever wrote it).
 
     Args:
         status: CLOSED (stop the workers now) or FINISHED (let them finish).
         generation: only if the current round is this generation (else None is returned:
             something newer happened and the caller should look again).
+        by: who ends it (a node id, or the command), as the event names it.
     """
     keys = JobKeys(job_id)
     for _ in range(20):
@@ -1279,12 +1283,13 @@ def end_job(
             created=now,
             since=now,
         )
+        event = Event.of_round(now, by, final)
         ok = retried(
             "write the job's end",
             functools.partial(
                 store.txn,
                 [Compare.mod_revision_is(keys.round, kv.mod_revision if kv else 0)],
-                [Put(keys.round, final.to_json())],
+                [Put(keys.round, final.to_json()), Put(event.key(keys), event.to_json())],
             ),
         )
         if ok.succeeded:
@@ -1342,8 +1347,10 @@ def start_job(
             return current
 
 
-def close_job(store: KVStore, job_id: str, reason: str = "stopped by efdl stop") -> Round:
+def close_job(
+    store: KVStore, job_id: str, reason: str = "stopped by efdl stop", by: str = "efdl stop"
+) -> Round:
     """Write a CLOSED round: every agent of the job stops its workers and exits cleanly."""
-    result = end_job(store, job_id, RoundStatus.CLOSED, reason)
+    result = end_job(store, job_id, RoundStatus.CLOSED, reason, by=by)
     assert result is not None
     return result

@@ -51,6 +51,7 @@ class JobStatus:
     cache: CacheRecord | None = None
     members: tuple[Member, ...] = ()  # of the round, in rank order
     live: dict[str, Liveness] = field(default_factory=dict)  # by node, where asked
+    known: bool = True  # whether etcd holds anything of the job at all
 
     @property
     def spares(self) -> list[str]:
@@ -81,7 +82,25 @@ def read_status(store: KVStore, job_id: str, probe: bool = True) -> JobStatus:
     if probe:
         targets = ((n, v.record.host, v.record.probe_port) for n, v in nodes.items())
         live = {n: Liveness(reply, said) for n, (reply, said) in ask_all(targets).items()}
-    return JobStatus(job_id, r, nodes, leader, cache, read_members(store, keys, r), live)
+    members = read_members(store, keys, r)
+    return JobStatus(job_id, r, nodes, leader, cache, members, live, known=bool(snap.kvs))
+
+
+def unknown_job(store: KVStore, job_id: str) -> str | None:
+    """A sentence if etcd holds neither a round nor a node of job ``job_id`` (a mistyped
+    --job-id), else None."""
+    keys = JobKeys(job_id)
+    if store.get(keys.round) is not None or store.get_prefix(keys.nodes).kvs:
+        return None
+    return no_such_job(store, job_id)
+
+
+def no_such_job(store: KVStore, job_id: str) -> str:
+    return (
+        f"No job {job_id!r} on {store.description}: etcd holds nothing under "
+        f"{JobKeys(job_id).prefix} (is the --job-id right? a job appears once a node of it "
+        "runs efdl-run)."
+    )
 
 
 def _when(ts: float) -> str:

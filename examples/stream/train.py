@@ -2,9 +2,9 @@
 
     efdl-run --standalone --nproc-per-node 2 examples/stream/train.py
 
-The first run writes a synthetic data set (``--data``, default ``efdl-stream-example`` in the
-temp directory: 16 Parquet files of 4096 rows, 64 features and a label each) and trains a
-classifier on it. The stream reads each rank's share of every step straight from the files
+The run writes a synthetic data set (``--data``, default ``efdl-stream-example-<job id>`` in
+the temp directory: 16 Parquet files of 4096 rows, 64 features and a label each, removed when
+the job finishes; give ``--data DIR`` to keep one) and trains a classifier on it. The stream reads each rank's share of every step straight from the files
 (the directory may as well be ``s3://bucket/prefix``); its position (epoch, samples consumed)
 is part of the elastic state, so when workers join, leave or die mid-epoch the rest of the
 epoch is split over the new world and every row is trained once per epoch. Rank 0 prints each
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -56,7 +57,8 @@ def write_data(folder: Path, files: int = 16, rows: int = 4096) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    default = os.path.join(tempfile.gettempdir(), "efdl-stream-example")
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")  # (this job's restarts share it)
+    default = os.path.join(tempfile.gettempdir(), f"efdl-stream-example-{job}")
     parser.add_argument("--data", default=default, help="Parquet files (a directory or URL)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=256, help="global batch (all ranks)")
@@ -105,6 +107,10 @@ def main() -> None:
                 )
 
     train(state)
+    if args.data == default:  # the data set this job wrote for itself goes with it
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(args.data, ignore_errors=True)
     dist.destroy_process_group()
 
 

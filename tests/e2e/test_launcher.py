@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from efdl.launcher.node import interface_of
+from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.rendezvous.etcd_store import EtcdStore
 from tests.e2e.harness import (
     EFDL_RUN,
     Job,
@@ -560,6 +562,18 @@ def test_the_failing_ranks_recorded_error_is_reported(tmp_path: Path) -> None:
     assert "failed with exit code 1: ValueError: the learning rate 42 is too large" in result.stderr
 
 
+def test_a_mistyped_job_id_is_refused_by_stop_and_status_and_leaves_nothing(job: Job) -> None:
+    """`efdl stop` of a job etcd holds nothing of must not create a closed job of that name
+    (a later efdl-run of it would be refused), and `efdl status` says there is no such job."""
+    typo = job.job_id + "-typo"
+    for command in ("stop", "status"):
+        result = efdl(command, "--etcd", job.etcd, "--job-id", typo)
+        assert result.returncode == 2, (command, result.stdout, result.stderr)
+        assert f"No job '{typo}'" in result.stderr and "Traceback" not in result.stderr
+    with EtcdStore(EtcdSettings((Endpoint.parse(job.etcd),))) as store:
+        assert not store.get_prefix(f"/efdl/{typo}/").kvs
+
+
 def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(job: Job) -> None:
     """Starting a job id that finished must not exit 0 doing nothing: it is refused with a
     sentence saying how to start it again, and --new-run starts a new run of it."""
@@ -568,6 +582,9 @@ def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(job: Job) -> None:
     assert first.wait(120) == 0, first.output()[-3000:]
     done = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
     assert "finished" in done.stdout and "--new-run" in done.stdout, done.stdout
+    history = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id).stdout
+    ends = [line for line in history.splitlines() if " round " in line and "finished:" in line]
+    assert len(ends) == 1, history  # the job's end is in its history, once
     gens = {r["gen"] for r in job.events()}
 
     again = job.start("b", "--nproc-per-node", "1", "--min", "1", "--max", "1")
@@ -628,5 +645,71 @@ def test_efdl_run_leaves_nothing_in_the_temp_directory(tmp_path: Path, short_tmp
     assert any(n.startswith("efdl-etcd-") for n in left), left
     again = run()
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "left by an efdl process that was killed" in again.stderr
-    assert list(temp.iterdir()) == []
+    assert list(temp.iterdir()) == []  # swept, quietly (-v says so: nothing is wrong)
+    assert "efdl-standalone-" not in again.stderr and "killed" not in again.stderr
+
+
+def test_ctrl_c_while_waiting_for_etcd_exits_130_and_says_so() -> None:
+    """A wrong --etcd: efdl-run says what it waits for and how long (again every half
+    minute), and Ctrl-C there ends it with 130 and a sentence (not click's "Aborted!", 1)."""
+    import signal as signals
+
+    from efdl._process import free_port
+
+    script = Path(__file__).parent / "scripts" / "elastic_steps.py"
+    argv = [*EFDL_RUN, "--etcd", f"127.0.0.1:{free_port()}", "--job-id", "nowhere", str(script)]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signals.signal(signals.SIGINT, signals.SIG_DFL),  # as a terminal
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "Waiting for etcd at" in line:
+                assert "giving up" in line, line
+                break
+        proc.send_signal(signals.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted (Ctrl-C)" in err and "Aborted" not in err and "Traceback" not in err
+
+
+def test_an_unnamed_standalone_run_stopped_by_ctrl_c_leaves_no_checkpoint(short_tmp: Path) -> None:
+    """The README's run, Ctrl-C'd after its first checkpoint: the run had no --job-id, so no
+    later run resumes it; the checkpoint its script left in the temp directory under the run's
+    id goes with it, and efdl-run exits 130 (unfinished work)."""
+    import signal as signals
+
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
+    script = Path(__file__).parents[2] / "examples" / "digits" / "train_torchrun.py"
+    proc = subprocess.Popen(
+        [*EFDL_RUN, "--standalone", "--nproc-per-node", "2", str(script), "--epochs", "1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        preexec_fn=lambda: signals.signal(signals.SIGINT, signals.SIG_DFL),  # as a terminal
+    )
+    try:
+        wait_until(
+            "the run's first checkpoint",
+            lambda: any(p.name.startswith("digits-standalone-") for p in short_tmp.iterdir()),
+            180,
+        )
+        proc.send_signal(signals.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    left = [p.name for p in short_tmp.iterdir() if "standalone" in p.name or "efdl" in p.name]
+    assert left == [], err[-3000:]  # (torch's own caches may stay: torchinductor_<user>)
+    assert "Removed" in err and "no later run resumes" in err, err[-3000:]

@@ -306,6 +306,8 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
 ) -> None:
     with EtcdStore(etcd_server.settings()) as store:
         add_host(store, keys, "ip-10-2-0-1.ec2.internal", 8)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "t.py").write_text("")
     run = efdl(
         etcd_server, keys, "submit", "--job-id", "gpt-small", "--min", "2", "--max", "8",
         "--priority", "3", "--cache-url", f"file://{tmp_path}", "--workdir", str(tmp_path),
@@ -333,8 +335,11 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
         (["submit", "--job-id", "gpt-small", "--min", "1"], "is already in fleet"),
         (["submit", "--job-id", "a/b", "--min", "1"], "job id 'a/b' is not allowed"),
     ]:
-        code, out = efdl_here(etcd_server, keys, *args, "--", "t.py")
+        where = [] if "--workdir" in args else ["--workdir", str(tmp_path)]
+        code, out = efdl_here(etcd_server, keys, *args, *where, "--", "t.py")
         assert code == 2 and message in out, (args, out)
+    code, out = efdl_here(etcd_server, keys, *sub, "--workdir", str(tmp_path), "--", "nosuch.py")
+    assert code == 2 and f"The training script 'nosuch.py' is not in {tmp_path}" in out, out
     for args, message in [
         (["cancel", "nope"], "has no job 'nope'"),
         (["allocator", "--resize-interval", "-1"], "--resize-interval -1.0 is negative"),
@@ -348,7 +353,7 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
     ]:
         code, out = efdl_here(etcd_server, keys, *args)
         assert code == 2 and message in out, (args, out)
-    code, out = efdl_here(etcd_server, keys, "cancel", "gpt-small")
+    code, out = efdl_here(etcd_server, keys, "cancel", "--job-id", "gpt-small")
     assert code == 0 and "job gpt-small: cancelled" in out, out
     code, out = efdl_here(etcd_server, keys, "jobs", "--history", "--job-id", "gpt-small")
     assert code == 0 and "queued" in out and "cancelled by efdl cancel" in out, out

@@ -84,7 +84,7 @@ def test_every_torchrun_option_has_a_sample_value() -> None:
 def test_efdl_run_takes_each_torchrun_option(
     spelling: str, dest: str, takes_value: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    base_argv = ["--etcd", "etcd-0:2379"] if dest == "standalone" else []
+    base_argv = ["--nnodes", "2"] if dest == "standalone" else []  # (else it is implied)
     argv = [*base_argv, spelling, SAMPLES[dest]] if takes_value else [*base_argv, spelling]
     caplog.set_level(logging.INFO, logger="efdl")
     base = _fields(_config(base_argv))
@@ -146,6 +146,19 @@ def test_torchruns_store_backends_run_on_etcd_or_standalone(backend: str) -> Non
     assert _config([*flags, "--etcd", "etcd-1:2379", "--nnodes", "2"]).etcd == "etcd-1:2379"
     alone = _config(flags)
     assert alone.standalone and alone.etcd in (None, "")
+
+
+def test_torchruns_own_single_node_line_runs_standalone() -> None:
+    """What `torchrun --standalone` expands to: c10d at port 0 of localhost, one node."""
+    cfg = _config(["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--nnodes=1"])
+    assert cfg.standalone and not cfg.etcd and not cfg.serve_etcd
+
+
+def test_standalone_with_an_etcd_is_refused_not_ignored() -> None:
+    from efdl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--standalone starts an etcd of its own.*etcd-1:2379"):
+        _config(["--standalone", "--etcd", "etcd-1:2379"])
 
 
 def test_an_unknown_backend_is_refused() -> None:
