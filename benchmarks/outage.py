@@ -150,7 +150,9 @@ def break_etcd(kind: str, etcd: Etcd) -> Callable[[], None]:
     return resume
 
 
-def one_run(kind: str, duration: float, tree: Path | None) -> dict[str, Outcome]:
+def one_run(
+    kind: str, duration: float, tree: Path | None, torchft: bool = True
+) -> dict[str, Outcome]:
     """One run of fault ``kind``: every job side by side; their outcomes by launcher name."""
     outage_s = 12.0 if kind == "leader" else duration
     out = Path(tempfile.mkdtemp(prefix=f"outage-{kind}-"))
@@ -159,7 +161,7 @@ def one_run(kind: str, duration: float, tree: Path | None) -> dict[str, Outcome]
     # TorchFT's own heartbeat timeout (5 s), as this benchmark first measured it.
     lighthouse = (
         Lighthouse(out / "lighthouse.log", heartbeat_ms=5000)
-        if kind in ("hung", "killed")
+        if kind in ("hung", "killed") and torchft
         else None
     )
     runs: list[Run] = []
@@ -223,6 +225,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--before", default="52f2202", help="git ref of efdl before issue 34")
+    parser.add_argument(
+        "--no-torchft", action="store_true", help="efdl alone (TorchFT not installed)"
+    )
     args = parser.parse_args()
     kinds = [k for k in args.faults.split(",") if k]
     results: dict[tuple[str, str], list[Outcome]] = defaultdict(list)
@@ -230,7 +235,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for kind in kinds:
                 print(f"  {kind} ...", file=sys.stderr, flush=True)
-                for name, o in one_run(kind, args.outage, tree).items():
+                for name, o in one_run(kind, args.outage, tree, not args.no_torchft).items():
                     results[(kind, name)].append(o)
     print(
         f"Two-node jobs (one worker each, gloo on CPU, {STEP_S} s of sleep per step, lease TTL "
