@@ -28,8 +28,9 @@ from efdl.rendezvous.api import Compare, EventType, Put
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
+from efdl.rendezvous.lifecycle import close_job
 from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus
-from efdl.rendezvous.participant import Participant, close_job
+from efdl.rendezvous.participant import Participant
 from efdl.rendezvous.status import (
     format_status,
     no_such_job,

@@ -31,8 +31,9 @@ from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, r
 from efdl.rendezvous.api import Endpoint, EtcdSettings, EventType
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.lifecycle import start_job
 from efdl.rendezvous.model import JobKeys, check_id
-from efdl.rendezvous.participant import parse_round, start_job
+from efdl.rendezvous.records import parse_round
 from efdl.rendezvous.served import (
     ServedEtcd,
     default_state_dir,

@@ -46,6 +46,7 @@ from typing import Any
 
 from efdl.data.source import DataSourceError, Source
 from efdl.errors import EfdlError
+from efdl.protocol.env import DATA_SHM_ENV
 
 # How long a worker waits for another's window. A worker that dies makes the DataLoader
 # fail within seconds; this bounds a worker that hangs (a read that never returns).
@@ -62,7 +63,7 @@ class SharedDirectoryError(EfdlError, PermissionError):
 def base() -> Path:
     """Where the windows go: ``EFDL_DATA_SHM`` if set, else shared memory if the machine has
     it, else the temp folder."""
-    chosen = os.environ.get("EFDL_DATA_SHM")
+    chosen = os.environ.get(DATA_SHM_ENV)
     if chosen:
         return Path(chosen)
     shm = Path("/dev/shm")

@@ -34,9 +34,36 @@ from efdl.launcher.restarts import RestartBudget, Verdict
 from efdl.launcher.tcpstore import TCPStoreServer, preload
 from efdl.launcher.warm import WarmPool, warm_command
 from efdl.launcher.workers import WorkerExit, WorkerGroup
+from efdl.protocol.env import (
+    BEAT_DIR_ENV,
+    FENCE_ENV,
+    GRACE_ENV,
+    HANG_TIMEOUT_ENV,
+    JOB_GENERATION_ENV,
+    JOB_STEP_ENV,
+    JOIN_TIMEOUT_ENV,
+    PLACEMENT_TIMEOUT_ENV,
+    SOCKET_ENV,
+    STANDBY_ENV,
+)
+from efdl.protocol.messages import (
+    Agreed,
+    Leave,
+    PeerFailed,
+    Persisted,
+    Placed,
+    Placement,
+    Rescaled,
+    ResumedFromCache,
+    StateLost,
+    Stepped,
+    ToAgent,
+    Waiting,
+)
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.lifecycle import end_job
 from efdl.rendezvous.model import (
     CacheRecord,
     Event,
@@ -49,23 +76,13 @@ from efdl.rendezvous.model import (
     RoundStatus,
 )
 from efdl.rendezvous.outputs import Position, guarded_put
-from efdl.rendezvous.participant import Participant, end_job, parse_round
+from efdl.rendezvous.participant import Participant
 from efdl.rendezvous.probe import ProbeListener, Reply, ask
+from efdl.rendezvous.records import parse_round
 from efdl.state.cache import CacheSettings, SnapshotStorage
-from efdl.state.channel import (
-    GRACE_ENV,
-    HANG_TIMEOUT_ENV,
-    JOB_GENERATION_ENV,
-    JOB_STEP_ENV,
-    JOIN_TIMEOUT_ENV,
-    PLACEMENT_TIMEOUT_ENV,
-    SOCKET_ENV,
-    STANDBY_ENV,
-    ChannelServer,
-    Placement,
-)
-from efdl.state.fence import FENCE_ENV, FenceWriter
-from efdl.state.hang import BEAT_DIR_ENV, POLL_S, Hang
+from efdl.state.channel import ChannelServer
+from efdl.state.fence import FenceWriter
+from efdl.state.hang import POLL_S, Hang
 
 log = logging.getLogger(__name__)
 
@@ -112,40 +129,6 @@ class _Reached:
 @dataclass(frozen=True, slots=True)
 class _Failed:
     reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Persisted:
-    """Rank 0 wrote a complete snapshot of ``step`` to the remote cache."""
-
-    step: int
-    epoch: int | None
-    world_size: int
-    size: int = 0  # bytes
-    seconds: float = 0.0
-    generation: int = 0  # the generation that persisted it
-
-
-@dataclass(frozen=True, slots=True)
-class _PeerFailed:
-    """A worker's collective failed because a peer's connection closed."""
-
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class _StateLost:
-    """Rank 0 found that no rank holds the job's state and no snapshot brings it back."""
-
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Stepped:
-    """A worker's optimizer stepped (efdl.launcher.stepwatch), at ``time`` (wall clock)."""
-
-    pid: int
-    time: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,52 +365,30 @@ class NodeAgent:
             return ""
         return r.round_id if group.running() else ""
 
-    def _on_worker_message(self, pid: int, msg: dict[str, object]) -> None:
-        kind, step, world = msg.get("type"), msg.get("step"), msg.get("world_size")
-        generation = msg.get("generation")
-        epoch, size, seconds = msg.get("epoch"), msg.get("bytes"), msg.get("seconds")
-        if kind == "persisted" and isinstance(step, int) and isinstance(world, int):
+    def _on_worker_message(self, pid: int, msg: ToAgent) -> None:
+        """A worker's message (on a channel thread): most go to the loop as they are."""
+        if isinstance(msg, Persisted | Stepped | PeerFailed | StateLost):
+            self._events.put(msg)
+        elif isinstance(msg, Agreed):
+            self._trained, self._trained_at = msg.step, time.time()
+            self._metrics.progress(msg.step)  # thread-safe: no need for the main thread
+            # Every rank of the generation committed `agreed`.
+            self._job_progress = max(self._job_progress, (msg.generation, msg.agreed))
+            r = self._round
+            if r is not None and r.member is not None and r.member.first_rank == 0:
+                record = Progress(msg.agreed, msg.generation, time.time())
+                self._progress.offer(record.to_json())
+        elif isinstance(msg, ResumedFromCache):
+            text = f"resumed from the cache's snapshot of step {msg.step}"
             self._events.put(
-                _Persisted(
-                    step,
-                    epoch if isinstance(epoch, int) else None,
-                    world,
-                    size if isinstance(size, int) else 0,
-                    float(seconds) if isinstance(seconds, int | float) else 0.0,
-                    generation if isinstance(generation, int) else 0,
-                )
+                self._history.event(EventKind.RESUME, self._generation, text, step=msg.step)
             )
-        elif kind == "stepped":
-            at = msg.get("time")
-            stamp = float(at) if isinstance(at, int | float) else time.time()
-            self._events.put(_Stepped(pid, stamp))
-        elif kind == "peer_failed" and isinstance(generation, int):
-            self._events.put(_PeerFailed(generation))
-        elif kind == "progress" and isinstance(step, int):
-            self._trained, self._trained_at = step, time.time()
-            self._metrics.progress(step)  # thread-safe: no need for the main thread
-            # Every rank of the generation committed `agreed` (older workers: say nothing).
-            agreed = msg.get("agreed")
-            if isinstance(agreed, int) and isinstance(generation, int):
-                self._job_progress = max(self._job_progress, (generation, agreed))
-                r = self._round
-                if r is not None and r.member is not None and r.member.first_rank == 0:
-                    self._progress.offer(Progress(agreed, generation, time.time()).to_json())
-        elif kind == "state_lost" and isinstance(msg.get("message"), str):
-            self._events.put(_StateLost(str(msg["message"])))
-        elif kind == "resumed" and isinstance(step, int):
-            text = f"resumed from the cache's snapshot of step {step}"
-            self._events.put(
-                self._history.event(EventKind.RESUME, self._generation, text, step=step)
+        elif isinstance(msg, Rescaled):
+            text = f"training went on at world size {msg.world_size}"
+            event = self._history.event(
+                EventKind.RESCALE, msg.generation, text, msg.world_size, msg.step, msg.stood_still
             )
-        elif kind == "rescaled" and isinstance(generation, int) and isinstance(world, int):
-            still = msg.get("stood_still")
-            if isinstance(still, int | float) and isinstance(step, int):
-                text = f"training went on at world size {world}"
-                event = self._history.event(
-                    EventKind.RESCALE, generation, text, world, step, float(still)
-                )
-                self._events.put(event)
+            self._events.put(event)
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._generation}"
@@ -725,7 +686,7 @@ class NodeAgent:
             raise AgentExit(1, event.reason)
         elif isinstance(event, _Hello):
             self._on_hello(event.pid)
-        elif isinstance(event, _StateLost):
+        elif isinstance(event, StateLost):
             self._state_lost(event.message)
         elif isinstance(event, _Hung):
             self._hung(event)
@@ -734,19 +695,19 @@ class NodeAgent:
             # that etcd's return brings, with its state in memory, up to the join timeout.
             for w in self._group.running():
                 if w.pid in self._in_place:
-                    self._channel.send_waiting(w.pid, self._cfg.join_timeout_s)
-        elif isinstance(event, _Persisted):
+                    self._channel.send(w.pid, Waiting(self._cfg.join_timeout_s))
+        elif isinstance(event, Persisted):
             self._publish_cache(event)
         elif isinstance(event, _Reached):
             self._reopen_fence(event.at)
         elif isinstance(event, Event):
             self._note(event)
-        elif isinstance(event, _Stepped):
+        elif isinstance(event, Stepped):
             self._stepped(event)
-        elif isinstance(event, _PeerFailed) and self._rdzv is not None:
+        elif isinstance(event, PeerFailed) and self._rdzv is not None:
             self._rdzv.report_failure(event.generation)
 
-    def _stepped(self, ev: _Stepped) -> None:
+    def _stepped(self, ev: Stepped) -> None:
         """A worker of this node stepped. The first step of workers restarted for a round
         ends the time training stood still (restart mode: plain scripts say nothing else of
         their steps), from the last step before the event; the node of rank 0 records it,
@@ -842,7 +803,7 @@ class NodeAgent:
         self._in_place.add(pid)
         placement = self._unsent.pop(pid, None)
         if placement is not None:
-            self._channel.send_round(pid, placement)
+            self._channel.send(pid, Placed(placement))
         if pid in self._replacing:
             self._replacing.discard(pid)
             if self._rdzv is not None:
@@ -903,7 +864,7 @@ class NodeAgent:
             f"step {cache.step}" if cache is not None else "none known",
         )
 
-    def _publish_cache(self, ev: _Persisted) -> None:
+    def _publish_cache(self, ev: Persisted) -> None:
         assert self._cache is not None
         record = CacheRecord(
             ev.step, ev.epoch, ev.world_size, self._cache.url, time.time(), ev.generation
@@ -913,12 +874,12 @@ class NodeAgent:
         self._record(
             EventKind.PERSIST,
             self._generation,
-            f"persisted {ev.size / 1e6:.1f} MB to {self._cache.url}",
+            f"persisted {ev.bytes / 1e6:.1f} MB to {self._cache.url}",
             world_size=ev.world_size,
             step=ev.step,
             seconds=ev.seconds,
         )
-        self._metrics.persisted(ev.step, ev.size, ev.seconds)
+        self._metrics.persisted(ev.step, ev.bytes, ev.seconds)
 
     def _on_round(self, r: Round) -> None:
         if r.generation <= self._generation:
@@ -949,7 +910,7 @@ class NodeAgent:
                 self._stop_workers()
             elif self._group is not None:  # their wait for a placement may last this long
                 for w in self._group.running():
-                    self._channel.send_waiting(w.pid, self._cfg.join_timeout_s)
+                    self._channel.send(w.pid, Waiting(self._cfg.join_timeout_s))
             log.info("%s: the job waits: %s.", self._tag(), r.reason)
             return  # in-place workers wait for the next round with their state in memory
         member = r.member
@@ -987,7 +948,7 @@ class NodeAgent:
     def _observe(self, r: Round) -> None:
         """The round in the metrics (its event is in the history already: whoever writes a
         round writes its event, a final one in the same transaction: efdl.rendezvous
-        .participant.end_job)."""
+        .lifecycle.end_job)."""
         self._metrics.round(r)
 
     def _rebuilds_in_place(self) -> bool:
@@ -1027,12 +988,12 @@ class NodeAgent:
                     self._job_progress[1],
                     self._job_progress[0],
                 )
-                if not self._channel.send_round(w.pid, placement):
+                if not self._channel.send(w.pid, Placed(placement)):
                     self._unsent[w.pid] = placement  # a replacement still starting
                 placed.append(w.pid)
             elif w.pid not in self._standby:
                 self._leaving.add(w.pid)
-                self._channel.send(w.pid, {"type": "leave"})
+                self._channel.send(w.pid, Leave())
         group.generation = r.generation
         missing = list(range(len(placed), wanted))
         if missing:
@@ -1271,7 +1232,7 @@ class NodeAgent:
             assert self._group is not None
             for w in self._group.running():  # pause with everyone, commit, exit
                 self._leaving.add(w.pid)
-                self._channel.send(w.pid, {"type": "leave"})
+                self._channel.send(w.pid, Leave())
             # Leave the rendezvous at once: the others' new round makes them pause at the
             # same step boundary as ours (the pause agreement takes the max of all flags),
             # so nobody waits for our workers' interpreters to exit.
@@ -1320,7 +1281,7 @@ class NodeAgent:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(event, _Persisted | Event):
+            if isinstance(event, Persisted | Event):
                 self._handle(event)
 
     def _leave_rendezvous(self) -> None:

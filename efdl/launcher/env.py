@@ -8,11 +8,10 @@ from pathlib import Path
 
 from efdl.config import SECRET_VARIABLES
 from efdl.launcher.gpus import worker_devices
+from efdl.protocol.env import DEVICE_ENV, GENERATION_ENV, JOB_ID_ENV, LOCAL_RANK_ENV, NODE_ID_ENV
 from efdl.rendezvous.model import NodeRecord, Round
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-DEVICE_ENV = "EFDL_CUDA_DEVICE"  # the index of the worker's own GPU in its CUDA_VISIBLE_DEVICES
-LOCAL_RANK_ENV = "EFDL_LOCAL_RANK"  # the worker's local rank, also where LOCAL_RANK says 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +71,10 @@ def worker_env(
         # The rank-0 node's agent serves this generation's store: every worker is a client.
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_ERROR_FILE=str(error_file),
-        EFDL_JOB_ID=ctx.job_id,
-        EFDL_NODE_ID=ctx.node.node_id,
-        EFDL_GENERATION=str(rnd.generation),
     )
+    env[JOB_ID_ENV] = ctx.job_id
+    env[NODE_ID_ENV] = ctx.node.node_id
+    env[GENERATION_ENV] = str(rnd.generation)
     env[LOCAL_RANK_ENV] = str(local_rank)
     if ctx.ifname:
         for name in SOCKET_IFNAME_VARIABLES:

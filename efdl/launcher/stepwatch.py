@@ -5,7 +5,7 @@ when training went on after a restart: ``efdl status`` said "stood still 0.0 s" 
 that stood still for seconds per event. Every Python worker starts through
 :mod:`efdl.launcher.warm` (warm or not), which installs this watch before the script runs:
 a global optimizer step hook (``torch.optim.optimizer.register_optimizer_step_post_hook``;
-a clock read per step) that sends the agent ``{"type": "stepped", "time"}`` on the first
+a clock read per step) that sends the agent a :class:`~efdl.protocol.messages.Stepped` on the first
 step and then at most every 0.1 s, over the agent's socket (``EFDL_AGENT_SOCKET``, through
 :class:`efdl.state.channel.Reporter`). Lost if the agent is gone; nothing waits on it.
 """
@@ -16,7 +16,9 @@ import os
 import time
 from typing import Any
 
-from efdl.state.channel import SOCKET_ENV, Reporter
+from efdl.protocol.env import SOCKET_ENV
+from efdl.protocol.messages import Stepped
+from efdl.state.channel import Reporter
 
 REPORT_EVERY_S = 0.1  # the pause it measures starts at most this much early
 
@@ -31,7 +33,7 @@ class _Watch:
         if self._sent_at is not None and now - self._sent_at < REPORT_EVERY_S:
             return
         self._sent_at = now
-        self._reporter.send({"type": "stepped", "time": time.time()})
+        self._reporter.send(Stepped(time.time(), os.getpid()))
 
 
 def install() -> bool:

@@ -33,10 +33,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from efdl._process import spawn_worker
+from efdl.protocol.env import WARM_ENV
 
 log = logging.getLogger(__name__)
 
-WARM_ENV = "EFDL_WARM"  # set in the worker's environment when it started warm ("1")
 # The process names (/proc/PID/comm) of a warm process importing torch, and of one ready and
 # waiting for its place.
 WARMING_NAME = "efdl-warming"

@@ -17,7 +17,6 @@ cannot write).
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -30,9 +29,7 @@ from efdl.errors import (
     CompactedError,
     DuplicateNodeError,
     LeaseLostError,
-    RendezvousClosedError,
     RendezvousError,
-    StoreAuthError,
     StoreConnectionError,
     StoreError,
 )
@@ -51,7 +48,6 @@ from efdl.rendezvous.api import (
 from efdl.rendezvous.decide import FENCE_MARGIN_S, JobView, NodeView, Policy, decide
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import (
-    Event,
     EventKind,
     JobKeys,
     Member,
@@ -61,6 +57,13 @@ from efdl.rendezvous.model import (
     RoundStatus,
 )
 from efdl.rendezvous.probe import Reply, ask, ask_all, knock_all
+from efdl.rendezvous.records import (
+    BLIP_S,
+    parse_nodes,
+    parse_round,
+    read_members,
+    retried,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +72,6 @@ T = TypeVar("T")
 # of this node may still deliver; their items are dropped).
 _InboxItem = tuple[str, object, int]
 _Target = tuple[str, str, int, int]  # a node to probe: id, host, probe port, lease
-# How long a one-off etcd call (a restart request, the job's end, a store publication) keeps
-# trying through an etcd blip before the agent gives up on it. Each attempt already fails over
-# between members within the request timeout; this spans a restart of etcd itself.
-BLIP_S = 30.0
 # How long the leader waits for the answer of a member whose record went (see _await), and,
 # in lease TTLs, for such a member to register again once its agent said it runs the round
 # still: etcd revoked its lease, or the lease expired while etcd was away.
@@ -92,94 +91,6 @@ CAS_BACKOFF_MAX_S = 2.0
 
 # What _own_member says of a round whose member records are being replaced by a newer one's.
 _SUPERSEDED = Member("", 1, 0)
-
-
-def retried(what: str, fn: Callable[[], T], timeout_s: float = BLIP_S, pause_s: float = 0.5) -> T:
-    """``fn()``, tried again (``pause_s`` apart) on a StoreError until ``timeout_s`` has passed,
-    then the last error is raised. ``fn`` must be safe to repeat: a retried write may have
-    been applied. Says what it waits for at the first failure and every ten seconds."""
-    started = time.monotonic()
-    deadline = started + timeout_s
-    said_at = 0.0
-    while True:
-        try:
-            return fn()
-        except (LeaseLostError, CompactedError, StoreAuthError):  # not a blip
-            raise
-        except StoreError as exc:
-            now = time.monotonic()
-            if now >= deadline:
-                raise
-            if now - said_at >= 10.0:
-                said_at = now
-                log.warning(
-                    "Could not %s (%s); trying again for up to %.0f s more.",
-                    what,
-                    exc,
-                    deadline - now,
-                )
-            time.sleep(pause_s)
-
-
-def parse_nodes(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, NodeView]:
-    """Node views from ``nodes/`` keys; a record that does not parse is logged and skipped."""
-    nodes: dict[str, NodeView] = {}
-    for kv in kvs:
-        try:
-            nodes[keys.node_id_of(kv.key)] = NodeView(
-                NodeRecord.from_json(kv.value, kv.key), kv.create_revision, kv.lease
-            )
-        except RecordError as exc:
-            log.error("Job %s: ignoring a bad node record: %s", keys.job_id, exc)
-    return nodes
-
-
-def read_members(store: KVStore, keys: JobKeys, r: Round | None) -> tuple[Member, ...]:
-    """The members of round ``r`` as they were when the leader had written them all (its
-    ``members_revision``; compacted: as they are now, which still carry its id unless a newer
-    round is being written)."""
-    if r is None or r.status is not RoundStatus.ACTIVE:
-        return ()
-    try:
-        snap = store.get_prefix(keys.members, revision=r.members_revision)
-    except CompactedError:
-        snap = store.get_prefix(keys.members)
-    return parse_members(snap.kvs, r, keys)
-
-
-def parse_members(kvs: tuple[KeyValue, ...], r: Round | None, keys: JobKeys) -> tuple[Member, ...]:
-    """The members of round ``r`` (in rank order) among ``members/`` keys: the records that
-    carry its round id; others are left over from other rounds."""
-    if r is None or r.status is not RoundStatus.ACTIVE:
-        return ()
-    members = []
-    for kv in kvs:
-        try:
-            m = Member.from_json(kv.value, kv.key)
-        except RecordError as exc:
-            log.error("Job %s: ignoring a bad member record: %s", keys.job_id, exc)
-            continue
-        if m.round_id == r.round_id:
-            members.append(m)
-    if len(members) != r.nodes:
-        log.error(
-            "Job %s: round %d has %d nodes but %d member records.",
-            keys.job_id,
-            r.generation,
-            r.nodes,
-            len(members),
-        )
-    return tuple(sorted(members, key=lambda m: m.first_rank))
-
-
-def parse_round(kv: KeyValue | None, keys: JobKeys) -> Round | None:
-    if kv is None or not kv.value:
-        return None
-    try:
-        return Round.from_json(kv.value, kv.key)
-    except RecordError as exc:
-        log.error("Job %s: ignoring a bad round record: %s", keys.job_id, exc)
-        return None
 
 
 class Participant:
@@ -1248,109 +1159,3 @@ class Participant:
         with self._cond:
             self._is_leader = False
         raise LeaseLostError("The node record is gone.")
-
-
-def end_job(
-    store: KVStore,
-    job_id: str,
-    status: RoundStatus = RoundStatus.CLOSED,
-    reason: str = "stopped by efdl stop",
-    generation: int | None = None,
-    by: str = "efdl stop",
-) -> Round | None:
-    """Write a final round (compare-and-swap), so every agent of the job ends, and its event
-    in the job's history in the same transaction (one event per end, whoever wrote it).
-
-    Args:
-        status: CLOSED (stop the workers now) or FINISHED (let them finish).
-        generation: only if the current round is this generation (else None is returned:
-            something newer happened and the caller should look again).
-        by: who ends it (a node id, or the command), as the event names it.
-    """
-    keys = JobKeys(job_id)
-    for _ in range(20):
-        kv = retried("read the round", lambda: store.get(keys.round))
-        current = parse_round(kv, keys)
-        if current is not None and current.status.final:
-            return current
-        if generation is not None and (current is None or current.generation != generation):
-            return None
-        now = time.time()
-        final = Round(
-            generation=(current.generation if current else 0) + 1,
-            status=status,
-            reason=reason,
-            created=now,
-            since=now,
-        )
-        event = Event.of_round(now, by, final)
-        ok = retried(
-            "write the job's end",
-            functools.partial(
-                store.txn,
-                [Compare.mod_revision_is(keys.round, kv.mod_revision if kv else 0)],
-                [Put(keys.round, final.to_json()), Put(event.key(keys), event.to_json())],
-            ),
-        )
-        if ok.succeeded:
-            return final
-    raise RendezvousError(f"Could not end job {job_id!r}: its round kept changing.")
-
-
-def start_job(
-    store: KVStore, job_id: str, new_run: bool, timeout_s: float = BLIP_S
-) -> Round | None:
-    """Before a node joins: if the job has ended (finished, stopped or failed), start a new
-    run of it when ``new_run``, else refuse. A new run replaces the final round
-    (compare-and-swap) with a waiting round of the next generation, so its nodes join as at
-    a first start; the remote cache is the job's, so a resumed job goes on from its newest
-    snapshot. Returns the round that ended the last run, if one was reopened.
-
-    Waits up to ``timeout_s`` for etcd to answer.
-
-    Raises:
-        RendezvousClosedError: the job has ended and ``new_run`` is off.
-    """
-    keys = JobKeys(job_id)
-    while True:
-        kv = retried("read the round", lambda: store.get(keys.round), timeout_s)
-        current = parse_round(kv, keys)
-        if kv is None or current is None or not current.status.final:
-            return None
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(current.created))
-        if not new_run:
-            raise RendezvousClosedError(
-                f"Job {job_id!r} {current.status.value} at {when} ({current.reason}); efdl-run "
-                "does not start an ended job again by itself. Start a new run of it with "
-                "--new-run (it keeps its remote cache: a resumed job goes on from its newest "
-                "snapshot), or give another --job-id."
-            )
-        now = time.time()
-        fresh = Round(
-            generation=current.generation + 1,
-            status=RoundStatus.WAITING,
-            reason=f"a new run (the last one {current.status.value} at {when})",
-            created=now,
-            since=now,
-        )
-        ok = retried(
-            "start a new run",
-            functools.partial(
-                store.txn,
-                [Compare.mod_revision_is(keys.round, kv.mod_revision)],
-                # The last run's progress goes: a new run without a snapshot starts from 0.
-                [Put(keys.round, fresh.to_json()), Delete(keys.progress)],
-            ),
-        )
-        if ok.succeeded:
-            log.info("Job %s: a new run starts (generation %d).", job_id, fresh.generation)
-            return current
-
-
-def close_job(
-    store: KVStore, job_id: str, reason: str = "stopped by efdl stop", by: str = "efdl stop"
-) -> Round:
-    """Write a CLOSED round: every agent of the job stops its workers and exits cleanly."""
-    result = end_job(store, job_id, RoundStatus.CLOSED, reason, by=by)
-    assert result is not None
-    return result

@@ -12,8 +12,8 @@ from typing import Any
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
 from efdl.rendezvous.model import CacheRecord, JobKeys, Member, RecordError, Round
-from efdl.rendezvous.participant import parse_nodes, parse_round, read_members
 from efdl.rendezvous.probe import Reply, ask_all
+from efdl.rendezvous.records import parse_nodes, parse_round, read_members
 
 log = logging.getLogger(__name__)
 

@@ -49,6 +49,7 @@ import xxhash
 from efdl import __version__
 from efdl.errors import ConfigError, EfdlError
 from efdl.fields import Fields
+from efdl.protocol.env import CACHE_EVERY_ENV, CACHE_EVERY_STEPS_ENV, CACHE_KEEP_ENV, CACHE_URL_ENV
 
 log = logging.getLogger(__name__)
 
@@ -583,10 +584,10 @@ class CacheSettings:
     keep: int = 2
 
     ENV: ClassVar[dict[str, str]] = {
-        "url": "EFDL_CACHE_URL",
-        "every_steps": "EFDL_CACHE_EVERY_STEPS",
-        "every_s": "EFDL_CACHE_EVERY",
-        "keep": "EFDL_CACHE_KEEP",
+        "url": CACHE_URL_ENV,
+        "every_steps": CACHE_EVERY_STEPS_ENV,
+        "every_s": CACHE_EVERY_ENV,
+        "keep": CACHE_KEEP_ENV,
     }
 
     def to_env(self) -> dict[str, str]:

@@ -1,8 +1,9 @@
-"""The local channel between a node agent and its workers: JSON lines on a Unix socket.
+"""The local channel between a node agent and its workers: the messages of
+:mod:`efdl.protocol.messages` on a Unix socket.
 
-A worker that can rebuild in place says so (``hello``); from then on the agent tells it about
-new rounds (``round``) instead of restarting it, or asks it to leave at the next step boundary
-(``leave``). Nothing here touches the network.
+A worker that can rebuild in place says so (:class:`Hello`); from then on the agent tells it
+about new rounds (:class:`Placed`) instead of restarting it, or asks it to leave at the next
+step boundary (:class:`Leave`). Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -13,92 +14,64 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from efdl.errors import ConfigError
-from efdl.launcher.env import LOCAL_RANK_ENV
+from efdl.protocol.env import GENERATION_ENV, JOB_GENERATION_ENV, JOB_STEP_ENV, LOCAL_RANK_ENV
+from efdl.protocol.messages import (
+    Hello,
+    Leave,
+    Message,
+    Placed,
+    Placement,
+    Stepped,
+    ToAgent,
+    Waiting,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 
-SOCKET_ENV = "EFDL_AGENT_SOCKET"
-GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may take
-# How long a worker waits for its next placement after leaving a generation (a lost member is
-# noticed within the lease TTL), and how long the job may wait below --min or for all ranks.
-PLACEMENT_TIMEOUT_ENV = "EFDL_PLACEMENT_TIMEOUT"
-JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
-# Set for a worker started to replace one that died in place: it waits, connected to its
-# agent, for a round that places it, instead of joining the generation of its environment.
-STANDBY_ENV = "EFDL_STANDBY"
-# --hang-timeout, for the worker's hang watch (efdl.state.hang).
-HANG_TIMEOUT_ENV = "EFDL_HANG_TIMEOUT"
+
+def placement_from_env(env: dict[str, str] | None = None) -> Placement:
+    """The placement a worker was started with (torchrun's variables and efdl's)."""
+    e = dict(os.environ) if env is None else env
+    return Placement(
+        int(e.get(GENERATION_ENV, "0")),
+        int(e["RANK"]),
+        int(e["WORLD_SIZE"]),
+        int(e.get(LOCAL_RANK_ENV) or e.get("LOCAL_RANK", "0")),
+        int(e.get("LOCAL_WORLD_SIZE", "1")),
+        int(e.get("GROUP_RANK", "0")),
+        int(e.get("GROUP_WORLD_SIZE", "1")),
+        e["MASTER_ADDR"],
+        int(e["MASTER_PORT"]),
+        int(e.get(JOB_STEP_ENV, "0")),
+        int(e.get(JOB_GENERATION_ENV, "0")),
+    )
 
 
-# The job's newest committed step as the agent knew it when it placed the worker, and the
-# generation that committed it (see Placement.job_step).
-JOB_STEP_ENV = "EFDL_JOB_STEP"
-JOB_GENERATION_ENV = "EFDL_JOB_GENERATION"
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a worker stands in one generation.
-
-    ``job_step``: the job's newest committed step as its agent knew it (etcd's progress
-    record, and its own workers' commits): a generation in which no rank holds state must
-    not start over from step 0 if it is above 0, nor one whose holders are behind it go on
-    from their older step (efdl.errors.StateLostError). ``job_generation``: the generation
-    that committed it (a holder of an older generation's line is behind it whatever its
-    step: efdl.state.transaction).
-    """
-
-    generation: int
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int
-    group_world_size: int
-    master_addr: str
-    master_port: int
-    job_step: int = 0
-    job_generation: int = 0
-
-    @staticmethod
-    def from_env(env: dict[str, str] | None = None) -> Placement:
-        e = dict(os.environ) if env is None else env
-        return Placement(
-            int(e.get("EFDL_GENERATION", "0")),
-            int(e["RANK"]),
-            int(e["WORLD_SIZE"]),
-            int(e.get(LOCAL_RANK_ENV) or e.get("LOCAL_RANK", "0")),
-            int(e.get("LOCAL_WORLD_SIZE", "1")),
-            int(e.get("GROUP_RANK", "0")),
-            int(e.get("GROUP_WORLD_SIZE", "1")),
-            e["MASTER_ADDR"],
-            int(e["MASTER_PORT"]),
-            int(e.get(JOB_STEP_ENV, "0")),
-            int(e.get(JOB_GENERATION_ENV, "0")),
-        )
-
-
-def _send(sock: socket.socket, message: dict[str, Any], lock: threading.Lock) -> None:
-    data = (json.dumps(message) + "\n").encode()
+def _send(sock: socket.socket, message: Message, lock: threading.Lock) -> None:
+    data = encode(message)
     with lock:
         sock.sendall(data)
 
 
-def _lines(sock: socket.socket) -> Any:
+def _messages(sock: socket.socket) -> Iterator[Message]:
     with sock.makefile("rb") as f:
         for line in f:
             try:
-                yield json.loads(line)
+                message = decode(json.loads(line))
             except ValueError:
+                message = None
+            if message is None:
                 log.error("Ignoring a bad message on the agent channel: %r", line[:200])
+                continue
+            yield message
 
 
 class ChannelServer:
@@ -109,14 +82,14 @@ class ChannelServer:
         on_hello: called (from a channel thread) with (local rank, pid) when a worker announces
             that it rebuilds in place.
         on_message: called (from a channel thread) with (pid, message) for any other message
-            of a worker that said hello (e.g. ``persisted``).
+            of a worker (e.g. :class:`~efdl.protocol.messages.Persisted`).
     """
 
     def __init__(
         self,
         path: Path,
         on_hello: Callable[[int, int], None],
-        on_message: Callable[[int, dict[str, Any]], None] | None = None,
+        on_message: Callable[[int, ToAgent], None] | None = None,
     ) -> None:
         self.path = path
         self._on_hello = on_hello
@@ -145,17 +118,19 @@ class ChannelServer:
     def _serve(self, conn: socket.socket) -> None:
         pid = None
         try:
-            for msg in _lines(conn):
-                if msg.get("type") == "hello" and isinstance(msg.get("pid"), int):
-                    pid = int(msg["pid"])
+            for msg in _messages(conn):
+                if isinstance(msg, Hello):
+                    pid = msg.pid
                     with self._lock:
                         self._conns[pid] = (conn, threading.Lock())
-                    self._on_hello(int(msg.get("local_rank", -1)), pid)
-                elif self._on_message is not None and isinstance(msg, dict):
+                    self._on_hello(msg.local_rank, pid)
+                elif isinstance(msg, Placed | Leave | Waiting):
+                    log.error("Ignoring a message for a worker sent to the agent: %s", msg)
+                elif self._on_message is not None:
                     # Without a hello (a Reporter: a plain script's worker), a message
                     # names its process itself.
-                    sender = pid if pid is not None else msg.get("pid")
-                    if isinstance(sender, int):
+                    sender = msg.pid if isinstance(msg, Stepped) else pid
+                    if sender is not None:
                         self._on_message(sender, msg)
         except OSError:
             pass
@@ -165,7 +140,7 @@ class ChannelServer:
                     self._conns.pop(pid, None)
             conn.close()
 
-    def send(self, pid: int, message: dict[str, Any]) -> bool:
+    def send(self, pid: int, message: Placed | Leave | Waiting) -> bool:
         """Send to the worker with ``pid``; False if it is not connected."""
         with self._lock:
             entry = self._conns.get(pid)
@@ -176,13 +151,6 @@ class ChannelServer:
             return True
         except OSError:
             return False
-
-    def send_waiting(self, pid: int, for_s: float) -> bool:
-        """The job waits below --min for up to ``for_s`` (its join timeout)."""
-        return self.send(pid, {"type": "waiting", "for_s": for_s})
-
-    def send_round(self, pid: int, placement: Placement) -> bool:
-        return self.send(pid, {"type": "round", **asdict(placement)})
 
     def close(self) -> None:
         self._server.close()
@@ -204,7 +172,7 @@ class Reporter:
         self._lock = threading.Lock()
         self._broken = False
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Stepped) -> None:
         if self._broken:
             return
         try:
@@ -213,7 +181,7 @@ class Reporter:
                 sock.settimeout(1.0)
                 sock.connect(self._path)
                 self._sock = sock
-            _send(self._sock, {**message, "pid": os.getpid()}, self._lock)
+            _send(self._sock, message, self._lock)
         except OSError:
             self._broken = True
 
@@ -241,39 +209,36 @@ class AgentChannel:
         self._on_round = on_round
         self.leave_requested = False
         self.closed = False
-        _send(
-            self._sock, {"type": "hello", "pid": os.getpid(), "local_rank": local_rank}, self._lock
-        )
+        _send(self._sock, Hello(os.getpid(), local_rank), self._lock)
         threading.Thread(target=self._read, name="efdl-agent-channel", daemon=True).start()
 
     def _read(self) -> None:
         try:
-            for msg in _lines(self._sock):
+            for msg in _messages(self._sock):
                 with self._cond:
-                    if msg.get("type") == "round":
-                        fields = {k: msg[k] for k in Placement.__dataclass_fields__ if k in msg}
-                        self._latest = Placement(**fields)
+                    if isinstance(msg, Placed):
+                        self._latest = msg.placement
                         if self._on_round is None:
                             self._opened = self._latest.generation
                         else:
                             self._on_round(self._latest)
-                    elif msg.get("type") == "leave":
+                    elif isinstance(msg, Leave):
                         self.leave_requested = True
-                    elif msg.get("type") == "waiting" and isinstance(msg.get("for_s"), int | float):
-                        self._waits_until = time.monotonic() + float(msg["for_s"])
+                    elif isinstance(msg, Waiting):
+                        self._waits_until = time.monotonic() + msg.for_s
                     self._cond.notify_all()
-        except (OSError, KeyError, TypeError):
+        except OSError:
             pass
         with self._cond:
             self.closed = True
             self._cond.notify_all()
 
-    def notify(self, message: dict[str, Any]) -> None:
+    def notify(self, message: ToAgent) -> None:
         """Tell the agent something (e.g. a persisted step); lost if the agent is gone."""
         try:
             _send(self._sock, message, self._lock)
         except OSError as exc:
-            log.debug("Could not tell the agent %s: %s", message.get("type"), exc)
+            log.debug("Could not tell the agent %s: %s", message.KIND, exc)
 
     def open(self, generation: int) -> None:
         """Every rank of ``generation`` is ready: pausing for it will not leave anyone idle."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from efdl.launcher.env import DEVICE_ENV
+from efdl.protocol.env import DEVICE_ENV
 
 log = logging.getLogger(__name__)
 

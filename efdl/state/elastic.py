@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from efdl._process import exit_left
 from efdl.errors import RendezvousTimeoutError
-from efdl.state.channel import GRACE_ENV
+from efdl.protocol.env import GRACE_ENV
 from efdl.state.failure import Failure
 from efdl.state.runtime import init_process_group, runtime
 from efdl.state.state import ElasticState, Fenced, Rescale, elastic_state

@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from efdl.protocol.env import FENCE_ENV
+
 log = logging.getLogger(__name__)
 
-FENCE_ENV = "EFDL_FENCE_FILE"
 _FORMAT = struct.Struct("<d")  # the deadline: monotonic seconds
 
 

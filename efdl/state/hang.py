@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from efdl.state.channel import HANG_TIMEOUT_ENV
+from efdl.protocol.env import BEAT_DIR_ENV, HANG_TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ POLL_S = 1.0  # how often the watch beats (and looks whether to mark)
 FROZEN_S = 3 * POLL_S  # a beat older than this: the worker's own threads do not run
 MARK_KEY = "efdl/hang/{}/{}"  # on the generation's store: a rank stands inside collective N
 TOP = "top"  # MARK_KEY.format(group, TOP): the highest N any rank of the group stood inside
-BEAT_DIR_ENV = "EFDL_BEAT_DIR"  # where a worker writes its beat (its agent's private dir)
 
 
 def default_timeout(collective_s: float, longest_step_s: float) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from efdl.state.channel import Placement
+from efdl.protocol.messages import Placement
 
 log = logging.getLogger(__name__)
 

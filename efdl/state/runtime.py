@@ -23,16 +23,17 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ErrorType
 
 from efdl._process import exit_left, free_port
-from efdl.state import ready
-from efdl.state.breaker import Breaker
-from efdl.state.channel import (
+from efdl.protocol.env import (
+    COLLECTIVE_TIMEOUT_ENV,
     JOIN_TIMEOUT_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SOCKET_ENV,
     STANDBY_ENV,
-    AgentChannel,
-    Placement,
 )
+from efdl.protocol.messages import Agreed, PeerFailed, Placement, Rescaled
+from efdl.state import ready
+from efdl.state.breaker import Breaker
+from efdl.state.channel import AgentChannel, placement_from_env
 from efdl.state.device import device, nccl_aborter, nccl_options
 from efdl.state.failure import Failure, classify
 from efdl.state.hang import HangWatch
@@ -60,7 +61,7 @@ class Runtime:
         # nothing else ends, and must let a rank's long legitimate work (a checkpoint save)
         # through, since the hang timeout is most of it.
         self.timeout = datetime.timedelta(
-            seconds=float(os.environ.get("EFDL_COLLECTIVE_TIMEOUT", str(COLLECTIVE_TIMEOUT_S)))
+            seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, str(COLLECTIVE_TIMEOUT_S)))
         )
         # How long to wait for the next placement after leaving a generation, and how long a
         # generation may take to gather all its ranks: set by the agent from its settings.
@@ -301,15 +302,7 @@ class Runtime:
         now = time.monotonic()
         last, self._last_commit = self._last_commit, (now, p.generation)
         if last is not None and last[1] != p.generation and p.rank == 0:
-            channel.notify(
-                {
-                    "type": "rescaled",
-                    "generation": p.generation,
-                    "world_size": p.world_size,
-                    "step": step,
-                    "stood_still": now - last[0],
-                }
-            )
+            channel.notify(Rescaled(p.generation, p.world_size, step, now - last[0]))
 
     def agreed(self, step: int, floor: int) -> None:
         """Commit ``step`` read the agreement that every rank of the generation started at
@@ -322,9 +315,7 @@ class Runtime:
         now = time.monotonic()
         if now - self._reported_at >= 1.0:
             self._reported_at = now
-            channel.notify(
-                {"type": "progress", "step": step, "agreed": floor, "generation": p.generation}
-            )
+            channel.notify(Agreed(step, floor, p.generation))
 
     def report(self, exc: BaseException) -> None:
         """The generation was left because of ``exc``: if a peer's connection closed, tell
@@ -335,7 +326,7 @@ class Runtime:
         if channel is None or p is None:
             return
         if self.classify(exc) is Failure.PEER:
-            channel.notify({"type": "peer_failed", "generation": p.generation})
+            channel.notify(PeerFailed(p.generation))
             # And end this generation's connections now: a rank whose neighbours in the
             # collective still live would otherwise wait on them (until the breaker cuts it,
             # after the next generation is ready); this way every rank fails, and reports, at
@@ -440,7 +431,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    placement = Placement.from_env()
+    placement = placement_from_env()
     rt.gate = ready.ReadinessGate(rt.timeout, rt.join_timeout_s)
     standby = os.environ.get(STANDBY_ENV) == "1"
     if path and (placement.generation > 1 or standby):

@@ -33,10 +33,11 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from efdl.errors import RendezvousTimeoutError, StateLostError
+from efdl.protocol.env import GRACE_ENV, SYNC_BUCKET_ENV
+from efdl.protocol.messages import Persisted, ResumedFromCache, StateLost
 from efdl.state import sharded, transfer
 from efdl.state import values as state_values
 from efdl.state.cache import CacheSettings, Manifest
-from efdl.state.channel import GRACE_ENV
 from efdl.state.device import device
 from efdl.state.digest import digest
 from efdl.state.fence import Fence, fence
@@ -51,8 +52,6 @@ from efdl.state.values import StateValueError
 from efdl.state.verdict import Verdicts
 
 log = logging.getLogger(__name__)
-
-BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"
 
 
 # A newcomer whose setup after joining the group made the others wait this long says so.
@@ -579,7 +578,7 @@ class ElasticState:
         if resumed is not None:
             self._last_sync = resumed.moved
             if runtime.channel is not None and dist.get_rank() == 0:
-                runtime.channel.notify({"type": "resumed", "step": resumed.manifest.step})
+                runtime.channel.notify(ResumedFromCache(resumed.manifest.step))
             log.warning(
                 "%s: resuming from step %d (epoch %s, generation %d) in %s.",
                 "No committed step is held whole by the ranks"
@@ -594,7 +593,7 @@ class ElasticState:
         elif choice.loss is not None:
             error = StateLostError(self._why_lost(choice, keys, (job_generation, job_step)))
             if runtime.channel is not None and rank == 0:
-                runtime.channel.notify({"type": "state_lost", "message": str(error)})
+                runtime.channel.notify(StateLost(str(error)))
             raise error
         elif self._sharding is not None:
             self._reshard(choice, layouts)
@@ -938,7 +937,7 @@ def _clone(tree: Any) -> Any:
 
 
 def _bucket() -> int:
-    mb = float(os.environ.get(BUCKET_ENV, transfer.DEFAULT_BUCKET / (1 << 20)))
+    mb = float(os.environ.get(SYNC_BUCKET_ENV, transfer.DEFAULT_BUCKET / (1 << 20)))
     return max(1, int(mb * (1 << 20)))
 
 
@@ -948,17 +947,9 @@ def _published(started: float, m: Manifest) -> None:
     log.info("Persisted step %d (world size %d).", m.step, m.world_size)
     channel = runtime.channel
     if channel is not None:
-        channel.notify(
-            {
-                "type": "persisted",
-                "step": m.step,
-                "epoch": m.epoch,
-                "world_size": m.world_size,
-                "bytes": sum(f.size for f in m.files.values()),
-                "seconds": time.monotonic() - started,
-                "generation": m.generation,
-            }
-        )
+        size = sum(f.size for f in m.files.values())
+        seconds = time.monotonic() - started
+        channel.notify(Persisted(m.step, m.epoch, m.world_size, size, seconds, m.generation))
 
 
 def elastic_state(

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from efdl.state.channel import AgentChannel, ChannelServer, Placement
+from efdl.protocol.messages import Placed, Placement, Waiting
+from efdl.state.channel import AgentChannel, ChannelServer
 
 Pair = tuple[ChannelServer, AgentChannel, int]
 
@@ -44,19 +45,19 @@ def test_the_wait_for_a_placement_ends_at_its_deadline(pair: Pair) -> None:
 
 def test_a_placement_ends_the_wait(pair: Pair) -> None:
     server, worker, pid = pair
-    threading.Timer(0.2, lambda: server.send_round(pid, placement(2))).start()
+    threading.Timer(0.2, lambda: server.send(pid, Placed(placement(2)))).start()
     got = worker.wait(1, timeout_s=30)
     assert got == placement(2)
 
 
 def test_a_job_waiting_for_members_extends_the_wait(pair: Pair) -> None:
     server, worker, pid = pair
-    server.send_waiting(pid, for_s=60)
+    server.send(pid, Waiting(60))
     deadline = time.monotonic() + 10  # the message reaches the worker's reader thread
     while worker._waits_until == 0.0 and time.monotonic() < deadline:
         time.sleep(0.01)
     # Beyond the 0.2 s timeout the wait goes on; the placement ends it.
-    threading.Timer(1.0, lambda: server.send_round(pid, placement(2))).start()
+    threading.Timer(1.0, lambda: server.send(pid, Placed(placement(2)))).start()
     t0 = time.monotonic()
     assert worker.wait(1, timeout_s=0.2) == placement(2)
     assert time.monotonic() - t0 >= 0.9

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from efdl.state.channel import Placement
+from efdl.protocol.messages import Placement
 from efdl.state.runtime import Runtime
 from efdl.state.state import ElasticState
 from efdl.state.transaction import Phase, Recovery, Standing

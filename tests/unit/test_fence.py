@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from efdl.protocol.messages import Placement
 from efdl.state import state as state_module
-from efdl.state.channel import Placement
 from efdl.state.fence import Fence, FenceWriter
 from efdl.state.runtime import runtime
 from efdl.state.state import ElasticState, Fenced

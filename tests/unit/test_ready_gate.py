@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from efdl.state.channel import Placement
+from efdl.protocol.messages import Placement
 from efdl.state.ready import ReadinessGate
 from tests.wait import wait_until
 

@@ -12,7 +12,8 @@ from efdl.rendezvous.api import Compare, Op, TxnResult
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.memory_store import MemoryStore
 from efdl.rendezvous.model import NodeRecord
-from efdl.rendezvous.participant import Participant, retried
+from efdl.rendezvous.participant import Participant
+from efdl.rendezvous.records import retried
 
 
 class LostAnswers(MemoryStore):

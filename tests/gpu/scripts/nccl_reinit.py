@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import efdl
 from efdl._process import free_port
-from efdl.state.channel import Placement
+from efdl.protocol.messages import Placement
 from efdl.state.device import nccl_aborter
 from efdl.state.failure import classify
 from efdl.state.runtime import runtime as _runtime

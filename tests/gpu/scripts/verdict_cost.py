@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import efdl
 from efdl._process import free_port
-from efdl.state.channel import Placement
+from efdl.protocol.messages import Placement
 from efdl.state.runtime import runtime as _runtime
 from efdl.state.verdict import Verdicts
 

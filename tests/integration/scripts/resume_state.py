@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from efdl.errors import StateLostError
-from efdl.state.channel import Placement
+from efdl.protocol.messages import Placement
 from efdl.state.runtime import runtime
 from efdl.state.state import ElasticState
 

@@ -1,0 +1,48 @@
+"""The worker's environment contract: every ``EFDL_*`` variable an agent sets for its workers
+and a worker reads, in one place (torchrun's own, RANK, LOCAL_RANK, MASTER_ADDR..., are set
+beside them: efdl.launcher.env.worker_env).
+
+efdl-run's own options read ``EFDL_<OPTION>`` (efdl.config: flags > EFDL_* > YAML >
+defaults); the secrets among them (``EFDL_ETCD_PASSWORD``, ``EFDL_JOB_TOKEN``) never reach a
+worker (efdl.config.SECRET_VARIABLES).
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- who and where the worker is
+JOB_ID_ENV = "EFDL_JOB_ID"
+NODE_ID_ENV = "EFDL_NODE_ID"
+GENERATION_ENV = "EFDL_GENERATION"  # the generation the worker was started in
+LOCAL_RANK_ENV = "EFDL_LOCAL_RANK"  # the worker's local rank, also where LOCAL_RANK says 0
+DEVICE_ENV = "EFDL_CUDA_DEVICE"  # the index of the worker's own GPU in its CUDA_VISIBLE_DEVICES
+WARM_ENV = "EFDL_WARM"  # "1": the worker started warm (torch imported ahead of need)
+# The job's newest committed step as the agent knew it when it placed the worker, and the
+# generation that committed it (efdl.protocol.messages.Placement.job_step).
+JOB_STEP_ENV = "EFDL_JOB_STEP"
+JOB_GENERATION_ENV = "EFDL_JOB_GENERATION"
+# Set for a worker started to replace one that died in place: it waits, connected to its
+# agent, for a round that places it, instead of joining the generation of its environment.
+STANDBY_ENV = "EFDL_STANDBY"
+
+# ---------------------------------------------------------------- how it reaches its agent
+SOCKET_ENV = "EFDL_AGENT_SOCKET"  # the agent's channel (efdl.state.channel)
+BEAT_DIR_ENV = "EFDL_BEAT_DIR"  # where it writes its beat (efdl.state.hang)
+FENCE_ENV = "EFDL_FENCE_FILE"  # its commits' deadline, written by the agent (efdl.state.fence)
+
+# ---------------------------------------------------------------- its timeouts
+GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may take
+# How long a worker waits for its next placement after leaving a generation (a lost member is
+# noticed within the lease TTL), and how long the job may wait below --min or for all ranks.
+PLACEMENT_TIMEOUT_ENV = "EFDL_PLACEMENT_TIMEOUT"
+JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
+HANG_TIMEOUT_ENV = "EFDL_HANG_TIMEOUT"  # --hang-timeout, for the worker's hang watch
+COLLECTIVE_TIMEOUT_ENV = "EFDL_COLLECTIVE_TIMEOUT"  # the process groups' timeout (seconds)
+
+# ---------------------------------------------------------------- the user's knobs
+SYNC_BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"  # the state sync's bucket size
+DATA_SHM_ENV = "EFDL_DATA_SHM"  # where efdl.data's exchange keeps its windows
+# The remote cache (efdl.state.cache.CacheSettings.to_env).
+CACHE_URL_ENV = "EFDL_CACHE_URL"
+CACHE_EVERY_STEPS_ENV = "EFDL_CACHE_EVERY_STEPS"
+CACHE_EVERY_ENV = "EFDL_CACHE_EVERY"
+CACHE_KEEP_ENV = "EFDL_CACHE_KEEP"
