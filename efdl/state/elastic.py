@@ -84,7 +84,7 @@ def _rebuild(state: ElasticState, failure: BaseException | None) -> bool:
     rt.destroy_group(abort=failure is not None)
     if placement is None or rt.join(placement) is None:
         return False
-    state._rescales += 1
+    state.rebuilt()
     return True
 
 

@@ -231,6 +231,10 @@ class ElasticState:
         """How often this worker's state was rebuilt in place."""
         return self._rescales
 
+    def rebuilt(self) -> None:
+        """This worker joined its next generation in place (efdl.state.elastic)."""
+        self._rescales += 1
+
     @property
     def phase(self) -> Phase:
         """Where the current step stands (efdl.state.transaction)."""
