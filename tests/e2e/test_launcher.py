@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from subprocess import Popen
 
 import pytest
 
@@ -649,35 +650,46 @@ def test_efdl_run_leaves_nothing_in_the_temp_directory(tmp_path: Path, short_tmp
     assert "efdl-standalone-" not in again.stderr and "killed" not in again.stderr
 
 
-def test_ctrl_c_while_waiting_for_etcd_exits_130_and_says_so() -> None:
-    """A wrong --etcd: efdl-run says what it waits for and how long (again every half
-    minute), and Ctrl-C there ends it with 130 and a sentence (not click's "Aborted!", 1)."""
-    import signal as signals
-
-    from efdl._process import free_port
-
-    script = Path(__file__).parent / "scripts" / "elastic_steps.py"
-    argv = [*EFDL_RUN, "--etcd", f"127.0.0.1:{free_port()}", "--job-id", "nowhere", str(script)]
+def ctrl_c(
+    argv: list[str], env: dict[str, str] | None, ready: Callable[[Popen[str]], None]
+) -> tuple[int, str]:
+    """Run ``argv`` as from a terminal (SIGINT not ignored, as a background job's is), wait
+    for ``ready(process)``, press Ctrl-C: its exit code and what it wrote to stderr."""
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        env=env,
         text=True,
-        preexec_fn=lambda: signals.signal(signals.SIGINT, signals.SIG_DFL),  # as a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if "Waiting for etcd at" in line:
-                assert "giving up" in line, line
-                break
-        proc.send_signal(signals.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        ready(proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, err
+    return proc.returncode, err
+
+
+def test_ctrl_c_while_waiting_for_etcd_exits_130_and_says_so() -> None:
+    """A wrong --etcd: efdl-run says what it waits for and how long (again every half
+    minute), and Ctrl-C there ends it with 130 and a sentence (not click's "Aborted!", 1)."""
+    from efdl._process import free_port
+
+    def waiting(proc: Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "Waiting for etcd at" in line:
+                assert "giving up" in line, line
+                return
+
+    script = Path(__file__).parent / "scripts" / "elastic_steps.py"
+    argv = [*EFDL_RUN, "--etcd", f"127.0.0.1:{free_port()}", "--job-id", "nowhere", str(script)]
+    code, err = ctrl_c(argv, None, waiting)
+    assert code == 130, err
     assert "interrupted (Ctrl-C)" in err and "Aborted" not in err and "Traceback" not in err
 
 
@@ -685,31 +697,19 @@ def test_an_unnamed_standalone_run_stopped_by_ctrl_c_leaves_no_checkpoint(short_
     """The README's run, Ctrl-C'd after its first checkpoint: the run had no --job-id, so no
     later run resumes it; the checkpoint its script left in the temp directory under the run's
     id goes with it, and efdl-run exits 130 (unfinished work)."""
-    import signal as signals
-
     env = {**os.environ, "TMPDIR": str(short_tmp)}
     script = Path(__file__).parents[2] / "examples" / "digits" / "train_torchrun.py"
-    proc = subprocess.Popen(
-        [*EFDL_RUN, "--standalone", "--nproc-per-node", "2", str(script), "--epochs", "1000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-        preexec_fn=lambda: signals.signal(signals.SIGINT, signals.SIG_DFL),  # as a terminal
-    )
-    try:
-        wait_until(
+    argv = [*EFDL_RUN, "--standalone", "--nproc-per-node", "2", str(script), "--epochs", "1000"]
+    code, err = ctrl_c(
+        argv,
+        env,
+        lambda _: wait_until(
             "the run's first checkpoint",
             lambda: any(p.name.startswith("digits-standalone-") for p in short_tmp.iterdir()),
             180,
-        )
-        proc.send_signal(signals.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err[-3000:]
+        ),
+    )
+    assert code == 130, err[-3000:]
     left = [p.name for p in short_tmp.iterdir() if "standalone" in p.name or "efdl" in p.name]
     assert left == [], err[-3000:]  # (torch's own caches may stay: torchinductor_<user>)
     assert "Removed" in err and "no later run resumes" in err, err[-3000:]
