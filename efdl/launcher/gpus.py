@@ -16,17 +16,22 @@ one, so a worker on MIG sees its own instance alone, as ``cuda:0``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import logging
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from efdl.errors import ConfigError
+from efdl.protocol.env import SIMULATED_GPUS_ENV
 
 log = logging.getLogger(__name__)
 
 ALL, FREE = "all", "free"
+MAX_SIMULATED = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +70,17 @@ class Selected:
 
 def discover(nvml: Any = None) -> list[Gpu]:
     """Every GPU and MIG instance on this host, from NVML; [] where there is no NVIDIA driver.
+    With ``EFDL_SIMULATED_GPUS=N``, N simulated GPUs instead (:func:`simulated`).
 
     Args:
         nvml: the ``pynvml`` module (default: import it).
+
+    Raises:
+        ConfigError: ``EFDL_SIMULATED_GPUS`` is not a number of GPUs.
     """
+    fake = os.environ.get(SIMULATED_GPUS_ENV)
+    if fake is not None and nvml is None:
+        return simulated(fake)
     if nvml is None:
         try:
             nvml = importlib.import_module("pynvml")
@@ -97,6 +109,24 @@ def discover(nvml: Any = None) -> list[Gpu]:
     finally:
         with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
+
+
+def simulated(count: str) -> list[Gpu]:
+    """``count`` simulated GPUs (``EFDL_SIMULATED_GPUS``): the fleet and efdl-run place
+    workers on them as on GPUs, and the workers, which find no CUDA, train on the CPU. For
+    trying the fleet on hosts without GPUs; nothing ever runs on them, and no process of
+    another's is ever seen on them."""
+    if not count.strip().isdigit() or not 0 <= int(count) <= MAX_SIMULATED:
+        raise ConfigError(
+            f"{SIMULATED_GPUS_ENV}={count!r} is not a number of simulated GPUs; expected "
+            f"0..{MAX_SIMULATED}."
+        )
+    host = socket.gethostname()
+    tag = hashlib.sha256(host.encode()).hexdigest()[:8]
+    return [
+        Gpu(i, f"GPU-{tag}-0000-0000-0000-{i:012d}", "simulated GPU (EFDL_SIMULATED_GPUS)", 0)
+        for i in range(int(count))
+    ]
 
 
 def _text(value: str | bytes) -> str:

@@ -40,6 +40,9 @@ COLLECTIVE_TIMEOUT_ENV = "EFDL_COLLECTIVE_TIMEOUT"  # the process groups' timeou
 
 # ---------------------------------------------------------------- the user's knobs
 SYNC_BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"  # the state sync's bucket size
+# N: this host has N simulated GPUs instead of what NVML finds (efdl.launcher.gpus.discover),
+# to try the fleet (efdl node, efdl submit) on hosts without GPUs; their workers use the CPU.
+SIMULATED_GPUS_ENV = "EFDL_SIMULATED_GPUS"
 DATA_SHM_ENV = "EFDL_DATA_SHM"  # where efdl.data's exchange keeps its windows
 # The remote cache (efdl.state.cache.CacheSettings.to_env).
 CACHE_URL_ENV = "EFDL_CACHE_URL"

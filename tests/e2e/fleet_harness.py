@@ -78,7 +78,12 @@ class Fleet:
         self.nvml_file(name).write_text(json.dumps(self.gpus[name]))
         self.start(name)
 
-    def start(self, name: str) -> None:
+    def simulated_host(self, name: str, gpus: int) -> None:
+        """A host as a user tries the fleet without GPUs: EFDL_SIMULATED_GPUS, no stand-in."""
+        self.start(name, {"EFDL_SIMULATED_GPUS": str(gpus)})
+
+    def start(self, name: str, env: dict[str, str] | None = None) -> None:
+        """Start host ``name``'s daemon (``env``: instead of its stand-in NVML's file)."""
         log = open(self.tmp / f"node-{name}.log", "ab")  # noqa: SIM115
         argv = [
             sys.executable, "-m", "efdl", "node", "--host-id", name, "--host", "127.0.0.1",
@@ -92,7 +97,7 @@ class Fleet:
             argv = python_for_every_user(argv, stash)
         self.daemons[name] = subprocess.Popen(
             argv,
-            env={**self.env, "EFDL_FAKE_NVML_FILE": str(self.nvml_file(name))},
+            env={**self.env, **(env or {"EFDL_FAKE_NVML_FILE": str(self.nvml_file(name))})},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

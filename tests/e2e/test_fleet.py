@@ -126,3 +126,14 @@ def test_a_host_daemon_killed_and_restarted_does_not_stop_training(fleet: Fleet)
     wait_until("steps after the restart", lambda: len(read_rows(job)) > steps + 10, 120)
     assert newest(job)["gen"] == gen  # no rescale, no restart: the same generation trains
     assert fleet.status("steady").phase is Phase.RUNNING
+
+
+def test_the_fleet_tried_without_gpus_on_simulated_ones(fleet: Fleet) -> None:
+    """docs/fleet.md's way to try the fleet on a host without GPUs: EFDL_SIMULATED_GPUS=2 on
+    its daemon (nothing else): the job is placed on both, its agent starts one worker per
+    simulated GPU, and they train on the CPU."""
+    fleet.simulated_host("laptop-1.local", 2)
+    out = fleet.submit("tried", 1, 2, 0)
+    fleet.wait("job tried on both simulated GPUs", lambda: trains_at(out, 2), 240)
+    host, indices = fleet.status("tried").gpus[0]
+    assert host == "laptop-1.local" and indices == (0, 1)

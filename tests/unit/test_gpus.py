@@ -45,6 +45,24 @@ def test_no_driver_means_no_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     assert discover(fake_nvml) == []
 
 
+def test_simulated_gpus_replace_discovery_and_bad_counts_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EFDL_SIMULATED_GPUS (trying the fleet without GPUs): that many, each with a UUID of its
+    own that --gpus can name, none busy; a count that is not one is a ConfigError."""
+    monkeypatch.setenv("EFDL_SIMULATED_GPUS", "3")
+    found = discover()
+    assert [g.index for g in found] == [0, 1, 2] and not any(g.busy for g in found)
+    assert len({g.uuid for g in found}) == 3 and all(g.uuid.startswith("GPU-") for g in found)
+    assert [s.gpu.index for s in select(found, None, found[2].uuid)] == [2]
+    monkeypatch.setenv("EFDL_SIMULATED_GPUS", "0")
+    assert discover() == []
+    for bad in ("two", "-1", "65", ""):
+        monkeypatch.setenv("EFDL_SIMULATED_GPUS", bad)
+        with pytest.raises(ConfigError, match=f"EFDL_SIMULATED_GPUS={bad!r} is not a number"):
+            discover()
+
+
 def test_all_visible_gpus_by_default_in_the_agents_own_order() -> None:
     assert ids(select(EIGHT, None, None)) == [str(i) for i in range(8)]
     assert ids(select(EIGHT, "6,2", "all")) == ["6", "2"]
