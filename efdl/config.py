@@ -21,19 +21,15 @@ import yaml
 
 from efdl.errors import ConfigError
 from efdl.launcher.output import STDERR, STDOUT, LogSpec, parse_filters, parse_ranks, parse_streams
+from efdl.protocol.env import JOB_TOKEN_ENV, PASSWORD_ENV
 from efdl.rendezvous.api import EtcdSettings
 
 C = TypeVar("C")
 
-PASSWORD_ENV = "EFDL_ETCD_PASSWORD"
-JOB_TOKEN_ENV = "EFDL_JOB_TOKEN"
 # The etcd user a job token authenticates as: the etcd a node of the job serves has one user,
 # etcd's root, whose password is the token.
 JOB_TOKEN_USER = "root"
 JOB_TOKEN_MIN_CHARS = 16
-# Secrets an efdl process may be given in its environment: never passed on to the workers (a
-# training script, and what it starts, has no business with etcd) nor to an etcd it starts.
-SECRET_VARIABLES = frozenset({PASSWORD_ENV, JOB_TOKEN_ENV})
 # The fence timeout unless told (LaunchConfig.fence_s): etcd outages shorter than this are
 # trained through.
 DEFAULT_FENCE_S = 90.0

@@ -25,9 +25,10 @@ from efdl.cli.torchrun_flags import IGNORED, apply_rdzv_conf, rendezvous_flags
 from efdl.config import DEFAULT_JOB_ID, EtcdClientConfig, LaunchConfig, load, read_yaml
 from efdl.errors import ConfigError, EfdlError
 from efdl.kubeflow import pet_params
-from efdl.launcher.agent import NodeAgent, warm_pool
+from efdl.launcher.agent import NodeAgent
 from efdl.launcher.gpus import cuda_ids, discover, select
 from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
+from efdl.launcher.warm import warm_pool
 from efdl.rendezvous.api import Endpoint, EtcdSettings, EventType
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -386,7 +387,9 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         log.debug("Removed %s, the private directory of an efdl process that is gone.", path)
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
     slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
-    warm = warm_pool(cfg, args, slots, bool(gpus), cpu_count())  # importing while etcd starts
+    warm = warm_pool(
+        cfg.warm_workers, args, slots, bool(gpus), cpu_count()
+    )  # importing while etcd starts
     try:
         job_id = check_id(cfg.job_id or DEFAULT_JOB_ID)
         # A node started while etcd is away waits for it as long as the job may wait for

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from efdl.config import SECRET_VARIABLES
 from efdl.errors import ConfigError
+from efdl.protocol.env import SECRET_VARIABLES
 
 # An efdl-run agent, and the wrapper that records its exit code (efdl.fleet.wrap). -P: the
 # job's working directory (their cwd) is not put on sys.path, so efdl and what it imports come

@@ -21,7 +21,7 @@ from typing import Any
 
 from efdl import logs
 from efdl._process import private_dir
-from efdl.config import SECRET_VARIABLES, LaunchConfig
+from efdl.config import LaunchConfig
 from efdl.errors import EfdlError, StoreError
 from efdl.history import EventLog
 from efdl.launcher.env import JobContext, worker_env
@@ -32,7 +32,7 @@ from efdl.launcher.node import interface_of
 from efdl.launcher.publish import LatestPublisher
 from efdl.launcher.restarts import RestartBudget, Verdict
 from efdl.launcher.tcpstore import TCPStoreServer, preload
-from efdl.launcher.warm import WarmPool, warm_command
+from efdl.launcher.warm import WarmPool, warm_pool
 from efdl.launcher.workers import WorkerExit, WorkerGroup
 from efdl.protocol.env import (
     BEAT_DIR_ENV,
@@ -148,26 +148,6 @@ class _Hello:
     pid: int
 
 
-def default_warm(slots: int, gpus: bool, cpus: int) -> int:
-    """How many warm processes a node keeps unless told: see :func:`warm_pool`."""
-    return slots if gpus or cpus >= 4 * slots else 0
-
-
-def warm_pool(
-    cfg: LaunchConfig, args: Sequence[str], slots: int, gpus: bool, cpus: int
-) -> WarmPool:
-    """The node's warm worker processes, the first ``slots`` started now: the first workers'
-    interpreters import torch while the agent starts and joins. ``--warm-workers``; by
-    default one per slot on a GPU node or one with at least 4 cores per slot, none on a CPU
-    node with fewer: each refill imports torch on a core the workers train on there."""
-    size = default_warm(slots, gpus, cpus) if cfg.warm_workers is None else cfg.warm_workers
-    # Never the agent's secrets: a warm process's /proc/<pid>/environ is what it started with.
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
-    pool = WarmPool(size if warm_command(args) else 0, env)
-    pool.fill(slots if pool.size else 0)
-    return pool
-
-
 def _position(record: type[CacheRecord] | type[Progress]) -> Callable[[bytes, str], Position]:
     """Where a record of this kind stands: (generation, step)."""
     return lambda raw, key: record.from_json(raw, key).position
@@ -270,7 +250,7 @@ class NodeAgent:
         self._logs = cfg.log_spec(job_id)
         self._group: WorkerGroup | None = None
         if warm is None:
-            warm = warm_pool(cfg, self._args, node.slots, bool(node.gpus), node.cpus)
+            warm = warm_pool(cfg.warm_workers, self._args, node.slots, bool(node.gpus), node.cpus)
         self._warm = warm
         self._refill_at: float | None = None
         self._restart_at: float | None = None  # ask for a round then (see RESTART_HOLD_S)

@@ -6,9 +6,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from efdl.config import SECRET_VARIABLES
 from efdl.launcher.gpus import worker_devices
-from efdl.protocol.env import DEVICE_ENV, GENERATION_ENV, JOB_ID_ENV, LOCAL_RANK_ENV, NODE_ID_ENV
+from efdl.protocol.env import (
+    DEVICE_ENV,
+    GENERATION_ENV,
+    JOB_ID_ENV,
+    LOCAL_RANK_ENV,
+    NODE_ID_ENV,
+    SECRET_VARIABLES,
+)
 from efdl.rendezvous.model import NodeRecord, Round
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

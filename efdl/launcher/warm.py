@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from efdl._process import spawn_worker
-from efdl.protocol.env import WARM_ENV
+from efdl.protocol.env import SECRET_VARIABLES, WARM_ENV
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +233,21 @@ def _where(filename: str) -> str:
 
 if __name__ == "__main__":
     main()
+
+
+def default_warm(slots: int, gpus: bool, cpus: int) -> int:
+    """How many warm processes a node keeps unless told: see :func:`warm_pool`."""
+    return slots if gpus or cpus >= 4 * slots else 0
+
+
+def warm_pool(size: int | None, args: Sequence[str], slots: int, gpus: bool, cpus: int) -> WarmPool:
+    """The node's warm worker processes, the first ``slots`` started now: the first workers'
+    interpreters import torch while the agent starts and joins. ``--warm-workers``; by
+    default one per slot on a GPU node or one with at least 4 cores per slot, none on a CPU
+    node with fewer: each refill imports torch on a core the workers train on there."""
+    size = default_warm(slots, gpus, cpus) if size is None else size
+    # Never the agent's secrets: a warm process's /proc/<pid>/environ is what it started with.
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    pool = WarmPool(size if warm_command(args) else 0, env)
+    pool.fill(slots if pool.size else 0)
+    return pool

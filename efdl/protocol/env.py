@@ -4,10 +4,17 @@ beside them: efdl.launcher.env.worker_env).
 
 efdl-run's own options read ``EFDL_<OPTION>`` (efdl.config: flags > EFDL_* > YAML >
 defaults); the secrets among them (``EFDL_ETCD_PASSWORD``, ``EFDL_JOB_TOKEN``) never reach a
-worker (efdl.config.SECRET_VARIABLES).
+worker (:data:`SECRET_VARIABLES`).
 """
 
 from __future__ import annotations
+
+# ---------------------------------------------------------------- secrets, never a worker's
+PASSWORD_ENV = "EFDL_ETCD_PASSWORD"
+JOB_TOKEN_ENV = "EFDL_JOB_TOKEN"
+# Secrets an efdl process may be given in its environment: never passed on to the workers (a
+# training script, and what it starts, has no business with etcd) nor to an etcd it starts.
+SECRET_VARIABLES = frozenset({PASSWORD_ENV, JOB_TOKEN_ENV})
 
 # ---------------------------------------------------------------- who and where the worker is
 JOB_ID_ENV = "EFDL_JOB_ID"

@@ -21,8 +21,8 @@ import grpc
 from etcd3 import etcdrpc
 
 from efdl._process import die_with_parent, free_port, private_dir, reap, stop_process
-from efdl.config import SECRET_VARIABLES
 from efdl.errors import EtcdServerError, StoreAuthError, StoreError
+from efdl.protocol.env import SECRET_VARIABLES
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.etcd_store import EtcdStore
 

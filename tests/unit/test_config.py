@@ -9,7 +9,7 @@ import pytest
 
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_password, read_yaml
 from efdl.errors import ConfigError
-from efdl.launcher.agent import default_warm
+from efdl.launcher.warm import default_warm
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 
 
