@@ -158,8 +158,6 @@ def rank_main(args: dict[str, Any]) -> None:
     elif reader == "plain":
         loader = DataLoader(_plain_dataset(files, rank, world, storage), batch_size=None, **extra)
     elif reader.startswith("tar-"):  # WebDataset shards (benchmarks.data_tar)
-        from benchmarks.data_tar import tar_loader
-
         loader = tar_loader(reader, files, rank, world, storage, workers)
     elif reader == "mosaic":
         from streaming import StreamingDataset  # type: ignore[import-not-found]
@@ -356,6 +354,47 @@ def upload(files: list[str], gb: float, endpoint: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- the report
+
+
+COUNTS = "counts.json"  # the tar shards' sample counts, beside them (benchmarks.data_tar)
+
+
+def tar_loader(
+    reader: str, files: list[str], rank: int, world: int, storage: dict[str, Any], workers: int
+) -> Any:
+    """The DataLoader of ``reader`` ("tar-plain", "tar-wds" or "tar-efdl") for one rank."""
+    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+    import efdl
+    from efdl.data.tar import TarSource, tar_samples
+
+    if reader == "tar-efdl":
+        counts = json.loads((Path(files[0]).parent / COUNTS).read_text())
+        stream = efdl.ElasticStream(
+            TarSource(files, rows=counts, storage_options=storage), BATCH * world
+        )
+        stream.set_world(rank, world)
+        return DataLoader(stream, batch_size=None, num_workers=workers)
+    if reader == "tar-wds":
+        import webdataset as wds  # type: ignore[import-untyped]
+
+        data = wds.WebDataset(
+            files,
+            shardshuffle=False,
+            nodesplitter=wds.split_by_node,  # by RANK and WORLD_SIZE
+            workersplitter=wds.split_by_worker,
+            empty_check=False,
+        )
+        return DataLoader(data, batch_size=BATCH, num_workers=workers)
+
+    class Plain(IterableDataset[Any]):
+        def __iter__(self) -> Any:
+            info = get_worker_info()
+            w, k = (info.id, info.num_workers) if info else (0, 1)
+            for url in files[rank::world][w::k]:
+                yield from tar_samples(url, 0, storage)
+
+    return DataLoader(Plain(), batch_size=BATCH, num_workers=workers)
 
 
 def main() -> None:

@@ -31,14 +31,12 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from benchmarks.data import BATCH, run_world
+from benchmarks.data import BATCH, COUNTS, run_world
 from benchmarks.report import spread, verdict
 
 SHARD_SAMPLES = 8192
 IMAGE_BYTES = 16_384
-COUNTS = "counts.json"  # the shards' sample counts, beside them
 
 
 def generate(folder: Path, gb: float) -> list[str]:
@@ -61,44 +59,6 @@ def generate(folder: Path, gb: float) -> list[str]:
                     tar.addfile(info, io.BytesIO(data))
     counts.write_text(json.dumps([SHARD_SAMPLES] * shards))
     return names
-
-
-def tar_loader(
-    reader: str, files: list[str], rank: int, world: int, storage: dict[str, Any], workers: int
-) -> Any:
-    """The DataLoader of ``reader`` ("tar-plain", "tar-wds" or "tar-efdl") for one rank."""
-    from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-
-    import efdl
-    from efdl.data.tar import TarSource, tar_samples
-
-    if reader == "tar-efdl":
-        counts = json.loads((Path(files[0]).parent / COUNTS).read_text())
-        stream = efdl.ElasticStream(
-            TarSource(files, rows=counts, storage_options=storage), BATCH * world
-        )
-        stream.set_world(rank, world)
-        return DataLoader(stream, batch_size=None, num_workers=workers)
-    if reader == "tar-wds":
-        import webdataset as wds  # type: ignore[import-untyped]
-
-        data = wds.WebDataset(
-            files,
-            shardshuffle=False,
-            nodesplitter=wds.split_by_node,  # by RANK and WORLD_SIZE
-            workersplitter=wds.split_by_worker,
-            empty_check=False,
-        )
-        return DataLoader(data, batch_size=BATCH, num_workers=workers)
-
-    class Plain(IterableDataset[Any]):
-        def __iter__(self) -> Any:
-            info = get_worker_info()
-            w, k = (info.id, info.num_workers) if info else (0, 1)
-            for url in files[rank::world][w::k]:
-                yield from tar_samples(url, 0, storage)
-
-    return DataLoader(Plain(), batch_size=BATCH, num_workers=workers)
 
 
 def main() -> None:

@@ -12,10 +12,11 @@ import time
 import urllib.request
 import uuid
 
-from efdl.history import EventLog, read_events
+from efdl.history import read_events
 from efdl.launcher.metrics import Metrics
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.model import EventKind
 
 

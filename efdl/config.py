@@ -20,15 +20,12 @@ from typing import Any, TypeVar
 import yaml
 
 from efdl.errors import ConfigError
-from efdl.launcher.output import STDERR, STDOUT, LogSpec, parse_filters, parse_ranks, parse_streams
-from efdl.protocol.env import JOB_TOKEN_ENV, PASSWORD_ENV
+from efdl.output import STDERR, STDOUT, LogSpec, parse_filters, parse_ranks, parse_streams
+from efdl.protocol.env import JOB_TOKEN_ENV, JOB_TOKEN_USER, PASSWORD_ENV
 from efdl.rendezvous.api import EtcdSettings
 
 C = TypeVar("C")
 
-# The etcd user a job token authenticates as: the etcd a node of the job serves has one user,
-# etcd's root, whose password is the token.
-JOB_TOKEN_USER = "root"
 JOB_TOKEN_MIN_CHARS = 16
 # The fence timeout unless told (LaunchConfig.fence_s): etcd outages shorter than this are
 # trained through.
@@ -547,7 +544,7 @@ class LaunchConfig(EtcdClientConfig):
         return None
 
     def log_spec(self, job_id: str) -> LogSpec:
-        """Where job ``job_id``'s worker output goes (see efdl.launcher.output)."""
+        """Where job ``job_id``'s worker output goes (see efdl.output)."""
         return LogSpec(
             self.log_dir / job_id if self.log_dir else None,
             parse_streams(self.redirects, "--redirects"),

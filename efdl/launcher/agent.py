@@ -23,7 +23,6 @@ from efdl import logs
 from efdl._process import private_dir
 from efdl.config import LaunchConfig
 from efdl.errors import EfdlError, StoreError
-from efdl.history import EventLog
 from efdl.launcher.env import JobContext, worker_env
 from efdl.launcher.gpus import free_slot
 from efdl.launcher.hangs import HangJudge
@@ -63,6 +62,7 @@ from efdl.protocol.messages import (
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.lifecycle import end_job
 from efdl.rendezvous.model import (
     CacheRecord,

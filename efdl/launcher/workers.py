@@ -25,7 +25,7 @@ from typing import IO
 from efdl import logs as logs_format
 from efdl._process import reap, spawn_worker
 from efdl.launcher import warm
-from efdl.launcher.output import STDERR, STDOUT, STREAM_NAMES, LogSpec
+from efdl.output import STDERR, STDOUT, STREAM_NAMES, LogSpec
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 # ---------------------------------------------------------------- secrets, never a worker's
 PASSWORD_ENV = "EFDL_ETCD_PASSWORD"
 JOB_TOKEN_ENV = "EFDL_JOB_TOKEN"
+# The etcd user a job token authenticates as: the etcd a node of the job serves has one user,
+# etcd's root, whose password is the token.
+JOB_TOKEN_USER = "root"
 # Secrets an efdl process may be given in its environment: never passed on to the workers (a
 # training script, and what it starts, has no business with etcd) nor to an etcd it starts.
 SECRET_VARIABLES = frozenset({PASSWORD_ENV, JOB_TOKEN_ENV})

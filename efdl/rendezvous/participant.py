@@ -33,7 +33,6 @@ from efdl.errors import (
     StoreConnectionError,
     StoreError,
 )
-from efdl.history import EventLog
 from efdl.rendezvous.api import (
     Compare,
     Delete,
@@ -46,6 +45,7 @@ from efdl.rendezvous.api import (
     WatchBatch,
 )
 from efdl.rendezvous.decide import FENCE_MARGIN_S, JobView, NodeView, Policy, decide
+from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import (
     EventKind,

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import grpc
 
-from efdl.config import JOB_TOKEN_USER
 from efdl.errors import ConfigError, EfdlError
-from efdl.protocol.env import JOB_TOKEN_ENV
+from efdl.protocol.env import JOB_TOKEN_ENV, JOB_TOKEN_USER
 from efdl.rendezvous.api import Endpoint
 from efdl.rendezvous.embedded import AuthState, EmbeddedEtcd, auth_state, require_auth
 from efdl.rendezvous.etcd_store import is_loopback
