@@ -48,8 +48,8 @@ from pathlib import Path
 import psutil
 
 from benchmarks.report import FIGURES, pyplot, save, spread, verdict
-from efdl.fleet.allocate import Decision, Policy
-from efdl.fleet.history import holdings
+from efdl.fleet.allocate import Allocation, FleetPolicy
+from efdl.fleet.holdings import holdings
 from efdl.fleet.leader import Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import read_events, status_writes, submit
@@ -254,9 +254,9 @@ def simulate_efdl(trace: Trace, store: KVStore, args: argparse.Namespace) -> Out
     assert mine is not None
     leading = Compare.create_revision_is(leader_key, mine.create_revision)
     clock = [EPOCH]  # the simulated wall clock the allocator reads
-    decisions: list[Decision] = []
+    decisions: list[Allocation] = []
     allocator = Allocator(
-        store, keys, "bench", 0, Policy(args.resize_interval), clock=lambda: clock[0],
+        store, keys, "bench", 0, FleetPolicy(args.resize_interval), clock=lambda: clock[0],
         on_decision=decisions.append,
     )  # fmt: skip
     runs = {j.job_id: _Run(j) for j in trace.jobs}

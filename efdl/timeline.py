@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from efdl.errors import ConfigError
-from efdl.fleet.history import Holding
+from efdl.fleet.holdings import Holding
 from efdl.history import still_intervals
 from efdl.rendezvous.model import Event, EventKind, RoundStatus
 

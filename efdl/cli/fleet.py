@@ -18,7 +18,7 @@ from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.model import check_id
 
 if TYPE_CHECKING:  # the fleet's modules are imported by its commands alone
-    from efdl.fleet.allocate import Policy as FleetPolicy
+    from efdl.fleet.allocate import FleetPolicy
 from efdl.cli.common import (
     F,
     etcd_config,
@@ -31,8 +31,8 @@ from efdl.cli.common import (
 
 def _fleet_policy(resize_interval: float, history_days: float) -> FleetPolicy:
     """The allocator's settings from --resize-interval and --history-days
-    (efdl.fleet.allocate.Policy)."""
-    from efdl.fleet.allocate import Policy as FleetPolicy
+    (efdl.fleet.allocate.FleetPolicy)."""
+    from efdl.fleet.allocate import FleetPolicy
 
     if resize_interval < 0:
         raise ConfigError(
@@ -128,7 +128,7 @@ def jobs(
 ) -> None:
     """Show the fleet's jobs (priority, phase, GPUs, where or why) and hosts."""
     from efdl.fleet.commands import fleet_keys, format_jobs, jobs_json
-    from efdl.fleet.history import format_history
+    from efdl.fleet.holdings import format_history
     from efdl.fleet.registry import read_events as read_fleet_events
     from efdl.fleet.registry import read_fleet
 
@@ -294,8 +294,8 @@ def node(
     import socket
 
     from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.daemon import HostDaemon
     from efdl.fleet.etcd_users import EtcdUsers
-    from efdl.fleet.node import HostDaemon
     from efdl.fleet.spawn import isolation_from_flags
 
     policy = _fleet_policy(resize_interval, history_days)

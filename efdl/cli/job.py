@@ -238,7 +238,7 @@ def timeline(
     start = parse_since(since)
     if fleet is not None:
         from efdl.fleet.commands import fleet_keys
-        from efdl.fleet.history import holdings
+        from efdl.fleet.holdings import holdings
         from efdl.fleet.registry import read_events as read_fleet_events
 
         if job_id is not None:

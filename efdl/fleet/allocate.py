@@ -7,7 +7,7 @@ The rules, in the order they apply:
    nobody's: a job that held it loses it at once (that is not the allocator's choice and
    waits for nothing). A host whose record went only lately (``lingering``: its daemon may be
    restarting while its agents train on) keeps its GPUs with the jobs that hold them, and
-   nothing new is placed there, for ``Policy.host_grace_s``.
+   nothing new is placed there, for ``FleetPolicy.host_grace_s``.
 2. Jobs are served by priority (higher first), then in the order they were submitted.
 3. A job gets at least its ``min`` workers or nothing. What its min needs comes from free
    GPUs first; then from lower-priority jobs, shrunk in place (never below their own min),
@@ -50,7 +50,7 @@ Held = dict[str, set[int]]
 
 
 @dataclass(frozen=True, slots=True)
-class Policy:
+class FleetPolicy:
     """The allocator's settings.
 
     Attributes:
@@ -84,7 +84,7 @@ class Reason:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class Allocation:
     """Each job's new status (only the jobs whose status changed) and why."""
 
     statuses: dict[str, JobStatus]
@@ -125,9 +125,9 @@ def allocate(
     hosts: Sequence[Host],
     jobs: Sequence[Job],
     now: float,
-    policy: Policy = Policy(),
+    policy: FleetPolicy = FleetPolicy(),
     lingering: Iterable[str] = (),
-) -> Decision:
+) -> Allocation:
     """Decide every unfinished job's GPUs (the rules in this module's docstring).
     ``lingering``: hosts whose record went less than ``policy.host_grace_s`` ago."""
     usable = {h.host_id: set(h.usable()) for h in hosts}
@@ -321,7 +321,7 @@ def _count(held: Held) -> int:
 # ---------------------------------------------------------------- the result
 
 
-def _decision(work: list[_Work], now: float) -> Decision:
+def _decision(work: list[_Work], now: float) -> Allocation:
     statuses: dict[str, JobStatus] = {}
     reasons: list[Reason] = []
     for w in work:
@@ -342,7 +342,7 @@ def _decision(work: list[_Work], now: float) -> Decision:
         else:
             continue
         reasons.append(Reason(w.id, statuses[w.id].reason))
-    return Decision(statuses, tuple(reasons))
+    return Allocation(statuses, tuple(reasons))
 
 
 def _gpus(held: Held) -> Gpus:

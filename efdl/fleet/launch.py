@@ -1,5 +1,5 @@
 """How ``efdl node`` starts one agent of a job: its command line and its environment, from the
-job's spec and what the daemon decided. Pure (efdl.fleet.node runs what this returns).
+job's spec and what the daemon decided. Pure (efdl.fleet.daemon runs what this returns).
 
 Nothing read from etcd reaches a shell, or an option parser as an option:
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from efdl.errors import StoreError
-from efdl.fleet.allocate import Decision, Policy, allocate
+from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
 from efdl.fleet.model import FleetKeys
 from efdl.fleet.registry import FleetView, prune_events, read_fleet, write_decision
 from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, WatchSink
@@ -26,7 +26,7 @@ from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, 
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how long to wait before trying etcd again after a failure
-PRUNE_EVERY_S = 3600.0  # how often the leader deletes events older than Policy.history_s
+PRUNE_EVERY_S = 3600.0  # how often the leader deletes events older than FleetPolicy.history_s
 
 
 class Allocator:
@@ -49,16 +49,16 @@ class Allocator:
         keys: FleetKeys,
         candidate_id: str,
         lease: int,
-        policy: Policy | None = None,
+        policy: FleetPolicy | None = None,
         period_s: float = 5.0,
         clock: Callable[[], float] = time.time,
-        on_decision: Callable[[Decision], None] | None = None,
+        on_decision: Callable[[Allocation], None] | None = None,
     ) -> None:
         self._store = store
         self._keys = keys
         self._key = keys.leader + candidate_id
         self._lease = lease
-        self._policy = policy or Policy()
+        self._policy = policy or FleetPolicy()
         self._period_s = period_s
         self._clock = clock
         self._on_decision = on_decision

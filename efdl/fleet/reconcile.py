@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
-class Agent:
+class HostedAgent:
     """An ``efdl-run`` agent this daemon started.
 
     Attributes:
@@ -65,7 +65,7 @@ class Stop:
 Action = Start | Stop
 
 
-def reconcile(desired: Mapping[str, Iterable[int]], agents: Sequence[Agent]) -> list[Action]:
+def reconcile(desired: Mapping[str, Iterable[int]], agents: Sequence[HostedAgent]) -> list[Action]:
     """The actions that bring ``agents`` to ``desired`` (job id -> its GPUs on this host),
     stops first, then one new agent per GPU. A GPU still held by an exiting agent is not
     given to a new one yet: the daemon calls this again when an agent exits. (Agents on

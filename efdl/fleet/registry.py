@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from efdl.errors import ConfigError
-from efdl.fleet.allocate import Decision, Job
+from efdl.fleet.allocate import Allocation, Job
 from efdl.fleet.model import FleetEvent, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.rendezvous.api import Compare, Delete, KVStore, Put
 from efdl.rendezvous.model import JobKeys, RecordError
@@ -179,7 +179,7 @@ def write_decision(
     store: KVStore,
     keys: FleetKeys,
     view: FleetView,
-    decision: Decision,
+    decision: Allocation,
     leading: Compare,
     now: float,
 ) -> bool:

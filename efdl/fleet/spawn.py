@@ -1,5 +1,5 @@
 """How ``efdl node`` starts one agent of a job, kept apart from the other jobs, and what it
-cleans up after it (efdl.fleet.node decides when; this module does it).
+cleans up after it (efdl.fleet.daemon decides when; this module does it).
 
 An agent is started without a shell (efdl.fleet.launch: an argv list, the job's command after
 ``--``), in a session of its own, under its job's uid where the daemon has a range of them

@@ -43,7 +43,7 @@ class Liveness:
 
 
 @dataclass(frozen=True, slots=True)
-class JobStatus:
+class StatusReport:
     job_id: str
     round: Round | None
     nodes: dict[str, NodeView]
@@ -62,7 +62,7 @@ class JobStatus:
         )
 
 
-def read_status(store: KVStore, job_id: str, probe: bool = True) -> JobStatus:
+def read_status(store: KVStore, job_id: str, probe: bool = True) -> StatusReport:
     """The job's keys in one range request, the round's members as they were when the
     round was written, and (``probe``) what each node's agent answers now."""
     keys = JobKeys(job_id)
@@ -83,7 +83,7 @@ def read_status(store: KVStore, job_id: str, probe: bool = True) -> JobStatus:
         targets = ((n, v.record.host, v.record.probe_port) for n, v in nodes.items())
         live = {n: Liveness(reply, said) for n, (reply, said) in ask_all(targets).items()}
     members = read_members(store, keys, r)
-    return JobStatus(job_id, r, nodes, leader, cache, members, live, known=bool(snap.kvs))
+    return StatusReport(job_id, r, nodes, leader, cache, members, live, known=bool(snap.kvs))
 
 
 def unknown_job(store: KVStore, job_id: str) -> str | None:
@@ -109,7 +109,7 @@ def _when(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def format_status(st: JobStatus) -> str:
+def format_status(st: StatusReport) -> str:
     r = st.round
     lines = [f"job {st.job_id}"]
     if r is None:
@@ -154,7 +154,7 @@ def format_status(st: JobStatus) -> str:
     return "\n".join(lines)
 
 
-def status_json(st: JobStatus) -> str:
+def status_json(st: StatusReport) -> str:
     return json.dumps(
         {
             "job_id": st.job_id,

@@ -47,7 +47,7 @@ from efdl.state.resume import Resumed, resume
 from efdl.state.rng import rng_state
 from efdl.state.runtime import Runtime, runtime
 from efdl.state.sampler import Position
-from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
+from efdl.state.transaction import Choice, Loss, Recovery, Standing, StepPhase, choose, recovery
 from efdl.state.values import StateValueError
 from efdl.state.verdict import Verdicts
 
@@ -172,7 +172,7 @@ class ElasticState:
         self._hook = (comm_hook, comm_hook_state) if comm_hook is not None else None
         self._generation = 0
         self._rescales = 0
-        self._phase = Phase.COMMITTED
+        self._phase = StepPhase.COMMITTED
         self._holds = False  # the tensors are a committed step's (False: new, or torn)
         self._settled = True  # and so is the rest (False after a roll-forward)
         self._torn = False  # it held state and a failure tore it
@@ -236,7 +236,7 @@ class ElasticState:
         self._rescales += 1
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> StepPhase:
         """Where the current step stands (efdl.state.transaction)."""
         return self._phase
 
@@ -280,10 +280,10 @@ class ElasticState:
     def _on_step_start(self, *_: Any) -> None:
         if self._persister is not None:
             self._persister.fence()  # the snapshot being persisted has copied the tensors
-        self._phase = Phase.STEPPING
+        self._phase = StepPhase.STEPPING
 
     def _on_step_end(self, *_: Any) -> None:
-        self._phase = Phase.STEPPED
+        self._phase = StepPhase.STEPPED
 
     def _count_step(self) -> None:
         self._step += 1
@@ -301,7 +301,7 @@ class ElasticState:
         # Values changed in place (a list appended to) are checked here, before they spread.
         state_values.check_all(object.__getattribute__(self, "_values"))
         self._count_step()
-        self._phase, self._settled = Phase.COMMITTED, True
+        self._phase, self._settled = StepPhase.COMMITTED, True
         rt = runtime
         rt.committed(self._step)
         self._verdicts.committed(self._step)
@@ -415,7 +415,7 @@ class ElasticState:
         if self._copy is not None:
             target = int(self._copy["step"])
         else:
-            target = self._step + int(self._phase is Phase.STEPPED)
+            target = self._step + int(self._phase is StepPhase.STEPPED)
         trusted = self._verdicts.holds(target)
         action = recovery(self._phase, self._copy is not None, trusted)
         if not trusted:
@@ -437,7 +437,7 @@ class ElasticState:
             self._settled = False
         elif action is Recovery.DISCARD:
             self._holds, self._torn = False, True
-        self._phase = Phase.COMMITTED
+        self._phase = StepPhase.COMMITTED
         self._model.zero_grad(set_to_none=True)
         return action
 

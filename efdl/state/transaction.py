@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from efdl.state.layout import Layout, covers
 
 
-class Phase(enum.StrEnum):
+class StepPhase(enum.StrEnum):
     COMMITTED = "committed"  # the tensors are those of the last commit()
     STEPPING = "stepping"  # inside optimizer.step(): tensors partly updated
     STEPPED = "stepped"  # optimizer.step() done, commit() not yet called
@@ -46,7 +46,7 @@ class Recovery(enum.StrEnum):
     DISCARD = "the update was torn inside optimizer.step(): the state comes from a peer"
 
 
-def recovery(phase: Phase, has_copy: bool, trusted: bool = True) -> Recovery:
+def recovery(phase: StepPhase, has_copy: bool, trusted: bool = True) -> Recovery:
     """What to do after a failure in ``phase``; a rollback copy, where kept, wins.
     ``trusted``: the step the rank would hold after it (the copy's, or the one
     ``optimizer.step()`` applied) had its communication verified (efdl.state.verdict); if
@@ -56,9 +56,9 @@ def recovery(phase: Phase, has_copy: bool, trusted: bool = True) -> Recovery:
     if has_copy:
         return Recovery.RESTORE_COPY
     return {
-        Phase.COMMITTED: Recovery.KEEP,
-        Phase.STEPPED: Recovery.ROLL_FORWARD,
-        Phase.STEPPING: Recovery.DISCARD,
+        StepPhase.COMMITTED: Recovery.KEEP,
+        StepPhase.STEPPED: Recovery.ROLL_FORWARD,
+        StepPhase.STEPPING: Recovery.DISCARD,
     }[phase]
 
 

@@ -8,7 +8,7 @@ the already enqueued update to run on partial gradients, on some ranks and not o
 the CPU reaches ``commit()`` long before the GPU knows. So there each ``commit()`` records a
 CUDA event on the current stream (no synchronisation), and a step is *verified* once its event
 has completed while the group reported no error (``ProcessGroupNCCL.get_error()``); the next
-commits ask, without waiting (``Event.query()``).
+commits ask, without waiting (``DeviceEvent.query()``).
 
 What a verdict changes:
 
@@ -36,7 +36,7 @@ from typing import Protocol
 _MIN_WAIT_S = 1.0
 
 
-class Event(Protocol):
+class DeviceEvent(Protocol):
     """What efdl needs of a CUDA event (``torch.cuda.Event``)."""
 
     def query(self) -> bool: ...
@@ -52,10 +52,12 @@ class Verdicts:
             blocks (a step that reaches ``commit()`` is verified there).
     """
 
-    def __init__(self, errored: Callable[[], bool], event: Callable[[], Event | None]) -> None:
+    def __init__(
+        self, errored: Callable[[], bool], event: Callable[[], DeviceEvent | None]
+    ) -> None:
         self._errored = errored
         self._event = event
-        self._pending: deque[tuple[int, Event]] = deque()  # (step, its event), oldest first
+        self._pending: deque[tuple[int, DeviceEvent]] = deque()  # (step, its event), oldest first
         self.verified = 0  # the newest step known to have succeeded here
         self.failed = False  # the group reported an error while steps were unverified
         self._last_commit: float | None = None

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 
 from efdl.cli import main
 from efdl.errors import ConfigError
-from efdl.fleet.allocate import Decision, Policy, allocate
-from efdl.fleet.history import holdings
+from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
+from efdl.fleet.holdings import holdings
 from efdl.fleet.leader import Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import (
@@ -130,7 +130,7 @@ def test_the_leader_deletes_events_older_than_its_history_hourly(
 ) -> None:
     day = 86400.0
     clock = [10 * day]
-    alloc = Allocator(store, keys, "me", 0, Policy(history_s=2 * day), clock=lambda: clock[0])
+    alloc = Allocator(store, keys, "me", 0, FleetPolicy(history_s=2 * day), clock=lambda: clock[0])
     done = JobStatus(Phase.CANCELLED, (), 0.0, "cancelled")
     put_event(store, keys, 7 * day, "old", done)
     put_event(store, keys, 9 * day, "young", done)
@@ -202,7 +202,7 @@ class Candidates:
         self.threads: dict[str, threading.Thread] = {}
         self.allocators: dict[str, Allocator] = {}
         self.leases: dict[str, tuple[EtcdStore, int]] = {}
-        self.decisions: list[Decision] = []
+        self.decisions: list[Allocation] = []
 
     def start(self, name: str) -> None:
         store = EtcdStore(self.server.settings(request_timeout_s=3))
@@ -214,7 +214,7 @@ class Candidates:
             self.keys,
             name,
             lease,
-            Policy(resize_interval_s=0.0),
+            FleetPolicy(resize_interval_s=0.0),
             period_s=0.5,
             on_decision=self.decisions.append,
         )

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from hypothesis import given
 from hypothesis import strategies as st
 
-from efdl.fleet.allocate import Decision, Job, Policy, allocate
+from efdl.fleet.allocate import Allocation, FleetPolicy, Job, allocate
 from efdl.fleet.model import FleetGpu, Gpus, Host, JobSpec, JobStatus, Phase, gpu_count
 
 NOW = 1_000_000.0
@@ -51,12 +51,12 @@ def running(s: JobSpec, gpus: Gpus, changed: float = LONG_AGO) -> Job:
     return Job(s, JobStatus(Phase.RUNNING, gpus, changed, "placed"))
 
 
-def after(decision: Decision, jobs: list[Job]) -> list[Job]:
+def after(decision: Allocation, jobs: list[Job]) -> list[Job]:
     """The jobs with the decision applied."""
     return [Job(j.spec, decision.statuses.get(j.spec.job_id, j.status)) for j in jobs]
 
 
-def size(decision: Decision, job_id: str) -> int:
+def size(decision: Allocation, job_id: str) -> int:
     return gpu_count(decision.statuses[job_id].gpus)
 
 
@@ -225,8 +225,8 @@ def test_a_shrink_gives_back_the_gpus_on_the_hosts_where_the_job_has_fewest() ->
 def test_no_job_is_resized_more_than_once_per_interval() -> None:
     hosts = [host("a", 8)]
     job = running(spec("j", 2, 8), (("a", (0, 1)),), changed=NOW - 30)
-    assert allocate(hosts, [job], NOW, Policy(resize_interval_s=60)).statuses == {}
-    d = allocate(hosts, [job], NOW + 31, Policy(resize_interval_s=60))
+    assert allocate(hosts, [job], NOW, FleetPolicy(resize_interval_s=60)).statuses == {}
+    d = allocate(hosts, [job], NOW + 31, FleetPolicy(resize_interval_s=60))
     assert size(d, "j") == 8
     # nor shrunk for another job inside it
     jobs = [

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from efdl.protocol.messages import Placement
 from efdl.state.runtime import Runtime
 from efdl.state.state import ElasticState
-from efdl.state.transaction import Phase, Recovery, Standing
+from efdl.state.transaction import Recovery, Standing, StepPhase
 
 
 class _Ops(TorchDispatchMode):
@@ -45,7 +45,7 @@ def trained(snapshot_every: int = 0) -> tuple[ElasticState, torch.optim.Optimize
 def test_a_commit_runs_no_tensor_operation_on_the_state() -> None:
     state, _ = trained()
     assert tensor_ops(state.commit) == []
-    assert state.step == 1 and state.phase is Phase.COMMITTED
+    assert state.step == 1 and state.phase is StepPhase.COMMITTED
 
 
 def test_rollback_copies_are_made_only_when_asked_for() -> None:
@@ -55,13 +55,13 @@ def test_rollback_copies_are_made_only_when_asked_for() -> None:
 
 def test_the_optimizer_hooks_mark_the_phases() -> None:
     state, opt = trained()
-    assert state.phase is Phase.STEPPED  # optimizer.step() ran, commit() not yet
+    assert state.phase is StepPhase.STEPPED  # optimizer.step() ran, commit() not yet
     state.commit()
-    assert state.phase is Phase.COMMITTED
+    assert state.phase is StepPhase.COMMITTED
     opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("in step")))
     with pytest.raises(RuntimeError, match="in step"):
         opt.step()
-    assert state.phase is Phase.STEPPING  # failed inside optimizer.step()
+    assert state.phase is StepPhase.STEPPING  # failed inside optimizer.step()
 
 
 def test_a_failure_after_the_step_counts_it_and_one_inside_it_holds_nothing() -> None:

@@ -55,7 +55,7 @@ def test_the_agent_and_the_fleet_commands_start_without_torch() -> None:
     (efdl.launcher.tcpstore.preload): importing it first (2-3 s of CPU here, seconds more on a
     busy host) would hold up every agent's registration, on every host of a fleet job."""
     code = (
-        "import sys; import efdl.cli, efdl.fleet.node, efdl.launcher.agent; "
+        "import sys; import efdl.cli, efdl.fleet.daemon, efdl.launcher.agent; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,8 +1,8 @@
-"""Who held which GPU when (efdl.fleet.history), from fleet events."""
+"""Who held which GPU when (efdl.fleet.holdings), from fleet events."""
 
 from __future__ import annotations
 
-from efdl.fleet.history import Holding, format_history, holdings
+from efdl.fleet.holdings import Holding, format_history, holdings
 from efdl.fleet.model import FleetEvent, JobStatus, Phase
 
 A = "gpu-a.us-central1-a.c.proj.internal"

@@ -3,11 +3,11 @@ each job runs on exactly the GPUs the allocator gave it here, in place."""
 
 from __future__ import annotations
 
-from efdl.fleet.reconcile import Agent, Start, Stop, foreign, reconcile
+from efdl.fleet.reconcile import HostedAgent, Start, Stop, foreign, reconcile
 
 
-def agent(job: str, gpus: set[int], pid: int, stopping: bool = False) -> Agent:
-    return Agent(job, frozenset(gpus), pid, stopping)
+def agent(job: str, gpus: set[int], pid: int, stopping: bool = False) -> HostedAgent:
+    return HostedAgent(job, frozenset(gpus), pid, stopping)
 
 
 def test_a_job_placed_here_gets_one_agent_per_gpu() -> None:

@@ -8,31 +8,31 @@ import torch
 
 from efdl.state.digest import digest
 from efdl.state.layout import Layout, covers, overlap, rows
-from efdl.state.transaction import Choice, Loss, Phase, Recovery, Standing, choose, recovery
+from efdl.state.transaction import Choice, Loss, Recovery, Standing, StepPhase, choose, recovery
 
 
 @pytest.mark.parametrize(
     ("phase", "expected"),
     [
-        (Phase.COMMITTED, Recovery.KEEP),  # failed in forward/backward: tensors untouched
-        (Phase.STEPPED, Recovery.ROLL_FORWARD),  # failed after optimizer.step(): count it
-        (Phase.STEPPING, Recovery.DISCARD),  # failed inside optimizer.step(): torn
+        (StepPhase.COMMITTED, Recovery.KEEP),  # failed in forward/backward: tensors untouched
+        (StepPhase.STEPPED, Recovery.ROLL_FORWARD),  # failed after optimizer.step(): count it
+        (StepPhase.STEPPING, Recovery.DISCARD),  # failed inside optimizer.step(): torn
     ],
 )
 def test_a_failure_leaves_a_committed_state_without_a_copy(
-    phase: Phase, expected: Recovery
+    phase: StepPhase, expected: Recovery
 ) -> None:
     assert recovery(phase, has_copy=False) is expected
 
 
-@pytest.mark.parametrize("phase", list(Phase))
-def test_a_rollback_copy_wins_where_one_is_kept(phase: Phase) -> None:
+@pytest.mark.parametrize("phase", list(StepPhase))
+def test_a_rollback_copy_wins_where_one_is_kept(phase: StepPhase) -> None:
     assert recovery(phase, has_copy=True) is Recovery.RESTORE_COPY
 
 
-@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("phase", list(StepPhase))
 @pytest.mark.parametrize("has_copy", [False, True])
-def test_an_unverified_step_is_torn_whatever_the_phase(phase: Phase, has_copy: bool) -> None:
+def test_an_unverified_step_is_torn_whatever_the_phase(phase: StepPhase, has_copy: bool) -> None:
     """The step the rank would hold was not verified (NCCL: its communication failed before
     it was known complete): neither keeping, rolling forward nor a copy of it may stand."""
     assert recovery(phase, has_copy, trusted=False) is Recovery.DISCARD

@@ -36,11 +36,11 @@ import psutil
 
 from efdl import __version__
 from efdl.errors import StoreError
-from efdl.fleet.allocate import Policy
+from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.etcd_users import AgentUsers
 from efdl.fleet.leader import RETRY_S, Allocator
 from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
-from efdl.fleet.reconcile import Agent, Start, Stop, foreign, reconcile
+from efdl.fleet.reconcile import HostedAgent, Start, Stop, foreign, reconcile
 from efdl.fleet.registry import read_fleet, status_writes
 from efdl.fleet.spawn import AgentFiles, Isolation, Spawner, StartError
 from efdl.launcher.gpus import discover
@@ -70,7 +70,7 @@ def nvml_gpus() -> dict[int, tuple[str, tuple[int, ...]]]:
 class _Running:
     """An agent this daemon runs (or adopted), and how to tell when it ends."""
 
-    agent: Agent  # its pid: the wrapper's (efdl.fleet.wrap), whose child is the agent
+    agent: HostedAgent  # its pid: the wrapper's (efdl.fleet.wrap), whose child is the agent
     files: AgentFiles
     proc: subprocess.Popen[bytes] | None = None  # None: adopted from an earlier daemon
     stop_by: float = 0.0  # asked to leave: killed if still running at this monotonic time
@@ -122,7 +122,7 @@ class HostDaemon:
         lease_ttl_s: int = 10,
         poll_s: float = 1.0,
         allocator: bool = True,
-        policy: Policy | None = None,
+        policy: FleetPolicy | None = None,
         nvml: Callable[[], dict[int, tuple[str, tuple[int, ...]]]] = nvml_gpus,
         isolation: Isolation | None = None,
         users: AgentUsers | None = None,
@@ -132,7 +132,7 @@ class HostDaemon:
         self._state = state_dir
         self._spawn = Spawner(host_id, address, etcd, state_dir, isolation or Isolation(), users)
         self._ttl, self._poll_s = lease_ttl_s, poll_s
-        self._allocator, self._policy = allocator, policy or Policy()
+        self._allocator, self._policy = allocator, policy or FleetPolicy()
         self._nvml = nvml
         self._inbox: queue.Queue[object] = queue.Queue()
         self._agents: dict[int, _Running] = {}
@@ -275,7 +275,7 @@ class HostDaemon:
             )  # fmt: skip
             return
         pid = started.proc.pid
-        agent = Agent(spec.job_id, frozenset(gpus), pid)
+        agent = HostedAgent(spec.job_id, frozenset(gpus), pid)
         self._agents[pid] = _Running(agent, started.files, started.proc)
         as_uid = f" as uid {uid}" if uid is not None else ""
         log.info(
@@ -288,7 +288,7 @@ class HostDaemon:
         log.info("Host %s: stopping agent %d: %s.", self.host_id, action.pid, action.reason)
         # The agent (the wrapper's child) leaves; the wrapper waits for it and records its exit.
         _signal_agent(action.pid, signal.SIGTERM)
-        r.agent = Agent(r.agent.job_id, r.agent.gpus, r.agent.pid, stopping=True)
+        r.agent = HostedAgent(r.agent.job_id, r.agent.gpus, r.agent.pid, stopping=True)
         r.stop_by = time.monotonic() + _STOP_GRACE_S
 
     def _reap(self) -> bool:
@@ -374,7 +374,9 @@ class HostDaemon:
             pid = int(row["pid"])
             if _start_time(pid) != row.get("started"):  # gone, or the PID was reused
                 continue
-            agent = Agent(str(row["job_id"]), frozenset(row["gpus"]), pid, bool(row["stopping"]))
+            agent = HostedAgent(
+                str(row["job_id"]), frozenset(row["gpus"]), pid, bool(row["stopping"])
+            )
             self._agents[pid] = _Running(agent, AgentFiles.from_row(row))
             log.info("Host %s: adopted agent %d of job %s.", self.host_id, pid, agent.job_id)
 
