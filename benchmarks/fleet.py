@@ -51,7 +51,7 @@ from benchmarks.report import FIGURES, pyplot, save, spread, verdict
 from efdl.fleet.allocate import Allocation, FleetPolicy
 from efdl.fleet.holdings import holdings
 from efdl.fleet.leader import Allocator
-from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
+from efdl.fleet.records import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import read_events, status_writes, submit
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd

@@ -17,7 +17,7 @@ from efdl.launcher.metrics import Metrics
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.event_log import EventLog
-from efdl.rendezvous.model import EventKind
+from efdl.rendezvous.records import EventKind
 
 
 def main() -> None:

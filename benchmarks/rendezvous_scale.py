@@ -34,8 +34,8 @@ from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.decide import JobView, NodeView, Policy, decide
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
 from efdl.rendezvous.participant import Participant
+from efdl.rendezvous.records import JobKeys, NodeRecord, Round, RoundStatus
 
 # Agents per shared connection: each holds 3 streams (its keep-alive and two watches), and
 # etcd 3.5 serves at most 100 or so concurrent streams per connection (the rest wait).

@@ -24,7 +24,7 @@ from efdl.history import format_event, read_events
 from efdl.launcher import warm
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import Event, EventKind
+from efdl.rendezvous.records import Event, EventKind
 from efdl.timeline import draw
 
 ROOT = Path(__file__).resolve().parents[1]

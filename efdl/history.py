@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 from efdl.rendezvous.api import KVStore
-from efdl.rendezvous.model import Event, EventKind, JobKeys, RecordError, RoundStatus
+from efdl.rendezvous.records import Event, EventKind, JobKeys, RecordError, RoundStatus
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 from efdl.errors import ConfigError
 from efdl.fleet.holdings import Holding
 from efdl.history import still_intervals
-from efdl.rendezvous.model import Event, EventKind, RoundStatus
+from efdl.rendezvous.records import Event, EventKind, RoundStatus
 
 # How each kind of event is marked: colour, and whether it gets a label.
 _MARKS = {

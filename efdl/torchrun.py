@@ -58,10 +58,10 @@ from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lifecycle import close_job
-from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus, check_id
 from efdl.rendezvous.participant import Participant
 from efdl.rendezvous.probe import ProbeListener
-from efdl.rendezvous.records import parse_round
+from efdl.rendezvous.reading import parse_round
+from efdl.rendezvous.records import JobKeys, NodeRecord, Round, RoundStatus, check_id
 
 log = logging.getLogger(__name__)
 

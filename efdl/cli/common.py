@@ -23,7 +23,7 @@ from efdl.errors import ConfigError, EfdlError
 from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import check_id
+from efdl.rendezvous.records import check_id
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -15,7 +15,7 @@ from efdl.errors import ConfigError, EfdlError
 from efdl.launcher.node import default_host
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
-from efdl.rendezvous.model import check_id
+from efdl.rendezvous.records import check_id
 
 if TYPE_CHECKING:  # the fleet's modules are imported by its commands alone
     from efdl.fleet.allocate import FleetPolicy

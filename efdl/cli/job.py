@@ -29,8 +29,8 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.lifecycle import close_job
-from efdl.rendezvous.model import Event, JobKeys, NodeRecord, RoundStatus
 from efdl.rendezvous.participant import Participant
+from efdl.rendezvous.records import Event, JobKeys, NodeRecord, RoundStatus
 from efdl.rendezvous.status import (
     format_status,
     no_such_job,

@@ -33,8 +33,8 @@ from efdl.rendezvous.api import Endpoint, EtcdSettings, EventType
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lifecycle import start_job
-from efdl.rendezvous.model import JobKeys, check_id
-from efdl.rendezvous.records import parse_round
+from efdl.rendezvous.reading import parse_round
+from efdl.rendezvous.records import JobKeys, check_id
 from efdl.rendezvous.served import (
     ServedEtcd,
     default_state_dir,

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from efdl.fleet.model import (
+from efdl.fleet.records import (
     Gpus,
     Host,
     JobSpec,

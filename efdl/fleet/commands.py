@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from efdl.errors import ConfigError
-from efdl.fleet.model import FleetKeys, JobSpec, describe
+from efdl.fleet.records import FleetKeys, JobSpec, describe
 from efdl.fleet.registry import FleetView
 
 FLEET_ENV = "EFDL_FLEET"

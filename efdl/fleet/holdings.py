@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from efdl.fleet.model import FleetEvent, describe
+from efdl.fleet.records import FleetEvent, describe
 
 
 @dataclass(frozen=True, slots=True)

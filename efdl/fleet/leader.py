@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from efdl.errors import StoreError
 from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
-from efdl.fleet.model import FleetKeys
+from efdl.fleet.records import FleetKeys
 from efdl.fleet.registry import FleetView, prune_events, read_fleet, write_decision
 from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, WatchSink
 

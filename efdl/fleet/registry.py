@@ -1,4 +1,4 @@
-"""The fleet's records in etcd (efdl.fleet.model): what ``efdl submit``, ``efdl jobs`` and
+"""The fleet's records in etcd (efdl.fleet.records): what ``efdl submit``, ``efdl jobs`` and
 ``efdl cancel`` do, what the allocator reads, and how it writes a decision.
 
 A decision is written with compare-and-swap: only while its writer leads (its election key
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from efdl.errors import ConfigError
 from efdl.fleet.allocate import Allocation, Job
-from efdl.fleet.model import FleetEvent, FleetKeys, Host, JobSpec, JobStatus, Phase
+from efdl.fleet.records import FleetEvent, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.rendezvous.api import Compare, Delete, KVStore, Put
-from efdl.rendezvous.model import JobKeys, RecordError
+from efdl.rendezvous.records import JobKeys, RecordError
 
 log = logging.getLogger(__name__)
 

@@ -33,9 +33,9 @@ from efdl.errors import ConfigError, StoreError
 from efdl.fleet import sandbox
 from efdl.fleet.etcd_users import AgentUsers, agent_user_prefix
 from efdl.fleet.launch import EtcdAccess, agent_argv, agent_env, wrapped
-from efdl.fleet.model import JobSpec
+from efdl.fleet.records import JobSpec
 from efdl.rendezvous.api import EtcdSettings
-from efdl.rendezvous.model import JobKeys
+from efdl.rendezvous.records import JobKeys
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,11 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.lifecycle import end_job
-from efdl.rendezvous.model import (
+from efdl.rendezvous.outputs import Position, guarded_put
+from efdl.rendezvous.participant import Participant
+from efdl.rendezvous.probe import ProbeListener, Reply, ask
+from efdl.rendezvous.reading import parse_round
+from efdl.rendezvous.records import (
     CacheRecord,
     Event,
     EventKind,
@@ -75,10 +79,6 @@ from efdl.rendezvous.model import (
     Round,
     RoundStatus,
 )
-from efdl.rendezvous.outputs import Position, guarded_put
-from efdl.rendezvous.participant import Participant
-from efdl.rendezvous.probe import ProbeListener, Reply, ask
-from efdl.rendezvous.records import parse_round
 from efdl.state.cache import CacheSettings, SnapshotStorage
 from efdl.state.channel import ChannelServer
 from efdl.state.fence import FenceWriter

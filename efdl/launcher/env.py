@@ -15,7 +15,7 @@ from efdl.protocol.env import (
     NODE_ID_ENV,
     SECRET_VARIABLES,
 )
-from efdl.rendezvous.model import NodeRecord, Round
+from efdl.rendezvous.records import NodeRecord, Round
 
 SOCKET_IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from efdl.rendezvous.model import Event, EventKind, Round
+from efdl.rendezvous.records import Event, EventKind, Round
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from efdl import __version__
 from efdl.errors import ConfigError
 from efdl.launcher.gpus import Selected
 from efdl.rendezvous.api import Endpoint
-from efdl.rendezvous.model import GpuInfo, NodeRecord, check_id
+from efdl.rendezvous.records import GpuInfo, NodeRecord, check_id
 
 log = logging.getLogger(__name__)
 

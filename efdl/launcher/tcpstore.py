@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from efdl.errors import ConfigError
-from efdl.rendezvous.model import Round
+from efdl.rendezvous.records import Round
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from efdl.errors import ConfigError
-from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
+from efdl.rendezvous.records import Member, NodeRecord, Round, RoundStatus
 
 # Added to a silent member's fence timeout before its generation is replaced: a snapshot
 # whose manifest was being written when the member's fence closed lands within it.

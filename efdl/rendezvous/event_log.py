@@ -17,7 +17,7 @@ from typing import Any
 
 from efdl.errors import StoreError
 from efdl.rendezvous.api import Delete, KVStore
-from efdl.rendezvous.model import Event, EventKind, JobKeys, Round
+from efdl.rendezvous.records import Event, EventKind, JobKeys, Round
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from efdl.rendezvous.api import (
     KVStore,
     Put,
 )
-from efdl.rendezvous.model import (
+from efdl.rendezvous.reading import BLIP_S, parse_round, retried
+from efdl.rendezvous.records import (
     Event,
     JobKeys,
     Round,
     RoundStatus,
 )
-from efdl.rendezvous.records import BLIP_S, parse_round, retried
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The job's shared records that every generation writes: never overwritten by an older one.
 
-``progress`` and ``cache`` (efdl.rendezvous.model) are written by whichever agent runs rank 0
+``progress`` and ``cache`` (efdl.rendezvous.records) are written by whichever agent runs rank 0
 of the generation. A generation that was cut off from etcd and replaced may still hold a
 value to publish when it reaches etcd again (its publisher retries until it can): written
 blindly, that value would take the job back to the old generation's step or snapshot. So
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from efdl.errors import StoreError
 from efdl.rendezvous.api import Compare, KVStore, Put
-from efdl.rendezvous.model import RecordError
+from efdl.rendezvous.records import RecordError
 
 log = logging.getLogger(__name__)
 

@@ -47,7 +47,15 @@ from efdl.rendezvous.api import (
 from efdl.rendezvous.decide import FENCE_MARGIN_S, JobView, NodeView, Policy, decide
 from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.lease import LeaseSession
-from efdl.rendezvous.model import (
+from efdl.rendezvous.probe import Reply, ask, ask_all, knock_all
+from efdl.rendezvous.reading import (
+    BLIP_S,
+    parse_nodes,
+    parse_round,
+    read_members,
+    retried,
+)
+from efdl.rendezvous.records import (
     EventKind,
     JobKeys,
     Member,
@@ -55,14 +63,6 @@ from efdl.rendezvous.model import (
     RecordError,
     Round,
     RoundStatus,
-)
-from efdl.rendezvous.probe import Reply, ask, ask_all, knock_all
-from efdl.rendezvous.records import (
-    BLIP_S,
-    parse_nodes,
-    parse_round,
-    read_members,
-    retried,
 )
 
 log = logging.getLogger(__name__)

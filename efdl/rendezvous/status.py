@@ -11,9 +11,9 @@ from typing import Any
 
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
-from efdl.rendezvous.model import CacheRecord, JobKeys, Member, RecordError, Round
 from efdl.rendezvous.probe import Reply, ask_all
-from efdl.rendezvous.records import parse_nodes, parse_round, read_members
+from efdl.rendezvous.reading import parse_nodes, parse_round, read_members
+from efdl.rendezvous.records import CacheRecord, JobKeys, Member, RecordError, Round
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from efdl.fleet.model import FleetKeys, JobSpec, JobStatus
+from efdl.fleet.records import FleetKeys, JobSpec, JobStatus
 from efdl.fleet.registry import read_fleet, submit
 from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd

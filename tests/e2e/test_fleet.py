@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from efdl.fleet.model import Phase
+from efdl.fleet.records import Phase
 from efdl.fleet.registry import cancel, read_events
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.fleet_harness import Fleet, newest, step_rows

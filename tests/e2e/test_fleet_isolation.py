@@ -35,7 +35,7 @@ from etcd3 import etcdrpc
 
 from efdl.errors import StoreAuthError
 from efdl.fleet import sandbox
-from efdl.fleet.model import Phase
+from efdl.fleet.records import Phase
 from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd, ServerTls
 from efdl.rendezvous.etcd_store import EtcdStore

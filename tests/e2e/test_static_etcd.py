@@ -21,7 +21,7 @@ from efdl.errors import StoreAuthError
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd, require_auth
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys
+from efdl.rendezvous.records import JobKeys
 from efdl.rendezvous.served import job_directory
 from tests.e2e.harness import EFDL_RUN, Agent, read_rows
 from tests.integration.test_static_security import outside_address

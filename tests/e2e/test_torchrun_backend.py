@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.rendezvous.model import JobKeys
+from efdl.rendezvous.records import JobKeys
 from tests.e2e.harness import SCRIPTS, Job, steps_at_world, wait_gone
 
 pytestmark = pytest.mark.timeout(300)

@@ -20,7 +20,7 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys, Progress
+from efdl.rendezvous.records import JobKeys, Progress
 from efdl.state.cache import SnapshotStorage
 from tests.e2e.harness import (
     Job,

@@ -26,7 +26,7 @@ import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys, Progress
+from efdl.rendezvous.records import JobKeys, Progress
 from tests.e2e.harness import (
     ELASTIC_ARGS,
     Job,

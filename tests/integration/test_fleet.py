@@ -22,7 +22,7 @@ from efdl.errors import ConfigError
 from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
 from efdl.fleet.holdings import holdings
 from efdl.fleet.leader import Allocator
-from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
+from efdl.fleet.records import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import (
     cancel,
     prune_events,
@@ -35,7 +35,7 @@ from efdl.fleet.registry import (
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.model import JobKeys, NodeRecord
+from efdl.rendezvous.records import JobKeys, NodeRecord
 from tests.wait import wait_until
 
 

@@ -17,7 +17,7 @@ from etcd3 import etcdrpc
 
 from efdl.errors import ConfigError, StoreAuthError
 from efdl.fleet.etcd_users import EtcdUsers, agent_user_prefix
-from efdl.fleet.model import FleetKeys
+from efdl.fleet.records import FleetKeys
 from efdl.fleet.spawn import AgentFiles, Isolation, Spawner
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore

@@ -10,7 +10,7 @@ import pytest
 from efdl.history import follow_events, format_event, read_events, stood_still
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.event_log import EventLog, trim
-from efdl.rendezvous.model import Event, EventKind, JobKeys, RecordError
+from efdl.rendezvous.records import Event, EventKind, JobKeys, RecordError
 from tests.wait import wait_until
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from efdl.rendezvous.api import KVStore
-from efdl.rendezvous.model import CacheRecord, JobKeys, Progress
 from efdl.rendezvous.outputs import put_unless_newer
+from efdl.rendezvous.records import CacheRecord, JobKeys, Progress
 
 
 def publish(store: KVStore, key: str, generation: int, step: int) -> bool:

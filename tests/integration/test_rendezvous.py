@@ -17,10 +17,10 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lifecycle import close_job
-from efdl.rendezvous.model import JobKeys, NodeRecord, Round, RoundStatus
 from efdl.rendezvous.participant import _SUPERSEDED, REJOIN_TTLS, Participant
 from efdl.rendezvous.probe import ProbeListener
-from efdl.rendezvous.records import read_members
+from efdl.rendezvous.reading import read_members
+from efdl.rendezvous.records import JobKeys, NodeRecord, Round, RoundStatus
 from efdl.rendezvous.status import read_status
 from tests.proxy import Proxy
 from tests.wait import wait_until

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from efdl.fleet.allocate import Allocation, FleetPolicy, Job, allocate
-from efdl.fleet.model import FleetGpu, Gpus, Host, JobSpec, JobStatus, Phase, gpu_count
+from efdl.fleet.records import FleetGpu, Gpus, Host, JobSpec, JobStatus, Phase, gpu_count
 
 NOW = 1_000_000.0
 LONG_AGO = NOW - 3600

@@ -8,7 +8,7 @@ import pytest
 
 from efdl.errors import ConfigError
 from efdl.rendezvous.decide import Decision, JobView, NodeView, Policy, decide
-from efdl.rendezvous.model import Member, NodeRecord, Round, RoundStatus
+from efdl.rendezvous.records import Member, NodeRecord, Round, RoundStatus
 
 T0 = 1_000.0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from efdl.fleet.holdings import Holding, format_history, holdings
-from efdl.fleet.model import FleetEvent, JobStatus, Phase
+from efdl.fleet.records import FleetEvent, JobStatus, Phase
 
 A = "gpu-a.us-central1-a.c.proj.internal"
 B = "gpu-b.us-central1-a.c.proj.internal"

@@ -21,7 +21,7 @@ from efdl.cli import run_main
 from efdl.errors import ConfigError
 from efdl.fleet import sandbox
 from efdl.fleet.launch import EFDL_RUN, EtcdAccess, agent_argv, agent_env, split_command, wrapped
-from efdl.fleet.model import JobSpec
+from efdl.fleet.records import JobSpec
 from efdl.fleet.sandbox import UidRange, job_uids, pick_uid
 from tests.wait import wait_until
 

@@ -1,4 +1,4 @@
-"""The fleet's records (efdl.fleet.model): round trips, and a sentence for every bad value."""
+"""The fleet's records (efdl.fleet.records): round trips, and a sentence for every bad value."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from efdl.errors import ConfigError
-from efdl.fleet.model import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase, describe
-from efdl.rendezvous.model import RecordError
+from efdl.fleet.records import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase, describe
+from efdl.rendezvous.records import RecordError
 
 KEYS = FleetKeys("prod")
 HOST = "ip-10-0-3-17.ec2.internal"

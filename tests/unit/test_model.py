@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from efdl.errors import ConfigError
-from efdl.rendezvous.model import (
+from efdl.rendezvous.records import (
     GpuInfo,
     JobKeys,
     Member,
@@ -125,7 +125,7 @@ def test_job_keys_stay_under_the_job_prefix() -> None:
 
 
 def test_cache_record_roundtrip_and_hostile_values() -> None:
-    from efdl.rendezvous.model import CacheRecord
+    from efdl.rendezvous.records import CacheRecord
 
     good = CacheRecord(120, 3, 4, "s3://b/j", 1.5)
     assert CacheRecord.from_json(good.to_json(), "/efdl/j/cache") == good

@@ -11,9 +11,9 @@ from efdl.errors import LeaseLostError, StoreAuthError, StoreConnectionError
 from efdl.rendezvous.api import Compare, Op, TxnResult
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.memory_store import MemoryStore
-from efdl.rendezvous.model import NodeRecord
 from efdl.rendezvous.participant import Participant
-from efdl.rendezvous.records import retried
+from efdl.rendezvous.reading import retried
+from efdl.rendezvous.records import NodeRecord
 
 
 class LostAnswers(MemoryStore):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from efdl.errors import ConfigError
-from efdl.rendezvous.model import Event, EventKind
+from efdl.rendezvous.records import Event, EventKind
 from efdl.timeline import draw, world_steps
 
 EVENTS = [

@@ -1,5 +1,5 @@
 """What the fleet keeps in etcd: its hosts, its jobs' specs and the allocator's statuses, with
-strict JSON codecs (as efdl.rendezvous.model does for one job).
+strict JSON codecs (as efdl.rendezvous.records does for one job).
 
 Keys live under ``/efdl-fleet/<fleet>/``, apart from the jobs' own rendezvous keys
 (``/efdl/<job>/``), which a fleet job uses as a job started by hand does:
@@ -11,7 +11,7 @@ Keys live under ``/efdl-fleet/<fleet>/``, apart from the jobs' own rendezvous ke
   the host daemons and ``efdl cancel`` (the final phases).
 
 Everything read from etcd is untrusted input: a record that does not parse raises
-:class:`~efdl.rendezvous.model.RecordError` naming the key and the field.
+:class:`~efdl.rendezvous.records.RecordError` naming the key and the field.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from efdl.errors import ConfigError
 from efdl.fields import Fields
 from efdl.fleet.launch import split_command
-from efdl.rendezvous.model import (
+from efdl.rendezvous.records import (
     HOST_RE,
     ID_RE,
     RecordError,
