@@ -226,7 +226,10 @@ def python_for_every_user(argv: list[str], stash: Path) -> list[str]:
     (mode 0755) there, with the real one's entry on the way to the Python bound into it
     (through ``stash``, a mount point of this harness's). The shell execs the command: it is
     no ancestor of the daemon's. Unchanged where every user may start it already."""
-    exe = Path(sys.executable).absolute()
+    named = Path(sys.executable).absolute()
+    exe = named.resolve()  # where the interpreter is: a virtual environment's python links there
+    shut = [d for d in reversed(named.parents) if not d.stat().st_mode & stat.S_IXOTH]
+    assert all(d in exe.parents for d in shut), f"{shut[0]}: make it o+x (a venv's directory)"
     blocked = next((d for d in reversed(exe.parents) if not d.stat().st_mode & stat.S_IXOTH), None)
     if blocked is None:
         return argv
