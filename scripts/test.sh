@@ -17,7 +17,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[etcd,examples,dev]"
 
-echo "== ruff"; "$PY" -m ruff check efdl tests benchmarks
+echo "== ruff"; "$PY" -m ruff check efdl tests benchmarks examples
 echo "== mypy"; "$PY" -m mypy
 echo "== pytest"
 # Two tests at a time (EFDL_TEST_WORKERS): most of a test's time is waiting on processes,

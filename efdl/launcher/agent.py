@@ -47,6 +47,7 @@ from efdl.protocol.env import (
 )
 from efdl.protocol.messages import (
     Agreed,
+    Hello,
     Leave,
     PeerFailed,
     Persisted,
@@ -138,14 +139,6 @@ class _Hung:
 
     pid: int
     hang: Hang
-
-
-@dataclass(frozen=True, slots=True)
-class _Hello:
-    """A worker announced that it rebuilds in place."""
-
-    local_rank: int
-    pid: int
 
 
 def _position(record: type[CacheRecord] | type[Progress]) -> Callable[[bytes, str], Position]:
@@ -298,7 +291,6 @@ class NodeAgent:
         try:
             self._channel = ChannelServer(
                 self._run_dir / "agent.sock",
-                lambda local_rank, pid: self._events.put(_Hello(local_rank, pid)),
                 self._on_worker_message,
             )
             # Until when this node's workers may commit: moved on each time the agent reaches
@@ -345,9 +337,9 @@ class NodeAgent:
             return ""
         return r.round_id if group.running() else ""
 
-    def _on_worker_message(self, pid: int, msg: ToAgent) -> None:
+    def _on_worker_message(self, msg: ToAgent) -> None:
         """A worker's message (on a channel thread): most go to the loop as they are."""
-        if isinstance(msg, Persisted | Stepped | PeerFailed | StateLost):
+        if isinstance(msg, Hello | Persisted | Stepped | PeerFailed | StateLost):
             self._events.put(msg)
         elif isinstance(msg, Agreed):
             self._trained, self._trained_at = msg.step, time.time()
@@ -664,7 +656,7 @@ class NodeAgent:
             )
         elif isinstance(event, _Failed):
             raise AgentExit(1, event.reason)
-        elif isinstance(event, _Hello):
+        elif isinstance(event, Hello):
             self._on_hello(event.pid)
         elif isinstance(event, StateLost):
             self._state_lost(event.message)

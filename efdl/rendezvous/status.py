@@ -51,7 +51,7 @@ class StatusReport:
     cache: CacheRecord | None = None
     members: tuple[Member, ...] = ()  # of the round, in rank order
     live: dict[str, Liveness] = field(default_factory=dict)  # by node, where asked
-    known: bool = True  # whether etcd holds anything of the job at all
+    known: bool = True  # whether etcd holds a round or a node of the job (see unknown_job)
 
     @property
     def spares(self) -> list[str]:
@@ -83,7 +83,8 @@ def read_status(store: KVStore, job_id: str, probe: bool = True) -> StatusReport
         targets = ((n, v.record.host, v.record.probe_port) for n, v in nodes.items())
         live = {n: Liveness(reply, said) for n, (reply, said) in ask_all(targets).items()}
     members = read_members(store, keys, r)
-    return StatusReport(job_id, r, nodes, leader, cache, members, live, known=bool(snap.kvs))
+    known = round_kv is not None or any(kv.key.startswith(keys.nodes) for kv in snap.kvs)
+    return StatusReport(job_id, r, nodes, leader, cache, members, live, known)
 
 
 def unknown_job(store: KVStore, job_id: str) -> str | None:

@@ -79,20 +79,19 @@ class ChannelServer:
 
     Args:
         path: the socket path (in the agent's private run directory).
-        on_hello: called (from a channel thread) with (local rank, pid) when a worker announces
-            that it rebuilds in place.
-        on_message: called (from a channel thread) with (pid, message) for any other message
-            of a worker (e.g. :class:`~efdl.protocol.messages.Persisted`).
+        on_message: called (from a channel thread) with each message of a worker: its
+            :class:`~efdl.protocol.messages.Hello` (it rebuilds in place; the agent may send
+            to it from then on), then any other. A message on a connection without a hello
+            is passed on only if it names its process (a plain script's
+            :class:`~efdl.protocol.messages.Stepped`).
     """
 
     def __init__(
         self,
         path: Path,
-        on_hello: Callable[[int, int], None],
-        on_message: Callable[[int, ToAgent], None] | None = None,
+        on_message: Callable[[ToAgent], None],
     ) -> None:
         self.path = path
-        self._on_hello = on_hello
         self._on_message = on_message
         self._lock = threading.Lock()
         self._conns: dict[int, tuple[socket.socket, threading.Lock]] = {}  # pid -> connection
@@ -123,15 +122,11 @@ class ChannelServer:
                     pid = msg.pid
                     with self._lock:
                         self._conns[pid] = (conn, threading.Lock())
-                    self._on_hello(msg.local_rank, pid)
+                    self._on_message(msg)
                 elif isinstance(msg, Placed | Leave | Waiting):
                     log.error("Ignoring a message for a worker sent to the agent: %s", msg)
-                elif self._on_message is not None:
-                    # Without a hello (a Reporter: a plain script's worker), a message
-                    # names its process itself.
-                    sender = msg.pid if isinstance(msg, Stepped) else pid
-                    if sender is not None:
-                        self._on_message(sender, msg)
+                elif pid is not None or isinstance(msg, Stepped):
+                    self._on_message(msg)
         except OSError:
             pass
         finally:

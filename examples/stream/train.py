@@ -4,11 +4,11 @@
 
 The run writes a synthetic data set (``--data``, default ``efdl-stream-example-<job id>`` in
 the temp directory: 16 Parquet files of 4096 rows, 64 features and a label each, removed when
-the job finishes; give ``--data DIR`` to keep one) and trains a classifier on it. The stream reads each rank's share of every step straight from the files
-(the directory may as well be ``s3://bucket/prefix``); its position (epoch, samples consumed)
-is part of the elastic state, so when workers join, leave or die mid-epoch the rest of the
-epoch is split over the new world and every row is trained once per epoch. Rank 0 prints each
-epoch's training accuracy.
+the job finishes; give ``--data DIR`` to keep one) and trains a classifier on it. The stream
+reads each rank's share of every step straight from the files (the directory may as well be
+``s3://bucket/prefix``); its position (epoch, samples consumed) is part of the elastic state,
+so when workers join, leave or die mid-epoch the rest of the epoch is split over the new
+world and every row is trained once per epoch. Rank 0 prints each epoch's training accuracy.
 
 Without efdl-run's in-place mode (plain torchrun), the same stream resumes through the
 script's checkpoint: ``stream.state_dict()`` in, ``stream.load_state_dict()`` out, and

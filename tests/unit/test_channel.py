@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from efdl.protocol.messages import Placed, Placement, Waiting
+from efdl.protocol.messages import Hello, Placed, Placement, Waiting
 from efdl.state.channel import AgentChannel, ChannelServer
 
 Pair = tuple[ChannelServer, AgentChannel, int]
@@ -21,11 +21,12 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     hello = threading.Event()
     pids: list[int] = []
 
-    def on_hello(local_rank: int, pid: int) -> None:
-        pids.append(pid)
-        hello.set()
+    def on_message(msg: object) -> None:
+        if isinstance(msg, Hello):
+            pids.append(msg.pid)
+            hello.set()
 
-    server = ChannelServer(tmp_path / "agent.sock", on_hello)
+    server = ChannelServer(tmp_path / "agent.sock", on_message)
     worker = AgentChannel(str(tmp_path / "agent.sock"), 0)
     assert hello.wait(10)
     yield server, worker, pids[0]

@@ -85,11 +85,14 @@ def test_the_agents_end_skips_a_bad_line_and_reads_on(tmp_path: Path) -> None:
     got: list[object] = []
     hello, done = threading.Event(), threading.Event()
 
-    def on_message(pid: int, msg: object) -> None:
-        got.append((pid, msg))
+    def on_message(msg: object) -> None:
+        if isinstance(msg, Hello):
+            hello.set()
+            return
+        got.append(msg)
         done.set()
 
-    server = ChannelServer(tmp_path / "a.sock", lambda rank, pid: hello.set(), on_message)
+    server = ChannelServer(tmp_path / "a.sock", on_message)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(str(tmp_path / "a.sock"))
@@ -98,6 +101,29 @@ def test_the_agents_end_skips_a_bad_line_and_reads_on(tmp_path: Path) -> None:
             s.sendall(b"not json\n" + b'{"type": "progress"}\n' + encode(Leave()))
             s.sendall(encode(PeerFailed(3)))
             assert done.wait(10)
-        assert got == [(99, PeerFailed(3))]
+        assert got == [PeerFailed(3)]
+    finally:
+        server.close()
+
+
+def test_a_message_on_a_connection_without_a_hello_counts_only_if_it_names_its_process(
+    tmp_path: Path,
+) -> None:
+    """A plain script's worker never says hello: its Stepped names its pid and is passed on;
+    anything else there has no sender and is dropped."""
+    got: list[object] = []
+    done = threading.Event()
+
+    def on_message(msg: object) -> None:
+        got.append(msg)
+        done.set()
+
+    server = ChannelServer(tmp_path / "b.sock", on_message)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(tmp_path / "b.sock"))
+            s.sendall(encode(PeerFailed(3)) + encode(Stepped(1.0, 77)))
+            assert done.wait(10)
+        assert got == [Stepped(1.0, 77)]
     finally:
         server.close()
