@@ -16,6 +16,11 @@ class ConfigError(EfdlError, ValueError):
     """A flag, environment variable or config file value is invalid."""
 
 
+class DataSourceError(EfdlError, ValueError):
+    """A shard that cannot be read as the stream needs it (missing, not Parquet, a column
+    it lacks, columns unlike the other shards', fewer rows than counted)."""
+
+
 class StoreError(EfdlError):
     """The key-value store (etcd) failed a request."""
 

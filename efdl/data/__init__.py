@@ -13,9 +13,9 @@ from typing import Any
 
 _API = {
     "ElasticStream": "efdl.data.stream",
-    "ParquetSource": "efdl.data.source",
-    "ReaderSource": "efdl.data.source",
-    "DataSourceError": "efdl.data.source",
+    "ParquetSource": "efdl.data.parquet",
+    "ReaderSource": "efdl.data.samples",
+    "DataSourceError": "efdl.errors",
     "StreamShareError": "efdl.data.order",
     "SharedDirectoryError": "efdl.data.exchange",
     "from_hf": "efdl.data.hf",

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from efdl.data.source import DataSourceError, Source
-from efdl.errors import EfdlError
+from efdl.data.shards import Source
+from efdl.errors import DataSourceError, EfdlError
 from efdl.protocol.env import DATA_SHM_ENV
 
 # How long a worker waits for another's window. A worker that dies makes the DataLoader

@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from efdl.data.source import DataSourceError, ParquetSource, Source
+from efdl.data.parquet import ParquetSource
+from efdl.data.shards import Source
 from efdl.data.stream import ElasticStream
+from efdl.errors import DataSourceError
 
 
 class DatasetSource(Source[Any]):

@@ -24,7 +24,9 @@ from typing import Any, cast
 
 import fsspec  # type: ignore[import-untyped]
 
-from efdl.data.source import DataSourceError, ReaderSource, expand, load_data
+from efdl.data.samples import ReaderSource, load_data
+from efdl.data.shards import expand
+from efdl.errors import DataSourceError
 
 _NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # key, fields (WebDataset's rule)
 
@@ -141,5 +143,5 @@ class TarSource(ReaderSource):
 
     def load(self, buffer: Any) -> list[Any]:
         """A window another DataLoader worker gave: its samples are dicts of strings and
-        bytes, loaded without running any code (efdl.data.source.load_data)."""
+        bytes, loaded without running any code (efdl.data.samples.load_data)."""
         return cast("list[Any]", load_data(buffer))
