@@ -402,7 +402,8 @@ class NodeAgent:
             self._rdzv.report_failure(event.generation)
 
     def _react(self, reaction: Reaction) -> None:
-        """Take the reaction's phase, then run its actions in order."""
+        """Take the reaction's phase, then run its actions in order (a follow-up's reaction,
+        on a fresh view, in its place)."""
         self._phase = reaction.phase
         for action in reaction.actions:
             self._run(action)
@@ -417,6 +418,10 @@ class NodeAgent:
                 self._progress.read()
             case react.Follow(round=r):
                 workers.round = r
+            case react.HandOver(round=r):
+                self._react(react.hand_over(self._view(), r))
+            case react.JudgeFailure():
+                self._react(react.judge_failure(self._view(), action))
             case react.RebuildInPlace(round=r):
                 self._rebuild_in_place(r)
             case react.StartWorkers(round=r, local_ranks=ranks):

@@ -6,7 +6,10 @@ is in afterwards and the actions to run, in order. ``NodeAgent`` (efdl.launcher.
 the phase, then runs the actions and does all of the I/O; nothing here reads a clock, a
 file, a process or etcd, so each decision is tested on a hand-built view
 (tests/unit/test_react.py). The pattern is torch.distributed.elastic's dynamic rendezvous:
-a pure operation returns an action, one executor runs it.
+a pure operation returns an action, one executor runs it. Where a decision must see what an
+earlier action left (the workers still running after the job's progress was read from etcd,
+the last step trained once the failed workers were stopped), the reaction ends in a follow-up
+(:class:`HandOver`, :class:`JudgeFailure`), which the agent answers with a fresh view.
 """
 
 from __future__ import annotations
@@ -133,6 +136,23 @@ class RebuildInPlace:
     """Place the running workers in ``round``, start local ranks missing, send the rest away."""
 
     round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class HandOver:
+    """Follow-up: give this node's workers their part in ``round`` (:func:`hand_over`)."""
+
+    round: Round
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeFailure:
+    """Follow-up: a worker failed (``exit``, with ``error``); judge whether the node restarts
+    it (:func:`judge_failure`); ``in_place``: it is replaced alone, its peers going on."""
+
+    exit: WorkerExit
+    error: str
+    in_place: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +316,8 @@ Action = (
     | ReadProgress
     | Follow
     | RebuildInPlace
+    | HandOver
+    | JudgeFailure
     | StartWorkers
     | StartReplacement
     | StopWorkers
@@ -376,12 +398,20 @@ def on_round(view: AgentView, r: Round) -> Reaction:
     # start over from step 0, nor stale holders roll it back): one small read per round, by
     # spares too, so that a spare placed after etcd forgot the record still knows.
     actions: list[Action] = [enter, ReadProgress()]
-    member = r.member
-    if member is not None:
+    if r.member is not None:
         actions.append(Follow(r))
+    return Reaction(phase, (*actions, HandOver(r)))
+
+
+def hand_over(view: AgentView, r: Round) -> Reaction:
+    """Give this node's workers their part in the active round ``r`` (the follow-up of
+    :func:`on_round`): efdl-aware ones are rebuilt in place; plain ones are stopped and
+    started again with their new ranks, none on a node the round left out."""
     if view.workers is WorkerMode.IN_PLACE:
-        return Reaction(phase, (*actions, RebuildInPlace(r)))
-    actions += [StopWorkers(), MarkPause()]
+        return Reaction(view.phase, (RebuildInPlace(r),))
+    phase = view.phase
+    actions: list[Action] = [StopWorkers(), MarkPause()]
+    member = r.member
     if member is not None:
         return Reaction(phase, (*actions, StartWorkers(r, tuple(range(member.workers)))))
     most = view.limits.max_workers
@@ -419,8 +449,6 @@ def on_exit(view: AgentView, ended: EndedWorker) -> Reaction:
 
 def _failed(view: AgentView, ended: EndedWorker, note: NoteExit) -> Reaction:
     e = ended.exit
-    how = how_ended(e.code)
-    first_line = (ended.error.splitlines() or [""])[0]
     in_place = ended.in_place and view.placed  # the others roll back and go on
     actions: list[Action] = [
         note,
@@ -428,9 +456,21 @@ def _failed(view: AgentView, ended: EndedWorker, note: NoteExit) -> Reaction:
         Detach(e.pid) if in_place else StopWorkers(min(view.limits.grace_period_s, 5.0)),
     ]
     if view.phase is AgentPhase.FINISHING:
+        how = how_ended(e.code)
         ends = EndAgent(1, f"Worker rank {e.rank} failed with {how} after the job finished.")
         return Reaction(view.phase, (*actions, ends))
-    judged = view.restarts.judge(e.code, ended.error, view.trained)
+    return Reaction(view.phase, (*actions, JudgeFailure(e, ended.error, in_place)))
+
+
+def judge_failure(view: AgentView, failure: JudgeFailure) -> Reaction:
+    """Whether the node restarts after a worker's failure (the follow-up of
+    :func:`on_exit`, judged on the last step trained once the failed workers stopped):
+    replace the worker in place, or ask for a round that restarts the workers, while the
+    restart budget lasts and the error is not the last one again; else leave the job."""
+    e, in_place = failure.exit, failure.in_place
+    how = how_ended(e.code)
+    first_line = (failure.error.splitlines() or [""])[0]
+    judged = view.restarts.judge(e.code, failure.error, view.trained)
     failed = f"Worker rank {e.rank} failed with {how}{': ' + first_line if first_line else ''}"
     if judged.verdict is Verdict.REPEATED:
         message = (
@@ -438,13 +478,13 @@ def _failed(view: AgentView, ended: EndedWorker, note: NoteExit) -> Reaction:
             "restart would fail the same way, so this node leaves the job (fix the error "
             "and start it again)."
         )
-        return Reaction(view.phase, (*actions, EndAgent(1, message)))
+        return Reaction(view.phase, (EndAgent(1, message),))
     if judged.verdict is Verdict.EXHAUSTED:
         message = (
             f"{failed}; this node has used all {view.restarts.max_restarts} restarts "
             "(--max-restarts), so it leaves the job."
         )
-        return Reaction(view.phase, (*actions, EndAgent(1, message)))
+        return Reaction(view.phase, (EndAgent(1, message),))
     count = f"restart {judged.budget.used} of {view.restarts.max_restarts}"
     what = "replacing the worker in place" if in_place else "restarting the workers"
     said = (
@@ -452,7 +492,7 @@ def _failed(view: AgentView, ended: EndedWorker, note: NoteExit) -> Reaction:
         if in_place
         else "restarting the workers"
     )
-    actions += [
+    actions: list[Action] = [
         CountRestart(judged.budget),
         RefillSoon(),
         Record(EventKind.RESTART, view.generation, f"{what} ({count})"),

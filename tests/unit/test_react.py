@@ -62,7 +62,7 @@ def test_a_round_already_acted_on_changes_nothing() -> None:
     assert reaction == react.Reaction(AgentPhase.RESTARTING)
 
 
-def test_plain_workers_are_restarted_with_their_new_ranks() -> None:
+def test_an_active_round_is_followed_then_handed_over_on_a_fresh_view() -> None:
     r = round_()
     reaction = react.on_round(view(phase=AgentPhase.RESTARTING), r)
     assert reaction.phase is AgentPhase.FOLLOWING  # the round that restarts them came
@@ -70,6 +70,17 @@ def test_plain_workers_are_restarted_with_their_new_ranks() -> None:
         react.EnterRound(r),
         react.ReadProgress(),
         react.Follow(r),
+        react.HandOver(r),
+    )
+    left_out = react.on_round(view(), round_(member=None))
+    assert kinds(left_out) == [react.EnterRound, react.ReadProgress, react.HandOver]
+
+
+def test_plain_workers_are_restarted_with_their_new_ranks() -> None:
+    r = round_()
+    reaction = react.hand_over(view(), r)
+    assert reaction.phase is AgentPhase.FOLLOWING
+    assert reaction.actions == (
         react.StopWorkers(),
         react.MarkPause(),
         react.StartWorkers(r, (0, 1)),
@@ -78,19 +89,8 @@ def test_plain_workers_are_restarted_with_their_new_ranks() -> None:
 
 def test_in_place_workers_are_rebuilt_not_stopped() -> None:
     r = round_()
-    reaction = react.on_round(view(workers=WorkerMode.IN_PLACE), r)
-    assert kinds(reaction) == [
-        react.EnterRound,
-        react.ReadProgress,
-        react.Follow,
-        react.RebuildInPlace,
-    ]
-
-
-def test_in_place_workers_left_out_of_a_round_are_rebuilt_to_leave() -> None:
-    r = round_(member=None)
-    reaction = react.on_round(view(workers=WorkerMode.IN_PLACE), r)
-    assert kinds(reaction) == [react.EnterRound, react.ReadProgress, react.RebuildInPlace]
+    reaction = react.hand_over(view(workers=WorkerMode.IN_PLACE), r)
+    assert reaction.actions == (react.RebuildInPlace(r),)
 
 
 @pytest.mark.parametrize(
@@ -99,8 +99,8 @@ def test_in_place_workers_left_out_of_a_round_are_rebuilt_to_leave() -> None:
 )
 def test_a_node_left_out_stops_its_workers_and_says_why(world_size: int, said: str) -> None:
     r = replace(round_(member=None), world_size=world_size)
-    reaction = react.on_round(view(), r)
-    assert kinds(reaction)[-3:] == [react.StopWorkers, react.MarkPause, react.Say]
+    reaction = react.hand_over(view(), r)
+    assert kinds(reaction) == [react.StopWorkers, react.MarkPause, react.Say]
     assert said in reaction.actions[-1].message  # type: ignore[union-attr]
 
 
@@ -167,13 +167,25 @@ def test_all_workers_finishing_cleanly_finishes_the_job() -> None:
     assert kinds(finishing) == [react.NoteExit, react.DropWorkers, react.EndAgent]
 
 
+def judged(v: AgentView, failure: EndedWorker) -> react.Reaction:
+    """The failure's reaction, then its follow-up's on the same view."""
+    first = react.on_exit(v, failure)
+    follow = first.actions[-1]
+    assert isinstance(follow, react.JudgeFailure)
+    return react.judge_failure(v, follow)
+
+
 def test_a_plain_failure_stops_the_workers_and_asks_for_a_round() -> None:
-    reaction = react.on_exit(view(), ended())
+    first = react.on_exit(view(), ended())
+    assert first.actions == (
+        react.NoteExit(1, 1),
+        react.ReportCrash(ended().exit, ended().error),
+        react.StopWorkers(5.0),  # the grace, at most 5 s
+        react.JudgeFailure(ended().exit, ended().error, in_place=False),
+    )
+    reaction = judged(view(), ended())
     assert reaction.phase is AgentPhase.RESTARTING
     assert kinds(reaction) == [
-        react.NoteExit,
-        react.ReportCrash,
-        react.StopWorkers,
         react.CountRestart,
         react.RefillSoon,
         react.Record,
@@ -181,11 +193,10 @@ def test_a_plain_failure_stops_the_workers_and_asks_for_a_round() -> None:
         react.ReportFailure,
         react.HoldRestart,
     ]
-    assert react.StopWorkers(5.0) in reaction.actions  # the grace, at most 5 s
-    assert react.CountRestart(
-        RestartBudget(3).judge(1, "ValueError: bad\n  File x", None).budget
-    ) in (reaction.actions)
-    record = next(a for a in reaction.actions if isinstance(a, react.Record))
+    budget = RestartBudget(3).judge(1, ended().error, None).budget
+    assert reaction.actions[0] == react.CountRestart(budget)
+    record = reaction.actions[2]
+    assert isinstance(record, react.Record)
     assert (record.kind, record.text) == (
         EventKind.RESTART,
         "restarting the workers (restart 1 of 3)",
@@ -193,32 +204,39 @@ def test_a_plain_failure_stops_the_workers_and_asks_for_a_round() -> None:
 
 
 def test_an_in_place_failure_replaces_only_that_worker() -> None:
-    reaction = react.on_exit(view(workers=WorkerMode.IN_PLACE), ended(in_place=True))
+    v = view(workers=WorkerMode.IN_PLACE)
+    first = react.on_exit(v, ended(in_place=True))
+    assert react.Detach(77) in first.actions
+    assert react.StopWorkers(5.0) not in first.actions
+    reaction = judged(v, ended(in_place=True))
     assert reaction.phase is AgentPhase.FOLLOWING
-    assert react.Detach(77) in reaction.actions
-    assert react.StopWorkers(5.0) not in reaction.actions
     assert reaction.actions[-1] == react.StartReplacement(1)
 
 
 def test_an_in_place_worker_of_no_round_yet_restarts_the_workers() -> None:
-    reaction = react.on_exit(view(placed=False), ended(in_place=True))
+    reaction = judged(view(placed=False), ended(in_place=True))
     assert reaction.phase is AgentPhase.RESTARTING
 
 
 def test_the_same_error_again_with_nothing_trained_ends_the_node() -> None:
-    failed = ended()
-    once = react.on_exit(view(), failed)
+    once = judged(view(), ended())
     budget = next(a.budget for a in once.actions if isinstance(a, react.CountRestart))
-    again = react.on_exit(view(restarts=budget), failed)
+    again = judged(view(restarts=budget), ended())
     end = again.actions[-1]
     assert isinstance(end, react.EndAgent) and end.code == 1
     assert end.message.startswith(
         "Worker rank 3 failed with exit code 1: ValueError: bad, the same"
     )
+    trained = judged(view(restarts=budget, trained=5), ended())  # a step trained since
+    assert reaction_restarts(trained)
+
+
+def reaction_restarts(reaction: react.Reaction) -> bool:
+    return any(isinstance(a, react.CountRestart) for a in reaction.actions)
 
 
 def test_a_spent_budget_ends_the_node() -> None:
-    reaction = react.on_exit(view(restarts=RestartBudget(0)), ended(-9, error=""))
+    reaction = judged(view(restarts=RestartBudget(0)), ended(-9, error=""))
     assert reaction.actions[-1] == react.EndAgent(
         1,
         "Worker rank 3 failed with signal SIGKILL; this node has used all 0 restarts "
