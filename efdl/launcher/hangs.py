@@ -42,6 +42,23 @@ def _connect(host: str, port: int) -> Any:
     )
 
 
+def hang_text(rank: int, pid: int, h: Hang) -> str:
+    """What worker rank ``rank`` (process ``pid``), judged hung, did: a sentence for the log
+    and the job's history."""
+    frozen = (
+        f"; it has been frozen for {h.frozen_s:.0f} s (its own threads do not run: a C call "
+        "that holds the GIL, or a stopped process)"
+        if h.frozen_s >= 3 * POLL_S
+        else ""
+    )
+    since = f"since its state was synced at step {h.step}" if h.first else f"after step {h.step}"
+    return (
+        f"worker rank {rank} (pid {pid}) made no step for {h.stalled_s:.0f} s "
+        f"{since} while a peer waited on it in a collective of group {h.group} (hang "
+        f"timeout {h.timeout_s:.0f} s){frozen}"
+    )
+
+
 class HangJudge:
     """Judges this agent's in-place workers (see the module docstring), on its own thread.
 

@@ -10,7 +10,7 @@ it ends the node's part in the job after one retry, not after all of them.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 class Verdict(enum.Enum):
@@ -26,28 +26,35 @@ class _Seen:
     step: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """What a failure means for the node (``verdict``), and its budget after it."""
+
+    verdict: Verdict
+    budget: RestartBudget
+
+
+@dataclass(frozen=True, slots=True)
 class RestartBudget:
-    """The restarts a node has used, and its last failure.
+    """The restarts a node has used, and its last failure: a value, judged without I/O.
 
     Args:
         max_restarts: worker failures this node restarts from (``--max-restarts``).
+        used: the restarts used so far.
     """
 
-    def __init__(self, max_restarts: int) -> None:
-        self.max_restarts = max_restarts
-        self.used = 0
-        self._last: _Seen | None = None
+    max_restarts: int
+    used: int = 0
+    last: _Seen | None = None  # the last failure judged
 
-    def decide(self, code: int, error: str, step: int | None) -> Verdict:
+    def judge(self, code: int, error: str, step: int | None) -> Judgement:
         """A worker failed with exit ``code`` (negative: a signal) and ``error`` (its
         exception line, '' if unknown); ``step``: the last step the node's workers committed,
-        None if unknown. RESTART counts the restart as used."""
+        None if unknown. A RESTART's budget counts the restart as used."""
         seen = _Seen(code, error.strip(), step)
-        repeated = seen.error != "" and code > 0 and seen == self._last
-        self._last = seen
-        if repeated:
-            return Verdict.REPEATED
+        after = replace(self, last=seen)
+        if seen.error != "" and code > 0 and seen == self.last:
+            return Judgement(Verdict.REPEATED, after)
         if self.used >= self.max_restarts:
-            return Verdict.EXHAUSTED
-        self.used += 1
-        return Verdict.RESTART
+            return Judgement(Verdict.EXHAUSTED, after)
+        return Judgement(Verdict.RESTART, replace(after, used=self.used + 1))

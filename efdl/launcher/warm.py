@@ -30,12 +30,16 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from efdl._process import spawn_worker
 from efdl.protocol.env import SECRET_VARIABLES, WARM_ENV
 
 log = logging.getLogger(__name__)
+
+# How long after starting workers, and after the newest round, the warm pool is filled again:
+# a warm process importing torch takes CPU from the workers' own start and rebuild.
+REFILL_AFTER_S = 5.0
 
 # The process names (/proc/PID/comm) of a warm process importing torch, and of one ready and
 # waiting for its place.
@@ -251,3 +255,55 @@ def warm_pool(size: int | None, args: Sequence[str], slots: int, gpus: bool, cpu
     pool = WarmPool(size if warm_command(args) else 0, env)
     pool.fill(slots if pool.size else 0)
     return pool
+
+
+class RefillTimer:
+    """When an agent fills its warm pool again: :data:`REFILL_AFTER_S` after its workers
+    start, and after the newest round; as soon as the next workers start once a worker
+    failed, for a second round is likely near (a dead node's lease expiring after its peers'
+    failures).
+
+    Args:
+        pool: the agent's warm pool.
+        tag: says the job, node and generation, for the log.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        pool: WarmPool,
+        tag: Callable[[], str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pool = pool
+        self._tag = tag
+        self._clock = clock
+        self.due: float | None = None  # when (monotonic) to fill the pool; None: not now
+        self._soon = False
+
+    def soon(self) -> None:
+        """A worker failed: fill the pool as soon as the next workers start."""
+        self._soon = True
+
+    def started(self) -> None:
+        """Workers started, taking warm processes: replace them once the workers are past
+        their own start (their imports and the warm ones' would share the node's cores)."""
+        self.due = self._clock() + (0.0 if self._soon else REFILL_AFTER_S)
+        self._soon = False
+
+    def round_came(self) -> None:
+        """A new round: its rebuild or restart goes first (imports would slow it)."""
+        if self.due is not None and not self._soon:
+            self.due = max(self.due, self._clock() + REFILL_AFTER_S)
+
+    def fill(self) -> None:
+        """The time has come: fill the pool."""
+        self.due = None
+        started = self._pool.fill()
+        if started:
+            log.info(
+                "%s: started %d warm worker process(es) (pids %s).",
+                self._tag(),
+                len(started),
+                started,
+            )
