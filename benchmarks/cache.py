@@ -57,12 +57,12 @@ def rank_main(
     import torch.distributed as dist
 
     import efdl
-    from efdl.state.runtime import runtime
+    from efdl.state.runtime import get_runtime
 
     timeout = datetime.timedelta(seconds=600)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+    get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
     model = flat_model(millions, device)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-6)
@@ -90,7 +90,7 @@ def rank_main(
         if idle_s:  # the next forward and backward, run elsewhere (a GPU): this CPU is free
             time.sleep(idle_s)
         stop.fill_(float(len(persister.durations) >= snapshots))
-        dist.all_reduce(stop, op=dist.ReduceOp.MIN, group=runtime.side)
+        dist.all_reduce(stop, op=dist.ReduceOp.MIN, group=get_runtime().side)
         if stop.item():
             break
     persister.flush(600)

@@ -40,13 +40,13 @@ def make_model(millions: int, device: torch.device) -> torch.nn.Module:
 def worker(rank: int, world: int, holders: int, store_path: str, millions: int, dev: str) -> None:
     import torch.distributed as dist
 
-    from efdl.state.runtime import runtime
+    from efdl.state.runtime import get_runtime
     from efdl.state.state import ElasticState
 
     timeout = datetime.timedelta(seconds=600)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+    get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
     device = torch.device(dev)
     torch.manual_seed(0 if rank < holders else rank)
     model = make_model(millions, device)
@@ -58,7 +58,7 @@ def worker(rank: int, world: int, holders: int, store_path: str, millions: int, 
         opt.step()
         state.commit()
         model.zero_grad(set_to_none=True)
-        state._holds = True
+        state._tree.holds = True
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     dist.barrier()
     t0 = time.perf_counter()

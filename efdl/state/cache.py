@@ -40,7 +40,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import fsspec  # type: ignore[import-untyped]
@@ -539,32 +539,6 @@ def _entry(read: Mapping[str, Any], name: str, key: str, m: Manifest) -> Any:
     if not isinstance(part, dict) or key not in part:
         raise SnapshotError(f"step {m.step}: {name} holds no {key}.")
     return part[key]
-
-
-def split_parts(sizes: Sequence[int], part_bytes: int) -> list[list[int]]:
-    """Consecutive leaves packed into parts of at most ``part_bytes`` (a larger leaf is a part
-    by itself). Pure."""
-    parts: list[list[int]] = []
-    size = part_bytes  # start a new part at the first leaf
-    for i, n in enumerate(sizes):
-        if size + n > part_bytes or not parts:
-            parts.append([])
-            size = 0
-        parts[-1].append(i)
-        size += n
-    return parts
-
-
-def assign_parts(sizes: Sequence[int], ranks: int) -> list[int]:
-    """Which rank writes each part: the largest parts first, each to the rank with the fewest
-    bytes so far (lowest rank on ties), so the ranks' writes take about as long. Pure."""
-    load = [0] * ranks
-    owner = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(ranks), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += sizes[i]
-    return owner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

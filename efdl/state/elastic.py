@@ -16,11 +16,12 @@ The user contract (about ten changed lines in a DDP script)::
     train(state)
 
 The parts: efdl.state.runtime (this worker's groups and agent), efdl.state.state (the state,
-``commit`` and the sync), efdl.state.transaction (what a failure leaves of the state),
-efdl.state.transfer (moving tensors between ranks), efdl.state.persist and efdl.state.resume
-(the remote cache). This module is the loop that ties them: all ranks pause at the same
-commit, or a peer's death makes their collective fail; each rank makes its state a committed
-one again, waits for its new placement from its agent, joins the new group, and syncs.
+``commit`` and the sync: efdl.state.commit, efdl.state.sync), efdl.state.transaction (what a
+failure leaves of the state), efdl.state.transfer (moving tensors between ranks),
+efdl.state.persist and efdl.state.resume (the remote cache). This module is the loop that
+ties them: all ranks pause at the same commit, or a peer's death makes their collective fail;
+each rank makes its state a committed one again, waits for its new placement from its agent,
+joins the new group, and syncs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from efdl._process import exit_left
 from efdl.errors import RendezvousTimeoutError
 from efdl.protocol.env import GRACE_ENV
 from efdl.state.failure import Failure
-from efdl.state.runtime import init_process_group, runtime
+from efdl.state.runtime import get_runtime, init_process_group
 from efdl.state.state import ElasticState, Fenced, Rescale, elastic_state
 
 __all__ = ["ElasticState", "elastic", "elastic_state", "init_process_group"]
@@ -53,7 +54,7 @@ def _rebuild(state: ElasticState, failure: BaseException | None) -> bool:
             new placement comes within the placement timeout (longer while the job waits
             below --min), the failure was no membership change: it is raised again.
     """
-    rt = runtime
+    rt = get_runtime()
     assert rt.channel is not None and rt.placement is not None
     placement = rt.channel.wait(rt.placement.generation, rt.placement_timeout_s)
     if placement is None and failure is not None and not rt.channel.leave_requested:
@@ -112,14 +113,15 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
     def wrap(fn: Callable[..., R]) -> Callable[..., R]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> R:
+            rt = get_runtime()
             while True:
                 failure: BaseException | None = None
                 try:
-                    runtime.in_elastic_fn = True
-                    if not runtime.enter():  # a newcomer's generation was replaced
+                    rt.in_elastic_fn = True
+                    if not rt.enter():  # a newcomer's generation was replaced
                         raise Rescale()
                     state.sync()  # a peer may die in here too
-                    runtime.trains()
+                    rt.trains()
                     return fn(*args, **kwargs)
                 except Rescale:
                     pass
@@ -127,7 +129,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                     if not _left_generation(exc):
                         _record(exc)
                         raise
-                    runtime.report(exc)
+                    rt.report(exc)
                     action = state.recover()
                     log.warning(
                         "A collective failed (%s); recovering: %s (step %d).",
@@ -137,7 +139,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
                     )
                     failure = exc
                 finally:
-                    runtime.in_elastic_fn = False
+                    rt.in_elastic_fn = False
                 try:
                     rebuilt = _rebuild(state, failure)
                 except Exception as exc:
@@ -155,7 +157,7 @@ def elastic(state: ElasticState) -> Callable[[Callable[..., R]], Callable[..., R
 def _left_generation(exc: BaseException) -> bool:
     """Whether ``exc`` means this worker's generation is over (rebuild in place) rather than
     the worker's own failure."""
-    rt = runtime
+    rt = get_runtime()
     if rt.channel is None:
         return False
     if isinstance(exc, Fenced):

@@ -3,8 +3,8 @@
 Every rank persists the same step (the decision travels in the per-commit agreement) and
 holds the same replicated state, so each cuts the state's tensors, in key-path order, into
 the same parts of at most ``part_bytes`` and writes the parts assigned to it
-(:func:`efdl.state.cache.split_parts`, :func:`~efdl.state.cache.assign_parts`): the ranks write
-in parallel, each copying and writing about ``1/world`` of the state. A sharded model's
+(:func:`split_parts`, :func:`assign_parts`): the ranks write in parallel, each copying and
+writing about ``1/world`` of the state. A sharded model's
 tensors (FSDP2's DTensors) are not replicated: each rank writes its own rows of them, in
 parts of its own, and the structure records which part holds each rank's rows, so that a job
 of any world size can read them back laid out anew (efdl.state.resume). Then:
@@ -52,10 +52,8 @@ from efdl.state.cache import (
     FileInfo,
     Manifest,
     SnapshotStorage,
-    assign_parts,
     part_file,
     rank_file,
-    split_parts,
 )
 from efdl.state.fence import Fence
 from efdl.state.layout import Layout as RowLayout
@@ -114,6 +112,32 @@ class Cut:
                     rows[split[i]][r] = len(owner)
                 owner.append(r)
         return Cut(keys, part_of, owner, rows)
+
+
+def split_parts(sizes: Sequence[int], part_bytes: int) -> list[list[int]]:
+    """Consecutive leaves packed into parts of at most ``part_bytes`` (a larger leaf is a part
+    by itself). Pure."""
+    parts: list[list[int]] = []
+    size = part_bytes  # start a new part at the first leaf
+    for i, n in enumerate(sizes):
+        if size + n > part_bytes or not parts:
+            parts.append([])
+            size = 0
+        parts[-1].append(i)
+        size += n
+    return parts
+
+
+def assign_parts(sizes: Sequence[int], ranks: int) -> list[int]:
+    """Which rank writes each part: the largest parts first, each to the rank with the fewest
+    bytes so far (lowest rank on ties), so the ranks' writes take about as long. Pure."""
+    load = [0] * ranks
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
 
 
 def _row_sizes(t: torch.Tensor, world: int) -> list[int]:

@@ -1,7 +1,8 @@
 """This worker's place in the job: its placement, its process groups, its agent.
 
-``init_process_group`` joins the first generation; :class:`Runtime` joins later ones (in
-place), leaves broken ones, and tells the agent's news to the training loop.
+``init_process_group`` joins the first generation; :class:`Runtime` (one per process:
+:func:`get_runtime`) joins later ones (in place), leaves broken ones, and tells the agent's
+news to the training loop.
 """
 
 from __future__ import annotations
@@ -351,7 +352,24 @@ class Runtime:
         self.gate.watch(p, lambda: channel.superseded(p.generation), go)
 
 
-runtime = Runtime()
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    """This process's one :class:`Runtime`, made at the first call.
+
+    Per process, like torch.distributed's default group: a worker takes part in one job, in
+    one generation at a time, and every part of efdl.state (the state, the training loop,
+    the channel's thread) must see the same placement, groups and agent."""
+    global _runtime
+    rt = _runtime
+    if rt is None:
+        with _runtime_lock:
+            if _runtime is None:
+                _runtime = Runtime()
+            rt = _runtime
+    return rt
 
 
 def _backend_of(group: Any) -> str:
@@ -414,7 +432,7 @@ def init_process_group(backend: str = "gloo", timeout_s: float | None = None) ->
             is 90% of it. (Moving state to a newcomer is cut into messages
             that each take a fraction of it, however large the state.)
     """
-    rt = runtime
+    rt = get_runtime()
     rt.backend = backend
     if timeout_s is not None:
         rt.timeout = datetime.timedelta(seconds=timeout_s)

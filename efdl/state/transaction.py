@@ -220,3 +220,55 @@ def choose(
         diverged,
         best[0],
     )
+
+
+def why_lost(
+    choice: Choice, keys: Sequence[int], job: tuple[int, int], cache_url: str | None
+) -> str:
+    """The :class:`~efdl.errors.StateLostError` message for ``choice`` (lost): what was lost,
+    why, and the ways on. ``keys``: each rank's :meth:`Standing.key`; ``job``: the job's
+    (generation, committed step); ``cache_url``: the remote cache the ranks looked in (None:
+    none)."""
+    loss, (job_generation, job_step) = choice.loss, job
+    cache = (
+        f"the remote cache {cache_url} holds no snapshot yet"
+        if cache_url is not None
+        else "no remote cache holds a snapshot (run with --cache-url to survive this)"
+    )
+    if loss is Loss.BEHIND:
+        newer = (
+            f"the remote cache {cache_url} holds nothing newer"
+            if cache_url is not None
+            else "no remote cache holds anything newer (run with --cache-url)"
+        )
+        return (
+            f"The job's state is lost: it had committed step {job_step} (in generation "
+            f"{job_generation}), but the newest state any rank of this generation holds is "
+            f"step {choice.step} of generation {choice.generation}: the ranks that trained "
+            f"past it are gone, and {newer}. It will not go back "
+            f"{max(0, job_step - (choice.step or 0))} steps by itself: resume it from a remote "
+            "cache (--cache-url, persisted before the loss), or start it afresh with "
+            "efdl-run --new-run."
+        )
+    if loss is Loss.UNCOVERED:
+        held = sorted({k // 2 for k in keys if k >= 0})
+        return (
+            "The job's sharded state is lost: no step's rows are all held by the ranks left "
+            "(a rank that held some died, and its peers have stepped past the step before; "
+            f"steps held: {held}), and {cache}."
+        )
+    if loss is Loss.TORN:
+        return (
+            "The job's state is lost: every rank that held it was torn, by a failure "
+            "inside optimizer.step() (an optimizer that communicates inside step()) or, on "
+            "NCCL, by an update enqueued behind a step's communication that failed before "
+            f"it was known complete, and {cache}. Keep rollback copies "
+            "(efdl.elastic_state(..., snapshot_every=1)) or a remote cache (--cache-url)."
+        )
+    return (
+        f"The job's state is lost: it had committed step {job_step}, but no rank of this "
+        f"generation holds any step (every worker that held one is gone), and {cache}. "
+        "It will not start over from step 0 by itself: resume it from a remote cache "
+        "(--cache-url, persisted before the loss), or start it afresh with efdl-run "
+        "--new-run."
+    )

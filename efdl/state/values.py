@@ -1,4 +1,5 @@
-"""What a state may hold as user values: plain data that every load path can read back.
+"""What a state may hold as user values: plain data that every load path can read back, under
+names that are not efdl's own (:class:`UserValues`).
 
 Snapshots and the state broadcast to newcomers are read with ``torch.load(weights_only=True)``
 (a hostile file cannot run code), which knows only plain types. A value it cannot read (a
@@ -64,3 +65,63 @@ def check(name: str, value: Any) -> None:
 def check_all(values: Mapping[str, Any]) -> None:
     for name, value in values.items():
         check(name, value)
+
+
+class UserValues:
+    """A state's user values (``state.epoch``, ``state.best_loss``): the names declared at
+    ``elastic_state(...)``, each plain data, none of them efdl's own. ``data`` is the one
+    mapping they live in; it goes with the state to other ranks and into snapshots.
+
+    Args:
+        declared: the values as given to ``elastic_state(...)``.
+        reserved: efdl's own names on a state (efdl.state.state.RESERVED): no value takes one.
+    """
+
+    def __init__(self, declared: Mapping[str, Any], reserved: frozenset[str]) -> None:
+        taken = sorted(set(declared) & reserved)
+        if taken:
+            raise StateValueError(
+                f"The state value name {taken[0]!r} is efdl's own (state.{taken[0]} is "
+                f"read-only){_own_hint(reserved)}"
+            )
+        check_all(declared)
+        self.data: dict[str, Any] = dict(declared)
+        self._reserved = reserved
+
+    def read(self, name: str) -> Any:
+        """The value ``name``; AttributeError if none was declared so."""
+        if name in self.data:
+            return self.data[name]
+        raise AttributeError(
+            f"The state has no value {name!r}; its values are {sorted(self.data)} (declare one "
+            f"as efdl.elastic_state(..., {name}=<initial value>))."
+        )
+
+    def write(self, name: str, value: Any) -> None:
+        """Set the declared value ``name``; :class:`StateValueError` if ``value`` is not plain
+        data, if ``name`` is efdl's own, or if it was never declared (it would stay on this
+        rank and vanish at the next rescale)."""
+        if name in self.data:
+            check(name, value)
+            self.data[name] = value
+        elif name in self._reserved:
+            raise StateValueError(
+                f"state.{name} is efdl's own and read-only{_own_hint(self._reserved)}"
+            )
+        else:
+            raise StateValueError(
+                f"state.{name} is not a value of this state, so it would not go with the state "
+                f"to other ranks or snapshots: declare it as efdl.elastic_state(..., "
+                f"{name}=<initial value>)."
+            )
+
+    def check(self) -> None:
+        """Check every value again (one changed in place, a list appended to)."""
+        check_all(self.data)
+
+
+def _own_hint(reserved: frozenset[str]) -> str:
+    return (
+        f"; give your value another name (e.g. my_step=0 for a step counter of your own). "
+        f"efdl's own names: {', '.join(sorted(reserved))}."
+    )

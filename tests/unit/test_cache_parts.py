@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from efdl.state.cache import assign_parts, split_parts
-from efdl.state.persist import Cut
+from efdl.state.persist import Cut, assign_parts, split_parts
 
 
 def test_consecutive_tensors_are_packed_into_parts_of_at_most_the_limit() -> None:

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from efdl.protocol.messages import Placement
 from efdl.state.runtime import Runtime
 from efdl.state.state import ElasticState
+from efdl.state.sync import said_setup
 from efdl.state.transaction import Recovery, Standing, StepPhase
 
 
@@ -66,7 +67,7 @@ def test_the_optimizer_hooks_mark_the_phases() -> None:
 
 def test_a_failure_after_the_step_counts_it_and_one_inside_it_holds_nothing() -> None:
     state, opt = trained()
-    state._holds = True  # as after a sync
+    state._tree.holds = True  # as after a sync
     cursor_step = state.step
     assert state.recover() is Recovery.ROLL_FORWARD
     assert state.step == cursor_step + 1 and state.standing() == Standing(1, settled=False)
@@ -81,7 +82,7 @@ def test_a_failure_after_the_step_counts_it_and_one_inside_it_holds_nothing() ->
 def test_a_failure_before_the_step_keeps_the_last_commit() -> None:
     state, _ = trained()
     state.commit()
-    state._holds = True
+    state._tree.holds = True
     before = [p.detach().clone() for p in state.model.parameters()]
     state.model(torch.randn(4, 64)).sum().backward()  # a backward that then fails
     assert state.recover() is Recovery.KEEP
@@ -110,5 +111,5 @@ def test_a_newcomer_that_held_the_others_up_says_so(
     rt.held_up_since = None if since_s is None else time.monotonic() - since_s
     state, _ = trained()
     with caplog.at_level("WARNING"):
-        state._said_setup(rt)
+        said_setup(state.generation, rt)
     assert ("for this newcomer's setup" in caplog.text) is said

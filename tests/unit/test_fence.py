@@ -14,8 +14,9 @@ import torch
 
 from efdl.protocol.messages import Placement
 from efdl.state import state as state_module
+from efdl.state.commit import Flag
 from efdl.state.fence import Fence, FenceWriter
-from efdl.state.runtime import runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.state import ElasticState, Fenced
 from tests.wait import wait_until
 
@@ -67,19 +68,16 @@ def fenced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[ElasticStat
     """A state whose agent's fence has closed (its agent last reached etcd 100 s ago)."""
     writer = FenceWriter(tmp_path / "fence", 30.0, clock=lambda: time.monotonic() - 100.0)
     monkeypatch.setattr(state_module, "fence", lambda: Fence(str(tmp_path / "fence")))
-    monkeypatch.setattr(runtime, "channel", _Channel())
-    monkeypatch.setattr(runtime, "placement", Placement(3, 0, 1, 0, 1, 0, 1, "127.0.0.1", 1))
-    monkeypatch.setattr(runtime, "join_timeout_s", 30.0)
+    rt = get_runtime()
+    monkeypatch.setattr(rt, "channel", _Channel())
+    monkeypatch.setattr(rt, "placement", Placement(3, 0, 1, 0, 1, 0, 1, "127.0.0.1", 1))
+    monkeypatch.setattr(rt, "join_timeout_s", 30.0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = ElasticState(model, opt, epoch=0)
-    state._agree_work = _Done()  # the agreement of the commit before has completed
+    # The agreement of the commit before has completed (all flags 0).
+    monkeypatch.setattr(state._agreement, "read", lambda: [0] * len(Flag))
     return state, writer
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
 
 
 def test_a_fenced_commit_waits_until_the_agent_reaches_etcd_again(
@@ -109,7 +107,7 @@ def test_a_fenced_commit_leaves_its_generation_once_placed_in_a_newer_one(
     fenced: tuple[ElasticState, FenceWriter],
 ) -> None:
     state, _ = fenced
-    channel = runtime.channel
+    channel = get_runtime().channel
     assert isinstance(channel, _Channel)
     channel.newer = True  # the agent reached etcd, learned of a round that replaced this one
     with pytest.raises(Fenced, match="Fenced at step 1"):

@@ -18,8 +18,10 @@ from efdl._process import free_port
 from efdl.protocol.messages import Placement
 from efdl.state.device import nccl_aborter
 from efdl.state.failure import classify
-from efdl.state.runtime import runtime as _runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.verdict import Verdicts
+
+rt = get_runtime()
 
 
 def placement(generation: int) -> Placement:
@@ -27,15 +29,15 @@ def placement(generation: int) -> Placement:
 
 
 os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-_runtime.backend = "nccl"
+rt.backend = "nccl"
 torch.cuda.set_device(efdl.device())
 t0 = time.perf_counter()
-_runtime.init_group(placement(1))
+rt.init_group(placement(1))
 init_s = time.perf_counter() - t0
 x = torch.ones(1 << 20, device=efdl.device())
 # The step verdicts (efdl.state.verdict): two steps, each an all-reduce and a commit; once
 # their events completed with no error reported, both are verified.
-verdicts = Verdicts(_runtime.errored, _runtime.step_event)
+verdicts = Verdicts(rt.errored, rt.step_event)
 for step in (1, 2):
     dist.all_reduce(x)
     verdicts.committed(step)
@@ -45,7 +47,7 @@ verified_before = verdicts.verified
 
 # Work that waits on a dead peer (a long kernel stands in, no error reported): after a failure
 # its step is suspect once about two steps' time has passed, not the collective timeout.
-stuck = Verdicts(lambda: False, _runtime.step_event)
+stuck = Verdicts(lambda: False, rt.step_event)
 stuck.committed(1)
 torch.cuda.synchronize()
 torch.cuda._sleep(6_000_000_000)  # type: ignore[no-untyped-call]  # about 3 s of GPU time
@@ -76,12 +78,12 @@ else:
 # step's tensors may come from torn gradients.
 backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
 get_error = str(getattr(backend, "get_error", lambda: "n/a")())
-_runtime.breaker.cut(below=2)
+rt.breaker.cut(below=2)
 verdicts.committed(3)
 verdicts.after_failure(30)
 torn_after = not verdicts.holds(3) and verdicts.holds(2)
-_runtime.destroy_group(abort=True)
-_runtime.init_group(placement(2))
+rt.destroy_group(abort=True)
+rt.init_group(placement(2))
 y = torch.full((1 << 20,), 2.0, device=efdl.device())
 dist.all_reduce(y)
 torch.cuda.synchronize()

@@ -27,8 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import efdl
 from efdl._process import free_port
 from efdl.protocol.messages import Placement
-from efdl.state.runtime import runtime as _runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.verdict import Verdicts
+
+rt = get_runtime()
 
 
 def mlp(millions: int) -> torch.nn.Sequential:
@@ -84,8 +86,8 @@ def micro(n: int = 20000) -> dict[str, float]:
         "new_event_and_record": fresh_event,
         "record_reused_event": reused.record,
         "query_done": reused.query,
-        "errored": _runtime.errored,
-        "ring_step_event": _runtime.step_event,
+        "errored": rt.errored,
+        "ring_step_event": rt.step_event,
     }
     for name, fn in pieces.items():
         torch.cuda.synchronize()
@@ -104,9 +106,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    _runtime.backend = "nccl"
+    rt.backend = "nccl"
     torch.cuda.set_device(efdl.device())
-    _runtime.init_group(Placement(1, 0, 1, 0, 1, 0, 1, "127.0.0.1", free_port()))
+    rt.init_group(Placement(1, 0, 1, 0, 1, 0, 1, "127.0.0.1", free_port()))
     print(json.dumps(micro()), flush=True)
     for millions in (int(s) for s in args.sizes.split(",")):
         torch.manual_seed(0)
@@ -115,14 +117,14 @@ def main() -> None:
         model = DDP(net, device_ids=[torch.cuda.current_device()])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         x = torch.randn(64, next(net.parameters()).shape[1], device="cuda")
-        ring = Verdicts(_runtime.errored, _runtime.step_event)
-        fresh = Verdicts(_runtime.errored, fresh_event)
+        ring = Verdicts(rt.errored, rt.step_event)
+        fresh = Verdicts(rt.errored, fresh_event)
         variants: dict[str, Callable[[int], object] | None] = {
             "plain": None,
             "ring": ring.committed,
             "fresh": fresh.committed,
-            "record": lambda _: _runtime.step_event(),
-            "record_errored": lambda _: (_runtime.step_event(), _runtime.errored()),
+            "record": lambda _: rt.step_event(),
+            "record_errored": lambda _: (rt.step_event(), rt.errored()),
             "plain_again": None,  # the same as plain: how far the method alone scatters
         }
         block(model, opt, x, args.steps, None, 0)  # warm-up

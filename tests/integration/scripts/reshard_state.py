@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import efdl
-from efdl.state.runtime import runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.sampler import ElasticSampler
 from efdl.state.state import ElasticState
 
@@ -68,7 +68,7 @@ def shard(model: nn.Module, mesh: object) -> None:
 def join(world: int, rank: int, name: str) -> None:
     store = dist.FileStore(str(where / name), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+    get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def start(seed: int) -> ElasticState:

@@ -17,14 +17,14 @@ import torch.distributed as dist
 
 from efdl.errors import StateLostError
 from efdl.protocol.messages import Placement
-from efdl.state.runtime import runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.state import ElasticState
 
 rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.FileStore(store_path, world)
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
 
 
 class Model(torch.nn.Module):
@@ -41,9 +41,9 @@ if rank == 0 and holder_step >= 0:
     with torch.no_grad():
         model.w.fill_(holder_step)
         model.b.fill_(-holder_step)
-    state._step, state._holds = holder_step, True
+    state._tree.step, state._tree.holds = holder_step, True
 job_step = int(os.environ.get("RESUME_JOB_STEP", "0"))
-runtime.placement = Placement(0, rank, world, rank, world, 0, 1, "127.0.0.1", 1, job_step)
+get_runtime().placement = Placement(0, rank, world, rank, world, 0, 1, "127.0.0.1", 1, job_step)
 try:
     state.sync()
 except StateLostError as exc:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from efdl.state import state as elastic
-from efdl.state.runtime import runtime
+from efdl.state.runtime import get_runtime
 
 rank, world, store_path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 calls: list[dict[str, object]] = []
@@ -40,7 +40,7 @@ for op in (*ops, "isend", "irecv"):
 store = dist.FileStore(store_path, world)
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
 
 torch.manual_seed(rank)  # different parameters: sync must make them equal
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))

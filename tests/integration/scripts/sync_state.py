@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state.runtime import runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.sampler import ElasticSampler
 from efdl.state.state import ElasticState
 
@@ -25,7 +25,7 @@ rank, world, store_path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], 
 store = dist.FileStore(store_path, world)
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
 
 torch.manual_seed(0 if rank < 3 else rank)  # holders start alike; newcomers do not
 width = 1024  # 4 layers of 1024x1024: 16.8 MB of parameters, as much momentum
@@ -42,7 +42,7 @@ if rank < max(3, holders):
         opt.step()
         state.commit()
     model.zero_grad(set_to_none=True)  # as a rebuild drops the step's gradients
-    state._holds = True  # they synced in an earlier generation
+    state._tree.holds = True  # they synced in an earlier generation
     if rank == int(os.environ.get("SYNC_CORRUPT", "-1")):  # a replica gone its own way
         with torch.no_grad():
             next(model.parameters()).view(-1)[12345] += 1e-3

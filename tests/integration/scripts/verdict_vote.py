@@ -16,15 +16,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state.runtime import runtime
+from efdl.state.runtime import get_runtime
 from efdl.state.state import ElasticState, StepFailed
+
+rt = get_runtime()
 
 rank, store_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 timeout = datetime.timedelta(seconds=60)
 dist.init_process_group(
     "gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2, timeout=timeout
 )
-runtime.side = dist.new_group(backend="gloo", timeout=timeout)
+rt.side = dist.new_group(backend="gloo", timeout=timeout)
 
 
 class Channel:
@@ -49,15 +51,15 @@ class Event:
         return rank != 1 or self.step < 3 or Event.aborted
 
 
-runtime.channel = Channel()  # type: ignore[assignment]
-runtime.step_event = lambda: Event(state.step)  # type: ignore[method-assign]
-runtime.errored = lambda: rank == 1 and state.step >= 3  # type: ignore[method-assign]
+rt.channel = Channel()  # type: ignore[assignment]
+rt.step_event = lambda: Event(state.step)  # type: ignore[method-assign]
+rt.errored = lambda: rank == 1 and state.step >= 3  # type: ignore[method-assign]
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 state = ElasticState(model, opt)
-state._holds = True  # synced in an earlier generation
+state._tree.holds = True  # synced in an earlier generation
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 data = torch.Generator().manual_seed(rank)
 left_at, action = None, None
