@@ -2,11 +2,12 @@
 ``efdl allocator``), it reads the fleet, decides (efdl.fleet.allocate) and writes the decision
 with compare-and-swap (efdl.fleet.registry).
 
-The election is the rendezvous's: each candidate puts ``leader/<id>`` under its lease; the
-one whose key was created first leads, and each other watches the key created just before
-its own, so a leader's death (its lease expires) hands over to exactly one successor without
-a herd. The leader decides when a host or a job record changes, and at least every
-``period_s`` (a job's resize interval ends with no record changing).
+The election is the rendezvous's (efdl.rendezvous.election): each candidate puts
+``leader/<id>`` under its lease; the one whose key was created first leads, and each other
+watches the key created just before its own, so a leader's death (its lease expires) hands
+over to exactly one successor without a herd. The leader decides when a host or a job record
+changes, and at least every ``period_s`` (a job's resize interval ends with no record
+changing).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from efdl.errors import StoreError
 from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
 from efdl.fleet.records import FleetKeys
 from efdl.fleet.registry import FleetView, prune_events, read_fleet, write_decision
-from efdl.rendezvous.api import Compare, EventType, KVStore, Watch, WatchBatch, WatchSink
+from efdl.rendezvous.api import Compare, KVStore, Watch, WatchBatch, WatchSink
+from efdl.rendezvous.election import Election
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class Allocator:
         self._store = store
         self._keys = keys
         self._key = keys.leader + candidate_id
+        self._election = Election(store, keys.leader, f"Fleet {keys.fleet}")
         self._lease = lease
         self._policy = policy or FleetPolicy()
         self._period_s = period_s
@@ -85,34 +88,22 @@ class Allocator:
             self.leading.clear()
 
     def _stand(self, stop: threading.Event) -> None:
-        self._store.put(self._key, b"{}", lease=self._lease)
-        mine = self._store.get(self._key)
-        if mine is None:
-            raise StoreError(f"The election key {self._key} went at once: the lease has ended.")
+        campaign = self._election.campaign(self._key, b"{}", self._lease, reclaim=True)
+        me = campaign.candidate
+        if me is None:
+            raise StoreError(
+                f"The election key {self._key} changed as this candidate took it over."
+            )
         while not stop.is_set():
-            before = self._store.last_created(self._keys.leader, mine.create_revision)
-            if before.kvs:
-                self.leading.clear()
-                self._follow(before.kvs[0].key, before.revision, stop)
-            else:
-                self._lead(Compare.create_revision_is(self._key, mine.create_revision), stop)
-                mine = self._store.get(self._key)  # no longer leading: still standing?
-                if mine is None:
-                    return
+            self.leading.clear()
+            if not self._election.wait(me, stop):
+                return
+            self._lead(me.guard, stop)
+            if not self._election.stands(me):  # no longer leading: still standing?
+                return
 
     def _sink(self) -> WatchSink:
         return self._inbox.put
-
-    def _follow(self, key: str, revision: int, stop: threading.Event) -> None:
-        """Wait until the candidate before this one is gone (or ``stop``)."""
-        log.info("Fleet %s: %s follows %s.", self._keys.fleet, self._key, key)
-        with self._store.watch(key, start_revision=revision + 1) as watch:
-            while not stop.is_set():
-                batch = watch.get(timeout_s=1.0)
-                if batch is not None and (
-                    batch.reset or any(ev.type is EventType.DELETE for ev in batch.events)
-                ):
-                    return
 
     def _lead(self, leading: Compare, stop: threading.Event) -> None:
         log.info("Fleet %s: %s leads the allocator.", self._keys.fleet, self._key)
