@@ -57,7 +57,7 @@ def rank_main(
     import torch.distributed as dist
 
     import efdl
-    from efdl.state.runtime import get_runtime
+    from efdl.worker.runtime import get_runtime
 
     timeout = datetime.timedelta(seconds=600)
     store = dist.FileStore(store_path, world)

@@ -40,8 +40,8 @@ def make_model(millions: int, device: torch.device) -> torch.nn.Module:
 def worker(rank: int, world: int, holders: int, store_path: str, millions: int, dev: str) -> None:
     import torch.distributed as dist
 
-    from efdl.state.runtime import get_runtime
-    from efdl.state.state import ElasticState
+    from efdl.worker.runtime import get_runtime
+    from efdl.worker.state import ElasticState
 
     timeout = datetime.timedelta(seconds=600)
     store = dist.FileStore(store_path, world)

@@ -14,15 +14,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 _STATE_API = {
-    "ElasticSampler": "efdl.state.sampler",
-    "ElasticBatchSampler": "efdl.state.sampler",
-    "ElasticState": "efdl.state.state",
+    "ElasticSampler": "efdl.worker.sampler",
+    "ElasticBatchSampler": "efdl.worker.sampler",
+    "ElasticState": "efdl.worker.state",
     "ElasticStream": "efdl.data.stream",
-    "elastic": "efdl.state.elastic",
-    "elastic_state": "efdl.state.state",
-    "init_process_group": "efdl.state.runtime",
-    "device": "efdl.state.device",
-    "fully_shard": "efdl.state.sharded",
+    "elastic": "efdl.worker.elastic",
+    "elastic_state": "efdl.worker.state",
+    "init_process_group": "efdl.worker.runtime",
+    "device": "efdl.worker.device",
+    "fully_shard": "efdl.worker.sharded",
 }
 
 __all__ = ["__version__", *sorted(_STATE_API)]

@@ -334,7 +334,7 @@ class LaunchConfig(EtcdClientConfig):
             with a CPU build of torch).
         grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
         hang_timeout_s: how long an in-place worker may make no step while a peer waits on
-            it in a collective before its agent replaces it (efdl.state.hang); None: 90% of
+            it in a collective before its agent replaces it (efdl.worker.hang); None: 90% of
             the workers' collective timeout, and at least five of the longest steps.
         fence_timeout_s: how long this node's workers may train on while their agent cannot
             reach etcd; past it they stop committing (their state kept in memory) until it

@@ -1,5 +1,5 @@
 """Strict reading of the JSON records efdl gets from outside: etcd's records
-(efdl.rendezvous.records) and the cache's manifests and reports (efdl.state.cache).
+(efdl.rendezvous.records) and the cache's manifests and reports (efdl.worker.cache).
 
 Everything read from there is untrusted: each field is checked for its type and range as it is
 read, and an error names the record, the field, the value and what was expected, as the

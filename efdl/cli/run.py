@@ -398,7 +398,7 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
         settings = None if cfg.standalone else cfg.etcd_settings(connect_timeout_s=wait_s)
         host = cfg.host or (default_host(settings.endpoints) if settings else "127.0.0.1")
         node = local_node(cfg.node_id, host, cfg.store_port, cfg.nproc_per_node, gpus)
-        node = dataclasses.replace(node, fence_s=cfg.fence_s())  # efdl.state.fence
+        node = dataclasses.replace(node, fence_s=cfg.fence_s())  # efdl.worker.fence
         policy = _policy(cfg, node.slots)
         logs.context.set(node=node.node_id)
         with (

@@ -59,8 +59,8 @@ from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.participant import Participant
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.records import Event, EventKind, NodeRecord, Round
-from efdl.state.cache import CacheSettings, SnapshotStorage
-from efdl.state.channel import ChannelServer
+from efdl.worker.cache import CacheSettings, SnapshotStorage
+from efdl.worker.channel import ChannelServer
 
 __all__ = ["AgentExit", "NodeAgent", "leave_code"]
 
@@ -187,7 +187,7 @@ class NodeAgent:
                 self._tag,
             )
             # Until when this node's workers may commit: moved on each time the agent reaches
-            # etcd (efdl.state.fence); plain workers are stopped (SIGSTOP) past it.
+            # etcd (efdl.worker.fence); plain workers are stopped (SIGSTOP) past it.
             self._fence = WorkerFence(
                 self._run_dir / "fence",
                 cfg.fence_s(),

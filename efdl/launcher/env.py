@@ -96,7 +96,7 @@ def worker_env(
         # NVML's indices (nvidia-smi's, what --gpus names) are CUDA's in PCI bus order only.
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     # As torchrun: an NCCL error or timeout tears the worker down (the agent restarts it)
-    # rather than leaving it hung. In-place workers switch to 2 (see efdl.state.runtime).
+    # rather than leaving it hung. In-place workers switch to 2 (see efdl.worker.runtime).
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if member.workers > 1:
         # As torchrun: one OpenMP thread per worker unless the user set a number (several

@@ -1,6 +1,6 @@
 """The agent's side of the fence: its workers commit only while it reaches etcd.
 
-The deadline itself is a file the workers read (efdl.state.fence.FenceWriter; docs/
+The deadline itself is a file the workers read (efdl.worker.fence.FenceWriter; docs/
 rendezvous.md, "Fencing"). Here is what the agent does with it: it moves the deadline on
 each time it reaches etcd; efdl-aware workers stop at their own commits past it, while
 plain workers, which have none, are stopped (SIGSTOP, their state in memory) until the
@@ -23,7 +23,7 @@ from efdl.launcher.node_workers import NodeWorkers
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.reading import parse_round
 from efdl.rendezvous.records import JobKeys
-from efdl.state.fence import FenceWriter
+from efdl.worker.fence import FenceWriter
 
 log = logging.getLogger(__name__)
 

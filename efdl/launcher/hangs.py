@@ -1,4 +1,4 @@
-"""The agent's judge of its workers' hangs, from outside them (efdl.state.hang).
+"""The agent's judge of its workers' hangs, from outside them (efdl.worker.hang).
 
 Once a second it reads the beat of each of its in-place workers (a file the worker's thread
 writes in the agent's private directory) and, for one that has stood still past its hang
@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
-from efdl.state.hang import MARK_KEY, POLL_S, Beat, Hang, beat_path, judge, read_top
+from efdl.worker.hang import MARK_KEY, POLL_S, Beat, Hang, beat_path, judge, read_top
 
 log = logging.getLogger(__name__)
 

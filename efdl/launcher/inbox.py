@@ -31,7 +31,7 @@ from efdl.protocol.messages import (
 )
 from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.records import Event, EventKind, Round
-from efdl.state.hang import Hang
+from efdl.worker.hang import Hang
 
 
 @dataclass(frozen=True, slots=True)

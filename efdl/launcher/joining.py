@@ -32,7 +32,7 @@ def await_warm(
     them) finish importing torch first, so that the round that admits it does not stop all
     the others while they do (at most :data:`WARM_WAIT_S`). A job that trains in place (its
     rank 0 node says so) is joined at once: its workers train on until this node's have
-    entered their training functions (efdl.state.ready). A new job's nodes join at once too:
+    entered their training functions (efdl.worker.ready). A new job's nodes join at once too:
     their imports overlap the rendezvous."""
     if not warm.size:
         return

@@ -39,8 +39,8 @@ from efdl.protocol.env import (
 from efdl.protocol.messages import Leave, Placed, Placement, Waiting
 from efdl.rendezvous.outputs import Position
 from efdl.rendezvous.records import Round
-from efdl.state.cache import CacheSettings
-from efdl.state.channel import ChannelServer
+from efdl.worker.cache import CacheSettings
+from efdl.worker.channel import ChannelServer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class NodeWorkers:
         ctx: what every worker of this node shares across rounds.
         run_dir: the agent's private directory (error files, beats).
         channel: the agent's end of the workers' channel.
-        fence_path: the fence's file (efdl.state.fence).
+        fence_path: the fence's file (efdl.worker.fence).
         cache: the remote cache's settings, None without one.
         events: the agent's queue, for the workers' exits.
         warm: the warm processes to start workers in.

@@ -7,7 +7,7 @@ that stood still for seconds per event. Every Python worker starts through
 a global optimizer step hook (``torch.optim.optimizer.register_optimizer_step_post_hook``;
 a clock read per step) that sends the agent a :class:`~efdl.protocol.messages.Stepped` on the first
 step and then at most every 0.1 s, over the agent's socket (``EFDL_AGENT_SOCKET``, through
-:class:`efdl.state.channel.Reporter`). Lost if the agent is gone; nothing waits on it.
+:class:`efdl.worker.channel.Reporter`). Lost if the agent is gone; nothing waits on it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from efdl.protocol.env import SOCKET_ENV
 from efdl.protocol.messages import Stepped
-from efdl.state.channel import Reporter
+from efdl.worker.channel import Reporter
 
 REPORT_EVERY_S = 0.1  # the pause it measures starts at most this much early
 

@@ -35,9 +35,9 @@ JOB_GENERATION_ENV = "EFDL_JOB_GENERATION"
 STANDBY_ENV = "EFDL_STANDBY"
 
 # ---------------------------------------------------------------- how it reaches its agent
-SOCKET_ENV = "EFDL_AGENT_SOCKET"  # the agent's channel (efdl.state.channel)
-BEAT_DIR_ENV = "EFDL_BEAT_DIR"  # where it writes its beat (efdl.state.hang)
-FENCE_ENV = "EFDL_FENCE_FILE"  # its commits' deadline, written by the agent (efdl.state.fence)
+SOCKET_ENV = "EFDL_AGENT_SOCKET"  # the agent's channel (efdl.worker.channel)
+BEAT_DIR_ENV = "EFDL_BEAT_DIR"  # where it writes its beat (efdl.worker.hang)
+FENCE_ENV = "EFDL_FENCE_FILE"  # its commits' deadline, written by the agent (efdl.worker.fence)
 
 # ---------------------------------------------------------------- its timeouts
 GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may take
@@ -54,7 +54,7 @@ SYNC_BUCKET_ENV = "EFDL_SYNC_BUCKET_MB"  # the state sync's bucket size
 # to try the fleet (efdl node, efdl submit) on hosts without GPUs; their workers use the CPU.
 SIMULATED_GPUS_ENV = "EFDL_SIMULATED_GPUS"
 DATA_SHM_ENV = "EFDL_DATA_SHM"  # where efdl.data's exchange keeps its windows
-# The remote cache (efdl.state.cache.CacheSettings.to_env).
+# The remote cache (efdl.worker.cache.CacheSettings.to_env).
 CACHE_URL_ENV = "EFDL_CACHE_URL"
 CACHE_EVERY_STEPS_ENV = "EFDL_CACHE_EVERY_STEPS"
 CACHE_EVERY_ENV = "EFDL_CACHE_EVERY"

@@ -27,7 +27,7 @@ class Placement:
     not start over from step 0 if it is above 0, nor one whose holders are behind it go on
     from their older step (efdl.errors.StateLostError). ``job_generation``: the generation
     that committed it (a holder of an older generation's line is behind it whatever its
-    step: efdl.state.transaction).
+    step: efdl.worker.transaction).
     """
 
     generation: int
@@ -130,7 +130,7 @@ class StateLost:
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """A new round places the worker (efdl.state.channel.AgentChannel)."""
+    """A new round places the worker (efdl.worker.channel.AgentChannel)."""
 
     KIND: ClassVar[str] = "round"
     placement: Placement

@@ -28,7 +28,7 @@ Rules:
   waited for until the leader's deadline (``JobView.returning``): no round is written
   meanwhile. Registered again with ``holds`` naming the round, it is the member it was, and
   nothing changes; not back by the deadline, it has left.
-- Fencing (efdl.state.fence): when no member of the active round is left on etcd's side
+- Fencing (efdl.worker.fence): when no member of the active round is left on etcd's side
   (none has its record still, or again claiming the round), members whose records went
   without evidence that their workers stopped may be training still, cut off from etcd;
   no round is written until their fence timeouts (and a margin) have passed since their

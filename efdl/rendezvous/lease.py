@@ -39,7 +39,7 @@ class LeaseSession:
         clock: monotonic seconds; an argument for tests.
         on_contact: called with the monotonic time a request was sent whose answer shows
             the lease alive (the grant, then each refresh etcd answered with a TTL): this
-            agent reached etcd then, at the latest (efdl.state.fence). Keep it short.
+            agent reached etcd then, at the latest (efdl.worker.fence). Keep it short.
     """
 
     def __init__(

@@ -160,7 +160,7 @@ class NodeRecord:
             while etcd was away): the leader then takes it for the member it was, not for a
             newcomer, and no round follows. Empty: a node that joins.
         fence_s: its workers stop committing this long after its agent last reached etcd
-            (efdl.state.fence); 0: an agent that does not fence (an older one).
+            (efdl.worker.fence); 0: an agent that does not fence (an older one).
     """
 
     node_id: str
@@ -334,7 +334,7 @@ class Member:
             runs the round's workers and is registering again (efdl.rendezvous.participant).
         fence_s: the node's fence timeout when the round was made (its record's): a leader
             replaces a generation cut off from etcd whole no sooner than this (and a margin)
-            after its members' records went (efdl.state.fence). 0: it does not fence.
+            after its members' records went (efdl.worker.fence). 0: it does not fence.
     """
 
     node_id: str

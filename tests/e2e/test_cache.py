@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.state.cache import STATE, SnapshotStorage
+from efdl.worker.cache import STATE, SnapshotStorage
 from tests.e2e.harness import Job
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.state.cache import SnapshotStorage
+from efdl.worker.cache import SnapshotStorage
 from tests.e2e.harness import (
     Job,
     check_consistent,

@@ -21,7 +21,7 @@ import pytest
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.records import JobKeys, Progress
-from efdl.state.cache import SnapshotStorage
+from efdl.worker.cache import SnapshotStorage
 from tests.e2e.harness import (
     Job,
     check_consistent,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.state.cache import SnapshotStorage
+from efdl.worker.cache import SnapshotStorage
 from tests.e2e.harness import (
     ELASTIC_ARGS,
     SCRIPTS,
@@ -160,7 +160,7 @@ def test_the_replica_digest_on_the_gpu_is_the_cpus() -> None:
     CPU one of the same tensors must agree, and a changed element must show."""
     import torch
 
-    from efdl.state.digest import digest
+    from efdl.worker.digest import digest
 
     cpu = [torch.randn(3_000_001), torch.randn(64, 33, dtype=torch.bfloat16), torch.arange(7)]
     gpu = [t.cuda() for t in cpu]

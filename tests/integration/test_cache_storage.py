@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from efdl.state.cache import (
+from efdl.worker.cache import (
     MANIFEST,
     STATE,
     CacheSettings,
@@ -27,8 +27,8 @@ from efdl.state.cache import (
     SnapshotStorage,
     digest,
 )
-from efdl.state.persist import Persister
-from efdl.state.rng import rng_state
+from efdl.worker.persist import Persister
+from efdl.worker.rng import rng_state
 from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_state.py"
@@ -122,7 +122,7 @@ def test_a_snapshot_without_its_manifest_does_not_exist(url: str) -> None:
 def test_rank_0_writes_no_manifest_while_a_rank_has_not_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr("efdl.state.persist.REPORT_WAIT_S", 0.5)
+    monkeypatch.setattr("efdl.worker.persist.REPORT_WAIT_S", 0.5)
     url = str(tmp_path / "cache")
     writer = Persister(CacheSettings(url), 8192)
     published: list[Manifest] = []
@@ -141,7 +141,7 @@ def test_a_crashed_attempts_leftovers_are_never_read(
     parts (of a state unlike the resumed run's), rank 0 no manifest. The resumed run reaches
     step 30 again: its rank 0 does not take the old report for its rank 1's (that would make a
     snapshot of two states), and once the snapshot is whole the leftovers are gone."""
-    monkeypatch.setattr("efdl.state.persist.REPORT_WAIT_S", 0.5)
+    monkeypatch.setattr("efdl.worker.persist.REPORT_WAIT_S", 0.5)
     url = str(tmp_path / "cache")
     storage = SnapshotStorage(url)
     own = {"rng": rng_state()}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from efdl.state.failure import Failure
+from efdl.worker.failure import Failure
 from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "failures.py"

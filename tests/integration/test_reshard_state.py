@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from efdl.state.cache import SnapshotStorage
+from efdl.worker.cache import SnapshotStorage
 from tests.integration.ranks import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_state.py"

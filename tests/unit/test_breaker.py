@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from efdl.state import breaker
-from efdl.state.breaker import Breaker
+from efdl.worker import breaker
+from efdl.worker.breaker import Breaker
 
 
 def test_cut_shuts_down_older_generations_connections_only() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from efdl.state.persist import Cut, assign_parts, split_parts
+from efdl.worker.persist import Cut, assign_parts, split_parts
 
 
 def test_consecutive_tensors_are_packed_into_parts_of_at_most_the_limit() -> None:

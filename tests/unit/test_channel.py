@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from efdl.protocol.messages import Hello, Placed, Placement, Waiting
-from efdl.state.channel import AgentChannel, ChannelServer
+from efdl.worker.channel import AgentChannel, ChannelServer
 
 Pair = tuple[ChannelServer, AgentChannel, int]
 

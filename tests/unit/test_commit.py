@@ -12,10 +12,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from efdl.protocol.messages import Placement
-from efdl.state.runtime import Runtime
-from efdl.state.state import ElasticState
-from efdl.state.sync import said_setup
-from efdl.state.transaction import Recovery, Standing, StepPhase
+from efdl.worker.runtime import Runtime
+from efdl.worker.state import ElasticState
+from efdl.worker.sync import said_setup
+from efdl.worker.transaction import Recovery, Standing, StepPhase
 
 
 class _Ops(TorchDispatchMode):

@@ -190,7 +190,7 @@ def test_no_etcd_and_one_node_is_standalone_as_torchrun_runs_it() -> None:
 
 def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) -> None:
     from efdl.config import LaunchConfig
-    from efdl.state.cache import CacheSettings
+    from efdl.worker.cache import CacheSettings
 
     cfg = load(
         LaunchConfig,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from efdl.state.failure import Failure, classify
+from efdl.worker.failure import Failure, classify
 
 GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
 

@@ -1,4 +1,4 @@
-"""The fence between an agent and its workers (efdl.state.fence): a deadline in a file the
+"""The fence between an agent and its workers (efdl.worker.fence): a deadline in a file the
 agent writes as it reaches etcd, read by its workers at each commit; a fenced commit waits,
 state in memory, and goes on once the agent reaches etcd again, or leaves its generation when
 the agent has since placed it in a newer one."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from efdl.protocol.messages import Placement
-from efdl.state import state as state_module
-from efdl.state.commit import Flag
-from efdl.state.fence import Fence, FenceWriter
-from efdl.state.runtime import get_runtime
-from efdl.state.state import ElasticState, Fenced
+from efdl.worker import state as state_module
+from efdl.worker.commit import Flag
+from efdl.worker.fence import Fence, FenceWriter
+from efdl.worker.runtime import get_runtime
+from efdl.worker.state import ElasticState, Fenced
 from tests.wait import wait_until
 
 

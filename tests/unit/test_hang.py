@@ -1,4 +1,4 @@
-"""Hangs judged from outside the worker (efdl.state.hang, efdl.launcher.hangs): each worker's
+"""Hangs judged from outside the worker (efdl.worker.hang, efdl.launcher.hangs): each worker's
 beat and marks, with a manual clock, a dict for the generation's store and the collective
 counts given; the agent's judge reading real beat files: who is the rank the others wait on,
 also when its own threads cannot run."""
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from efdl.launcher.hangs import HangJudge
-from efdl.state.hang import (
+from efdl.worker.hang import (
     MARK_KEY,
     Beat,
     Hang,

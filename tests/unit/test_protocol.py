@@ -27,7 +27,7 @@ from efdl.protocol.messages import (
     decode,
     encode,
 )
-from efdl.state.channel import ChannelServer
+from efdl.worker.channel import ChannelServer
 
 PLACEMENT = Placement(7, 3, 16, 1, 2, 1, 8, "ip-10-0-1-17.ec2.internal", 29500, 1200, 6)
 EVERY = [

@@ -1,4 +1,4 @@
-"""The readiness gate (efdl.state.ready) with real c10d stores: a generation whose store never
+"""The readiness gate (efdl.worker.ready) with real c10d stores: a generation whose store never
 answers does not hold up the declarations of the newer one."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from efdl.protocol.messages import Placement
-from efdl.state.ready import ReadinessGate
+from efdl.worker.ready import ReadinessGate
 from tests.wait import wait_until
 
 
@@ -58,7 +58,7 @@ def test_a_rank_missing_past_the_join_timeout_is_said_while_the_others_train_on(
     gate = ReadinessGate(datetime.timedelta(seconds=30), all_ranks_s=0.3)
     went = threading.Event()
     try:
-        with caplog.at_level("WARNING", logger="efdl.state.ready"):
+        with caplog.at_level("WARNING", logger="efdl.worker.ready"):
             gate.watch(two, lambda: False, went.set)
             wait_until("the line", lambda: "1 of its 2 ranks have declared" in caplog.text, 30)
             assert not went.is_set()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from efdl.state.sampler import ElasticBatchSampler, ElasticSampler
+from efdl.worker.sampler import ElasticBatchSampler, ElasticSampler
 
 
 def run_epoch(n: int, bs: int, worlds: list[int], steps_per_world: int) -> Counter[int]:

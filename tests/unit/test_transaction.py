@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from efdl.state.digest import digest
-from efdl.state.layout import Layout, covers, overlap, rows
-from efdl.state.transaction import Choice, Loss, Recovery, Standing, StepPhase, choose, recovery
+from efdl.worker.digest import digest
+from efdl.worker.layout import Layout, covers, overlap, rows
+from efdl.worker.transaction import Choice, Loss, Recovery, Standing, StepPhase, choose, recovery
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from efdl.state.transfer import (
+from efdl.worker.transfer import (
     Leaf,
     Message,
     Piece,

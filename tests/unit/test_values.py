@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from efdl.state.state import RESERVED, ElasticState
-from efdl.state.values import StateValueError, check
+from efdl.worker.state import RESERVED, ElasticState
+from efdl.worker.values import StateValueError, check
 
 PLAIN: list[Any] = [
     None,

@@ -1,4 +1,4 @@
-"""A rank's verdict on its steps' communication (efdl.state.verdict), with stand-in events:
+"""A rank's verdict on its steps' communication (efdl.worker.verdict), with stand-in events:
 on NCCL a step counts on a rank only once its work completed while the group reported no
 error; a rank whose group reported one holds no step it had not verified before."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from efdl.state.verdict import Verdicts
+from efdl.worker.verdict import Verdicts
 
 
 @dataclass

@@ -105,7 +105,7 @@ class Participant:
             back empty, or older: :meth:`KVStore.on_forgot`), after this node has taken in
             what is there now: publish again what only this node's memory still holds.
         on_contact: called (from the lease's thread) with the monotonic time this node last
-            reached etcd with its lease alive (efdl.state.fence).
+            reached etcd with its lease alive (efdl.worker.fence).
     """
 
     def __init__(

@@ -36,7 +36,7 @@ def check_not_held(store: KVStore, keys: JobKeys, node_id: str, wait_s: float) -
     still runs the round's workers, and registers again by itself. Taken by a second agent
     meanwhile, the id would make two nodes one. Two small reads, and one question to that
     agent's probe port (an agent that does not answer may be alive: it is fenced,
-    efdl.state.fence, and its generation waited out).
+    efdl.worker.fence, and its generation waited out).
 
     Raises:
         DuplicateNodeError: the id is held.
@@ -90,7 +90,7 @@ def register(
         StoreError: etcd failed (the caller may try again), or this node's record from an
             earlier attempt still stands.
     """
-    # Contact counts only once this lease's record is written (efdl.state.fence): a lease
+    # Contact counts only once this lease's record is written (efdl.worker.fence): a lease
     # granted while the record cannot be written (its id held, etcd refusing) proves
     # nothing a leader can see, and must not move the workers' fence on.
     registered = threading.Event()

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import efdl
-import efdl.state.channel
+import efdl.worker.channel
 
 out = Path(os.environ["OUT_DIR"])
 epochs = int(os.environ.get("EPOCHS", "1000"))
@@ -113,10 +113,10 @@ def once(fault: str) -> bool:
     return True
 
 
-_pending = efdl.state.channel.AgentChannel.pending
+_pending = efdl.worker.channel.AgentChannel.pending
 
 
-def pending(self: efdl.state.channel.AgentChannel, generation: int) -> bool:
+def pending(self: efdl.worker.channel.AgentChannel, generation: int) -> bool:
     """The agent's news as this rank sees it: late on the PAUSE_SKEW rank."""
     value = _pending(self, generation)
     lag_rank, _, lag = os.environ.get("PAUSE_SKEW", "").partition(":")
@@ -130,7 +130,7 @@ def pending(self: efdl.state.channel.AgentChannel, generation: int) -> bool:
 
 seen: dict[int, float] = {}
 spawned = os.environ.get("EFDL_GENERATION")
-efdl.state.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
+efdl.worker.channel.AgentChannel.pending = pending  # type: ignore[method-assign]
 if spawned != "1":  # a newcomer (or a replacement): JOIN_DELAY makes its start slow
     time.sleep(float(os.environ.get("JOIN_DELAY", "0")))
 collective = os.environ.get("COLLECTIVE_TIMEOUT", "15")

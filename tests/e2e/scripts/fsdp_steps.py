@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import efdl
-from efdl.state.layout import Layout, rows
+from efdl.worker.layout import Layout, rows
 
 out = Path(os.environ["OUT_DIR"])
 epochs = int(os.environ.get("EPOCHS", "1000"))

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import efdl
 from efdl._process import free_port
 from efdl.protocol.messages import Placement
-from efdl.state.device import nccl_aborter
-from efdl.state.failure import classify
-from efdl.state.runtime import get_runtime
-from efdl.state.verdict import Verdicts
+from efdl.worker.device import nccl_aborter
+from efdl.worker.failure import classify
+from efdl.worker.runtime import get_runtime
+from efdl.worker.verdict import Verdicts
 
 rt = get_runtime()
 
@@ -35,7 +35,7 @@ t0 = time.perf_counter()
 rt.init_group(placement(1))
 init_s = time.perf_counter() - t0
 x = torch.ones(1 << 20, device=efdl.device())
-# The step verdicts (efdl.state.verdict): two steps, each an all-reduce and a commit; once
+# The step verdicts (efdl.worker.verdict): two steps, each an all-reduce and a commit; once
 # their events completed with no error reported, both are verified.
 verdicts = Verdicts(rt.errored, rt.step_event)
 for step in (1, 2):

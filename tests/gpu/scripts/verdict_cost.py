@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import efdl
 from efdl._process import free_port
 from efdl.protocol.messages import Placement
-from efdl.state.runtime import get_runtime
-from efdl.state.verdict import Verdicts
+from efdl.worker.runtime import get_runtime
+from efdl.worker.verdict import Verdicts
 
 rt = get_runtime()
 

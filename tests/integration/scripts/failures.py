@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state.breaker import Breaker
-from efdl.state.failure import classify
+from efdl.worker.breaker import Breaker
+from efdl.worker.failure import classify
 
 rank, mode, where = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 WAIT = datetime.timedelta(seconds=60)

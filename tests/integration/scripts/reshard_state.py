@@ -26,9 +26,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import efdl
-from efdl.state.runtime import get_runtime
-from efdl.state.sampler import ElasticSampler
-from efdl.state.state import ElasticState
+from efdl.worker.runtime import get_runtime
+from efdl.worker.sampler import ElasticSampler
+from efdl.worker.state import ElasticState
 
 old_world, old_rank, new_world, new_rank = map(int, sys.argv[1:5])
 where, out = Path(sys.argv[5]), sys.argv[6]

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from efdl.errors import StateLostError
 from efdl.protocol.messages import Placement
-from efdl.state.runtime import get_runtime
-from efdl.state.state import ElasticState
+from efdl.worker.runtime import get_runtime
+from efdl.worker.state import ElasticState
 
 rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.FileStore(store_path, world)

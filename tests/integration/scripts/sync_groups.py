@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state import state as elastic
-from efdl.state.runtime import get_runtime
+from efdl.worker import state as elastic
+from efdl.worker.runtime import get_runtime
 
 rank, world, store_path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 calls: list[dict[str, object]] = []

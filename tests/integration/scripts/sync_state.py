@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state.runtime import get_runtime
-from efdl.state.sampler import ElasticSampler
-from efdl.state.state import ElasticState
+from efdl.worker.runtime import get_runtime
+from efdl.worker.sampler import ElasticSampler
+from efdl.worker.state import ElasticState
 
 rank, world, store_path, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 store = dist.FileStore(store_path, world)

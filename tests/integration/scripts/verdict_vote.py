@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from efdl.state.runtime import get_runtime
-from efdl.state.state import ElasticState, StepFailed
+from efdl.worker.runtime import get_runtime
+from efdl.worker.state import ElasticState, StepFailed
 
 rt = get_runtime()
 

@@ -146,7 +146,7 @@ class Breaker:
 
     def was_cut(self, generation: int) -> bool:
         """Whether efdl cut ``generation``'s groups itself (what its collectives raise after
-        is that cut, whatever the words: efdl.state.failure)."""
+        is that cut, whatever the words: efdl.worker.failure)."""
         with self._lock:
             return generation < self._cut_below
 

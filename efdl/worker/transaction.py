@@ -3,7 +3,7 @@
 The only thing that changes the tensors of a DDP-style state is ``optimizer.step()``, and it
 runs only after the step's communication (the gradient all-reduce in ``backward``) has
 succeeded on this rank (so on gloo; on NCCL, where the update is enqueued behind a collective
-that may yet fail, efdl.state.verdict makes it so). So a rank whose step failed holds one of
+that may yet fail, efdl.worker.verdict makes it so). So a rank whose step failed holds one of
 three states, told apart by the optimizer's own hooks:
 
 - ``COMMITTED``: it failed before ``optimizer.step()`` (in the forward or backward pass): its
@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from efdl.state.layout import Layout, covers
+from efdl.worker.layout import Layout, covers
 
 
 class StepPhase(enum.StrEnum):
@@ -49,7 +49,7 @@ class Recovery(enum.StrEnum):
 def recovery(phase: StepPhase, has_copy: bool, trusted: bool = True) -> Recovery:
     """What to do after a failure in ``phase``; a rollback copy, where kept, wins.
     ``trusted``: the step the rank would hold after it (the copy's, or the one
-    ``optimizer.step()`` applied) had its communication verified (efdl.state.verdict); if
+    ``optimizer.step()`` applied) had its communication verified (efdl.worker.verdict); if
     not, its tensors may come from torn gradients: it holds nothing."""
     if not trusted:
         return Recovery.DISCARD
@@ -164,7 +164,7 @@ def choose(
     """Decide the sync from every rank's :meth:`Standing.key` (index = rank). Pure.
 
     With a sharded state, ``layouts`` says which rows each rank holds: a step can be taken
-    only if its holders cover every row between them (efdl.state.layout), so the newest
+    only if its holders cover every row between them (efdl.worker.layout), so the newest
     step so covered is taken; if some rank held a step and none is covered, the state is
     lost (the rows of a dead rank are gone, and its peers have stepped past the ones
     before). ``job_step`` and ``job_generation``: the job's newest committed step as its

@@ -1,14 +1,14 @@
 """Sharded models (FSDP2): the model laid out anew on each world.
 
 With ``torch.distributed.fsdp.fully_shard`` every rank holds rows of each parameter and of
-its optimizer state (efdl.state.layout). A rescale changes the number of shards, so every
+its optimizer state (efdl.worker.layout). A rescale changes the number of shards, so every
 rank's rows change. FSDP2 cannot lay
 a module out again for another mesh, and a sharded module cannot be deep-copied; so
 :func:`fully_shard` keeps a skeleton of the model as it was before sharding (its parameters
 on the meta device: no memory; its buffers shared) and the script's own function that
 shards it. On each new world efdl builds the model again from the skeleton, shards it on the
 new mesh with that function, allocates only the new rows, and moves the rows each rank lacks
-from the ranks that hold them (efdl.state.transfer): no rank ever holds a whole tensor.
+from the ranks that hold them (efdl.worker.transfer): no rank ever holds a whole tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from efdl.state.layout import Layout, rows
+from efdl.worker.layout import Layout, rows
 
 Shard0 = (Shard(0),)
 
@@ -105,7 +105,7 @@ def mesh() -> DeviceMesh:
     group for a CUDA mesh over gloo (a collective of every rank), which a newcomer would call
     alone while the survivors are in the state sync. A CUDA mesh takes the current device:
     made this worker's own GPU first, whatever the backend."""
-    from efdl.state.device import device
+    from efdl.worker.device import device
 
     own = device()
     if own.type == "cuda":

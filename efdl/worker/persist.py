@@ -7,7 +7,7 @@ the same parts of at most ``part_bytes`` and writes the parts assigned to it
 writing about ``1/world`` of the state. A sharded model's
 tensors (FSDP2's DTensors) are not replicated: each rank writes its own rows of them, in
 parts of its own, and the structure records which part holds each rank's rows, so that a job
-of any world size can read them back laid out anew (efdl.state.resume). Then:
+of any world size can read them back laid out anew (efdl.worker.resume). Then:
 
 - each rank writes its own file (its RNG states) and a report of what it wrote;
 - rank 0 also writes the state's structure (``state.pt``), waits for every rank's report on
@@ -45,8 +45,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from efdl.state import sharded
-from efdl.state.cache import (
+from efdl.worker import sharded
+from efdl.worker.cache import (
     STATE,
     CacheSettings,
     FileInfo,
@@ -55,9 +55,9 @@ from efdl.state.cache import (
     part_file,
     rank_file,
 )
-from efdl.state.fence import Fence
-from efdl.state.layout import Layout as RowLayout
-from efdl.state.layout import byte_span
+from efdl.worker.fence import Fence
+from efdl.worker.layout import Layout as RowLayout
+from efdl.worker.layout import byte_span
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class _Job:
     expected: set[str]  # rank 0: every part file of the snapshot
     on_done: Callable[[Manifest], None]
     step_done: Any = None  # a CUDA event: the committed step's kernels are done
-    attempt: int = 0  # this writing of the snapshot (efdl.state.cache)
+    attempt: int = 0  # this writing of the snapshot (efdl.worker.cache)
     generation: int = 0  # the generation that writes it (Manifest.generation)
     started: float = field(default_factory=time.perf_counter)
 
@@ -172,7 +172,7 @@ class Persister:
     Args:
         settings: where and how often.
         part_bytes: the largest part file (tests make it small).
-        fence: this worker's fence (efdl.state.fence): no manifest is written once it has
+        fence: this worker's fence (efdl.worker.fence): no manifest is written once it has
             closed, so a generation cut off from etcd completes no snapshot its successor
             could resume from or be overtaken by.
     """
@@ -239,8 +239,8 @@ class Persister:
         reference), and ``own`` (what is this rank's alone, already a private copy).
 
         Args:
-            attempt: this writing's number, the same on every rank (efdl.state.cache).
-            generation: the generation whose ranks write it (efdl.state.cache.Manifest).
+            attempt: this writing's number, the same on every rank (efdl.worker.cache).
+            generation: the generation whose ranks write it (efdl.worker.cache.Manifest).
             copy_now: key paths of tensors the next forward pass changes (the model's
                 buffers): copied now rather than in the background.
             on_done: called on rank 0 with the manifest once the snapshot is complete.

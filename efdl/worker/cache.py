@@ -457,7 +457,7 @@ class SnapshotStorage:
     def newest(self) -> tuple[Manifest, dict[str, Any]] | None:
         """The newest complete, intact snapshot read whole in this process: its manifest and
         its state tree with every tensor in place (tools and tests; a job resumes with every
-        rank reading some of the parts, see efdl.state.resume)."""
+        rank reading some of the parts, see efdl.worker.resume)."""
         below: Position | None = None
         while (layout := self.newest_structure(below)) is not None:
             try:
@@ -501,7 +501,7 @@ class Structure:
     parts: dict[str, str]  # replicated tensor's key path -> part file
     devices: dict[str, str]  # tensor key path -> the device type it was persisted from
     # Sharded tensor's key path -> per rank of the snapshot's world, the part of its rows
-    # (rows as efdl.state.layout cuts them: chunk r of world_size along dim 0).
+    # (rows as efdl.worker.layout cuts them: chunk r of world_size along dim 0).
     rows: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def part_names(self) -> list[str]:

@@ -2,17 +2,17 @@
 
 ``commit()`` ends a step: it waits on a tiny all-reduce started at the previous commit on the
 CPU side group (no GPU synchronisation; by then it is long done) and starts the next one with
-this rank's flags (efdl.state.commit). Every rank reads the same result of the same
+this rank's flags (efdl.worker.commit). Every rank reads the same result of the same
 all-reduce, so all pause (and persist) at the same commit, after which none of them is inside
 a collective.
 
-Nothing is copied per step: the step is a transaction (efdl.state.transaction), and on NCCL a
+Nothing is copied per step: the step is a transaction (efdl.worker.transaction), and on NCCL a
 step counts on a rank only once its communication is known to have succeeded there
-(efdl.state.verdict). After a rebuild, :meth:`ElasticState.sync` makes every rank hold the
-newest committed state (efdl.state.sync): only the ranks that lack it receive it, tensor by
-tensor in bounded messages, from the ranks that hold it (efdl.state.transfer); when no rank
-holds any, from the remote cache (efdl.state.resume). What a rank holds is one tree
-(efdl.state.tree); its user values are efdl.state.values.UserValues.
+(efdl.worker.verdict). After a rebuild, :meth:`ElasticState.sync` makes every rank hold the
+newest committed state (efdl.worker.sync): only the ranks that lack it receive it, tensor by
+tensor in bounded messages, from the ranks that hold it (efdl.worker.transfer); when no rank
+holds any, from the remote cache (efdl.worker.resume). What a rank holds is one tree
+(efdl.worker.tree); its user values are efdl.worker.values.UserValues.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from efdl.protocol.messages import Persisted
-from efdl.state import sync
-from efdl.state.cache import CacheSettings, Manifest
-from efdl.state.commit import (
+from efdl.worker import sync
+from efdl.worker.cache import CacheSettings, Manifest
+from efdl.worker.commit import (
     Agreement,
     Fenced,
     Flag,
@@ -41,16 +41,16 @@ from efdl.state.commit import (
     persists_here,
     wait_fenced,
 )
-from efdl.state.fence import fence
-from efdl.state.persist import Persister
-from efdl.state.rng import rng_state
-from efdl.state.runtime import get_runtime
-from efdl.state.sampler import Position
-from efdl.state.transaction import Recovery, Standing, StepPhase, recovery
-from efdl.state.transfer import Moved
-from efdl.state.tree import StateTree, clone_tree
-from efdl.state.values import UserValues
-from efdl.state.verdict import Verdicts
+from efdl.worker.fence import fence
+from efdl.worker.persist import Persister
+from efdl.worker.rng import rng_state
+from efdl.worker.runtime import get_runtime
+from efdl.worker.sampler import Position
+from efdl.worker.transaction import Recovery, Standing, StepPhase, recovery
+from efdl.worker.transfer import Moved
+from efdl.worker.tree import StateTree, clone_tree
+from efdl.worker.values import UserValues
+from efdl.worker.verdict import Verdicts
 
 __all__ = ["RESERVED", "ElasticState", "Fenced", "Rescale", "StepFailed", "elastic_state"]
 
@@ -66,7 +66,7 @@ class ElasticState:
     Args:
         model: the module (not the DDP wrapper: ``state.ddp`` is rebuilt for each group).
         optimizer: its optimizer. Its ``step()`` is the one place the tensors change (the
-            step is a transaction: see efdl.state.transaction); efdl watches it through the
+            step is a transaction: see efdl.worker.transaction); efdl watches it through the
             optimizer's step hooks.
         sampler: an :class:`ElasticSampler`, :class:`ElasticBatchSampler` or
             :class:`efdl.ElasticStream`, told the world size and advanced on commit.
@@ -92,7 +92,7 @@ class ElasticState:
             (``state.lr``); they go with the state everywhere. Plain data only (numbers,
             strings, bytes, tensors, and lists, tuples, sets and dicts of them): anything
             else is refused here, on assignment and at ``commit()``
-            (:class:`efdl.state.values.StateValueError`), since no rank or snapshot could read
+            (:class:`efdl.worker.values.StateValueError`), since no rank or snapshot could read
             it back.
     """
 
@@ -187,12 +187,12 @@ class ElasticState:
         return self._rescales
 
     def rebuilt(self) -> None:
-        """This worker joined its next generation in place (efdl.state.elastic)."""
+        """This worker joined its next generation in place (efdl.worker.elastic)."""
         self._rescales += 1
 
     @property
     def phase(self) -> StepPhase:
-        """Where the current step stands (efdl.state.transaction)."""
+        """Where the current step stands (efdl.worker.transaction)."""
         return self._phase
 
     @property
@@ -204,7 +204,7 @@ class ElasticState:
 
     def __getattr__(self, name: str) -> Any:
         """``state.<name>`` for a name that is not efdl's: the user value ``name``
-        (efdl.state.values.UserValues; AttributeError if none was declared so)."""
+        (efdl.worker.values.UserValues; AttributeError if none was declared so)."""
         if name.startswith("_"):  # efdl's own, not set yet
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return self._tree.values.read(name)
@@ -276,7 +276,7 @@ class ElasticState:
 
     def recover(self) -> Recovery:
         """After a failure inside a step or a sync: make this rank's state a committed one
-        again (efdl.state.transaction), and drop the step's partial gradients."""
+        again (efdl.worker.transaction), and drop the step's partial gradients."""
         tree = self._tree
         self._verdicts.after_failure(get_runtime().timeout.total_seconds())
         if self._copy is not None:
@@ -321,8 +321,8 @@ class ElasticState:
             self._persister.fence()
 
     def _persist(self, attempt: int) -> None:
-        """Hand this commit's state to the background writer (see efdl.state.persist), as
-        ``attempt`` (the same on every rank: efdl.state.cache)."""
+        """Hand this commit's state to the background writer (see efdl.worker.persist), as
+        ``attempt`` (the same on every rank: efdl.worker.cache)."""
         p, tree = self._persister, self._tree
         assert p is not None
         epoch = tree.values.data.get("epoch")
@@ -351,9 +351,9 @@ class ElasticState:
         One all-gather on the CPU side group says what each rank holds; the rank holding the
         newest step settled (the primary) shares the state's structure and every value that
         is not a tensor (a small pickle); the tensors go only to the ranks that lack that
-        step, from every rank that holds it (efdl.state.sync, efdl.state.transfer). When no
+        step, from every rank that holds it (efdl.worker.sync, efdl.worker.transfer). When no
         rank holds any (sharded: no step's rows are all held, as after a crash), the ranks
-        read the newest snapshot of the remote cache between them (efdl.state.resume); with
+        read the newest snapshot of the remote cache between them (efdl.worker.resume); with
         no cache, rank 0's state is the job's at a cold start, and lost after a crash.
         """
         rt, tree = get_runtime(), self._tree

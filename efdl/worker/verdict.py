@@ -13,12 +13,12 @@ commits ask, without waiting (``DeviceEvent.query()``).
 What a verdict changes:
 
 - the per-commit agreement carries a ``FAILED`` flag: a rank whose group reported an error
-  makes every rank pause at the same commit (efdl.state.state), so no rank trains on after a
+  makes every rank pause at the same commit (efdl.worker.state), so no rank trains on after a
   step some rank saw fail;
 - after a failure, a rank that holds steps not verified before the error (its update may have
   run on torn gradients) holds no step: it is torn, and receives the state from a rank whose
   steps were verified (or from the remote cache); the holders' digests are compared too
-  (efdl.state.digest).
+  (efdl.worker.digest).
 
 Cost: nothing on gloo; on NCCL one event record and a few ``query()`` calls per step, and one
 wait of about two steps' time after a failure for the work still running (work that waits

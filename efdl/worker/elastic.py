@@ -15,10 +15,10 @@ The user contract (about ten changed lines in a DDP script)::
 
     train(state)
 
-The parts: efdl.state.runtime (this worker's groups and agent), efdl.state.state (the state,
-``commit`` and the sync: efdl.state.commit, efdl.state.sync), efdl.state.transaction (what a
-failure leaves of the state), efdl.state.transfer (moving tensors between ranks),
-efdl.state.persist and efdl.state.resume (the remote cache). This module is the loop that
+The parts: efdl.worker.runtime (this worker's groups and agent), efdl.worker.state (the state,
+``commit`` and the sync: efdl.worker.commit, efdl.worker.sync), efdl.worker.transaction (what a
+failure leaves of the state), efdl.worker.transfer (moving tensors between ranks),
+efdl.worker.persist and efdl.worker.resume (the remote cache). This module is the loop that
 ties them: all ranks pause at the same commit, or a peer's death makes their collective fail;
 each rank makes its state a committed one again, waits for its new placement from its agent,
 joins the new group, and syncs.
@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 from efdl._process import exit_left
 from efdl.errors import RendezvousTimeoutError
 from efdl.protocol.env import GRACE_ENV
-from efdl.state.failure import Failure
-from efdl.state.runtime import get_runtime, init_process_group
-from efdl.state.state import ElasticState, Fenced, Rescale, elastic_state
+from efdl.worker.failure import Failure
+from efdl.worker.runtime import get_runtime, init_process_group
+from efdl.worker.state import ElasticState, Fenced, Rescale, elastic_state
 
 __all__ = ["ElasticState", "elastic", "elastic_state", "init_process_group"]
 

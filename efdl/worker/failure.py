@@ -1,7 +1,7 @@
 """What an exception inside a training step means for the job. Pure.
 
 Only a failure of the job's communication leads to an in-place rebuild: a peer died (its
-connections closed), or a hung peer was cut loose (efdl.state.breaker shuts its connections
+connections closed), or a hung peer was cut loose (efdl.worker.breaker shuts its connections
 down, or aborts its NCCL communicators). Anything else is the worker's own error (CUDA out of
 memory, a GPU fault, a shape bug, an exception in the user's code) and ends the worker with it,
 so the agent's restart policy applies. A collective that timed out with every connection up is
@@ -50,7 +50,7 @@ _DEVICE_TYPES: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, _ACCEL
 
 def classify(exc: BaseException, cut: bool = False) -> Failure:
     """What ``exc``, raised inside a step, says about the job. ``cut``: efdl itself cut or
-    aborted this rank's group before ``exc`` (efdl.state.breaker)."""
+    aborted this rank's group before ``exc`` (efdl.worker.breaker)."""
     if isinstance(exc, _DEVICE_TYPES) or not isinstance(exc, RuntimeError):
         return Failure.OWN
     if cut:

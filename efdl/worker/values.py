@@ -74,7 +74,7 @@ class UserValues:
 
     Args:
         declared: the values as given to ``elastic_state(...)``.
-        reserved: efdl's own names on a state (efdl.state.state.RESERVED): no value takes one.
+        reserved: efdl's own names on a state (efdl.worker.state.RESERVED): no value takes one.
     """
 
     def __init__(self, declared: Mapping[str, Any], reserved: frozenset[str]) -> None:

@@ -6,13 +6,13 @@ the structure. The ranks then read its parts between them (part ``i`` by rank
 ``i mod world``), each checking every part it reads against the manifest and loading it into
 its own tensors; one all-reduce says whether every part read. If one did not, all go to the
 snapshot before. Then each rank sends what it read to every other rank
-(efdl.state.transfer: one holder per part), so the storage is read once, in parallel, and
+(efdl.worker.transfer: one holder per part), so the storage is read once, in parallel, and
 every rank's link carries about the state's size. Each rank also restores its own RNG states,
 if the snapshot has a file for its rank.
 
 A sharded model's tensors (FSDP2) are not shared that way: each rank reads, straight into
 its own new rows, the rows it holds on this world from the parts of the snapshot's ranks
-whose rows overlap them (efdl.state.layout), so a snapshot of any world size is laid out
+whose rows overlap them (efdl.worker.layout), so a snapshot of any world size is laid out
 anew on this one, and no rank holds more than its rows and a part.
 
 Memory: a part (at most a few hundred MB, a larger tensor alone) twice while it loads, on the
@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from efdl.state import sharded, transfer
-from efdl.state.cache import Manifest, Position, SnapshotError, SnapshotStorage, rank_file
-from efdl.state.layout import Layout, overlap, rows
-from efdl.state.rng import set_rng_state
+from efdl.worker import sharded, transfer
+from efdl.worker.cache import Manifest, Position, SnapshotError, SnapshotStorage, rank_file
+from efdl.worker.layout import Layout, overlap, rows
+from efdl.worker.rng import set_rng_state
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """What one rank holds of the job's state, as one tree, and whether it is a committed step's.
 
 The tree (:meth:`StateTree.tree`) is the model's, optimizer's, scheduler's and sampler's state
-dicts, the committed step count and the user values: what the sync sends (efdl.state.sync), a
-snapshot stores (efdl.state.persist) and a rollback copy clones. Its tensors are named by their
+dicts, the committed step count and the user values: what the sync sends (efdl.worker.sync), a
+snapshot stores (efdl.worker.persist) and a rollback copy clones. Its tensors are named by their
 key path (``['model']['0.weight']``, :func:`key`).
 """
 
@@ -15,23 +15,23 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from efdl.state import sharded, transfer
-from efdl.state.digest import digest
-from efdl.state.layout import Layout
-from efdl.state.sampler import Position
-from efdl.state.transaction import Standing
-from efdl.state.values import UserValues
+from efdl.worker import sharded, transfer
+from efdl.worker.digest import digest
+from efdl.worker.layout import Layout
+from efdl.worker.sampler import Position
+from efdl.worker.transaction import Standing
+from efdl.worker.values import UserValues
 
 
 class StateTree:
-    """One rank's part of the job's state (efdl.state.state.ElasticState keeps one).
+    """One rank's part of the job's state (efdl.worker.state.ElasticState keeps one).
 
     Attributes:
         model: the module; a sharded one is replaced when it is laid out on a new world.
         optimizer, scheduler, sampler: the script's, or None.
         values: the user values.
         step: the committed steps.
-        sharding: how to build the sharded model again (efdl.state.sharded); None: replicated.
+        sharding: how to build the sharded model again (efdl.worker.sharded); None: replicated.
         layout: the rows this rank holds (sharded); None before it holds any.
         rows: rows handed over at a pause, held apart from the model (sharded).
         holds: the tensors are a committed step's (False: new, or torn).
@@ -117,7 +117,7 @@ class StateTree:
         return {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
 
     def digest(self) -> int:
-        """This replica's digest (efdl.state.digest) of its parameters and optimizer state; 0
+        """This replica's digest (efdl.worker.digest) of its parameters and optimizer state; 0
         where there is none to compare: a rank that holds no step, or a sharded state (its
         rows differ by design). Buffers are left out: DDP broadcasts them from rank 0 only at
         the next forward (batch-norm statistics differ between replicas until then)."""

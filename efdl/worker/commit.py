@@ -4,7 +4,7 @@ Each commit starts one asynchronous MAX all-reduce of this rank's flags (:class:
 CPU side group and reads the one the previous commit started (:class:`Agreement`): by then it
 is long done, and every rank reads the same result, so all pause (and persist) at the same
 commit. A rank whose agent has not reached etcd for the fence timeout commits nothing more
-until it does (:func:`wait_fenced`; efdl.state.fence).
+until it does (:func:`wait_fenced`; efdl.worker.fence).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from efdl.errors import RendezvousTimeoutError
 from efdl.protocol.env import GRACE_ENV
-from efdl.state.fence import Fence
-from efdl.state.persist import Persister
-from efdl.state.runtime import Runtime
+from efdl.worker.fence import Fence
+from efdl.worker.persist import Persister
+from efdl.worker.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class StepFailed(dist.DistError):
 
 
 class Fenced(dist.DistError):
-    """This rank stopped committing because its agent could not reach etcd (efdl.state.fence),
+    """This rank stopped committing because its agent could not reach etcd (efdl.worker.fence),
     and its agent has since placed it in a newer generation, or asked it to leave: it leaves
     its generation as after a failure, its state as committed."""
 
@@ -55,7 +55,7 @@ class Flag(enum.IntEnum):
     BUSY = 2  # this rank's writer is still writing the last one
     LEAVING = 3  # this rank was asked to leave
     STAYING = 4  # this rank was not
-    FAILED = 5  # this rank's group reported a communication error (efdl.state.verdict)
+    FAILED = 5  # this rank's group reported a communication error (efdl.worker.verdict)
     ATTEMPT = 6  # rank 0: a random number, the attempt of a snapshot started here
 
 

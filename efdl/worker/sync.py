@@ -1,15 +1,15 @@
 """The rebuild's sync: every rank of a new generation comes to hold the newest committed state.
 
 One all-gather on the CPU side group says which step each rank holds (and a digest of it:
-efdl.state.digest, a replica unlike the others is torn); the rank holding the newest step
+efdl.worker.digest, a replica unlike the others is torn); the rank holding the newest step
 settled (the primary) shares the state's structure and every value that is not a tensor (a
 small pickle), and the tensors go only to the ranks that lack that step, from every rank that
-holds it, in bounded messages (efdl.state.transfer). A sharded (FSDP2) state is laid out again
-over the new world (efdl.state.layout), its leavers' rows handed to the ranks that stay at the
+holds it, in bounded messages (efdl.worker.transfer). A sharded (FSDP2) state is laid out again
+over the new world (efdl.worker.layout), its leavers' rows handed to the ranks that stay at the
 pause before (:func:`hand_over`). When no rank holds any step whole, the ranks read the newest
-snapshot of the remote cache between them (efdl.state.resume).
+snapshot of the remote cache between them (efdl.worker.resume).
 
-Each function here changes the :class:`~efdl.state.tree.StateTree` it is given and returns
+Each function here changes the :class:`~efdl.worker.tree.StateTree` it is given and returns
 what it moved to and from this rank (``ElasticState.last_sync``).
 """
 
@@ -29,13 +29,13 @@ from torch.distributed.tensor import DTensor
 from efdl.errors import StateLostError
 from efdl.protocol.env import SYNC_BUCKET_ENV
 from efdl.protocol.messages import ResumedFromCache, StateLost
-from efdl.state import resume, sharded, transfer
-from efdl.state.device import device
-from efdl.state.layout import Layout, byte_span, rows
-from efdl.state.persist import Persister
-from efdl.state.runtime import Runtime
-from efdl.state.transaction import Choice, Loss, choose, why_lost
-from efdl.state.tree import StateTree, key
+from efdl.worker import resume, sharded, transfer
+from efdl.worker.device import device
+from efdl.worker.layout import Layout, byte_span, rows
+from efdl.worker.persist import Persister
+from efdl.worker.runtime import Runtime
+from efdl.worker.transaction import Choice, Loss, choose, why_lost
+from efdl.worker.tree import StateTree, key
 
 log = logging.getLogger(__name__)
 

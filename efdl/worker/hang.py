@@ -35,7 +35,7 @@ job, not the ones that wait. So a step slower than usual on one rank while the o
 (rank 0's evaluation, or its checkpoint save) is allowed what the collective timeout allows;
 raise both for longer ones. Nothing is judged during the state sync of a generation (a
 newcomer's setup before it, and the transfers in it, make peers wait on purpose), nor while
-a worker waits at its fence (efdl.state.fence).
+a worker waits at its fence (efdl.worker.fence).
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ class HangWatch:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The main thread stands still on purpose (fenced, efdl.state.fence): judge nothing
+        """The main thread stands still on purpose (fenced, efdl.worker.fence): judge nothing
         meanwhile; its clock starts again when it goes on."""
         with self._lock:
             self._paused = True

@@ -32,12 +32,12 @@ from efdl.protocol.env import (
     STANDBY_ENV,
 )
 from efdl.protocol.messages import Agreed, PeerFailed, Placement, Rescaled
-from efdl.state import ready
-from efdl.state.breaker import Breaker
-from efdl.state.channel import AgentChannel, placement_from_env
-from efdl.state.device import device, nccl_aborter, nccl_options
-from efdl.state.failure import Failure, classify
-from efdl.state.hang import HangWatch
+from efdl.worker import ready
+from efdl.worker.breaker import Breaker
+from efdl.worker.channel import AgentChannel, placement_from_env
+from efdl.worker.device import device, nccl_aborter, nccl_options
+from efdl.worker.failure import Failure, classify
+from efdl.worker.hang import HangWatch
 
 log = logging.getLogger(__name__)
 # The collective timeout unless the script or EFDL_COLLECTIVE_TIMEOUT sets one (torch's).
@@ -230,18 +230,18 @@ class Runtime:
         self.side = None
 
     def _cut(self) -> bool:
-        """Whether efdl cut this rank's current generation itself (efdl.state.breaker)."""
+        """Whether efdl cut this rank's current generation itself (efdl.worker.breaker)."""
         p = self.placement
         return p is not None and self.breaker.was_cut(p.generation)
 
     def classify(self, exc: BaseException) -> Failure:
-        """What ``exc``, raised in this rank's step, means (efdl.state.failure), with efdl's
+        """What ``exc``, raised in this rank's step, means (efdl.worker.failure), with efdl's
         own record of a cut."""
         return classify(exc, self._cut())
 
     def errored(self) -> bool:
         """Whether this rank's training group reported a communication error: efdl cut it,
-        or (NCCL) ``ProcessGroupNCCL.get_error()`` is not SUCCESS (efdl.state.verdict)."""
+        or (NCCL) ``ProcessGroupNCCL.get_error()`` is not SUCCESS (efdl.worker.verdict)."""
         if self._cut():
             return True
         if self.backend != "nccl" or not dist.is_initialized():
@@ -287,7 +287,7 @@ class Runtime:
 
     def trains(self) -> None:
         """The state is synced and the training function is called: the hang watch's clock
-        starts (efdl.state.hang)."""
+        starts (efdl.worker.hang)."""
         if self.hang is not None:
             self.hang.trains()
 
@@ -307,7 +307,7 @@ class Runtime:
 
     def agreed(self, step: int, floor: int) -> None:
         """Commit ``step`` read the agreement that every rank of the generation started at
-        its commit before: every rank holds ``floor`` or newer (efdl.state.state). Local rank
+        its commit before: every rank holds ``floor`` or newer (efdl.worker.state). Local rank
         0 reports both to its agent at most once a second (the job's progress record: a
         generation whose holders are all behind ``floor`` must not go on from them)."""
         p, channel = self.placement, self.channel
@@ -360,7 +360,7 @@ def get_runtime() -> Runtime:
     """This process's one :class:`Runtime`, made at the first call.
 
     Per process, like torch.distributed's default group: a worker takes part in one job, in
-    one generation at a time, and every part of efdl.state (the state, the training loop,
+    one generation at a time, and every part of efdl.worker (the state, the training loop,
     the channel's thread) must see the same placement, groups and agent."""
     global _runtime
     rt = _runtime

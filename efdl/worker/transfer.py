@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from efdl.state.layout import Layout, byte_span
+from efdl.worker.layout import Layout, byte_span
 
 DEFAULT_BUCKET = 64 << 20  # bytes; EFDL_SYNC_BUCKET_MB overrides it
 PACK_BELOW = 1 << 20  # smaller tensors are packed together; larger ones go by themselves
