@@ -180,7 +180,10 @@ def load(
         elif name in from_yaml:
             key, value = from_yaml[name]
             values[name] = _convert(value, hints[name], f"{key!r} in {yaml_source}")
-    return cls(**values)
+    config = cls(**values)
+    # A config whose flags imply others (LaunchConfig: torchrun's) makes them explicit.
+    resolved = getattr(config, "resolved", None)
+    return resolved() if callable(resolved) else config
 
 
 def read_password(password_file: Path | None, env: Mapping[str, str] | None = None) -> str | None:
@@ -500,26 +503,33 @@ class LaunchConfig(EtcdClientConfig):
                 f"--standalone starts an etcd of its own on 127.0.0.1, and --etcd (or "
                 f"EFDL_ETCD) names another, {self.etcd}: give one of them."
             )
-        if not self.standalone and not self.etcd:
-            nodes = self.node_range() if self.nnodes is not None else (1, 1)
-            if nodes[1] > 1:
-                # torchrun's static rendezvous: the node of --node-rank 0 serves it at
-                # --master-addr:--master-port. efdl's is an etcd that node serves there.
-                addr = self.master_addr or "127.0.0.1"
-                host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
-                etcd = f"{host}:{self.master_port or STATIC_PORT}"
-                object.__setattr__(self, "etcd", etcd)
-                if not self.node_rank:
-                    object.__setattr__(self, "serve_etcd", True)
-            else:
-                # One node and no etcd: torchrun runs it without a rendezvous; efdl standalone.
-                object.__setattr__(self, "standalone", True)
-        if self.standalone and self.master_port and not self.store_port:
-            object.__setattr__(self, "store_port", self.master_port)  # torchrun's store port
         if self.serve_etcd and self.standalone:
             raise ConfigError("--serve-etcd is for a job of several nodes; --standalone is one.")
-        if not self.standalone and not self.job_id:
-            object.__setattr__(self, "job_id", DEFAULT_JOB_ID)  # torchrun's default run id
+
+    def resolved(self) -> LaunchConfig:
+        """This config with what torchrun's flags imply made explicit (:func:`load` returns
+        it so): no etcd and several nodes is torchrun's static rendezvous, served by the node
+        of ``--node-rank`` 0 at ``--master-addr:--master-port``; no etcd and one node is a
+        standalone run; a standalone run's ``--master-port`` is its store's port; a job
+        without ``--job-id`` is torchrun's default run id."""
+        changes: dict[str, Any] = {}
+        standalone = self.standalone
+        if not standalone and not self.etcd:
+            nodes = self.node_range() if self.nnodes is not None else (1, 1)
+            if nodes[1] > 1:
+                addr = self.master_addr or "127.0.0.1"
+                host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+                changes["etcd"] = f"{host}:{self.master_port or STATIC_PORT}"
+                if not self.node_rank:
+                    changes["serve_etcd"] = True
+            else:
+                changes["standalone"] = standalone = True
+        if standalone and self.master_port and not self.store_port:
+            changes["store_port"] = self.master_port  # torchrun's store port
+        if not standalone and not self.job_id:
+            changes["job_id"] = DEFAULT_JOB_ID  # torchrun's default run id
+        # replace() checks the result again (__post_init__): --serve-etcd on a standalone run.
+        return dataclasses.replace(self, **changes) if changes else self
 
     def fence_s(self) -> float:
         """The fence timeout: ``--fence-timeout``, else 90 s and at least three lease TTLs."""
