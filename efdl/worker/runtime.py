@@ -267,7 +267,8 @@ class Runtime:
         if self.backend != "nccl":
             return None
         # A ring of events, each re-recorded in its turn: making a CUDA event per step cost
-        # 0.1-0.2 ms of host time per step on an H200 (docs/benchmarks.md). Re-recording one
+        # 0.1-0.2 ms of host time per step on an H200 when it was tried; the verdict with the
+        # ring costs about 9 us (docs/benchmarks.md, the step verdict on NCCL). Re-recording one
         # that an older step still waits on only moves its point later, so that step is
         # verified later, never before its work ended.
         full = len(self._events) == _STEP_EVENTS
