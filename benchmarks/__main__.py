@@ -30,7 +30,8 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     ("startup", "Startup, --standalone", ["--repeat", "3"], ["--repeat", "1"]),
     (
         "recovery",
-        "Recovery, two-node startup and steady state: efdl in place vs torchrun",
+        "Recovery, two-node startup and steady state: "
+        "efdl in place and in restart mode vs torchrun",
         ["--repeat", "2", "--default-repeat", "1", "--steady-repeat", "2"],
         ["--repeat", "1", "--events", "leave,kill", "--steady-repeat", "1"],
     ),
@@ -97,7 +98,8 @@ PARTS: list[tuple[str, str, list[str], list[str]]] = [
     ),
     (
         "data",
-        "Streamed data: efdl.ElasticStream against a plain pyarrow reader and HF datasets",
+        "Streamed data: efdl.ElasticStream against a plain pyarrow reader, "
+        "HF datasets and MosaicML streaming",
         ["--gb", "2", "--s3-gb", "0.5", "--repeat", "3"],
         ["--gb", "0.5", "--s3-gb", "0.12", "--repeat", "1", "--worlds", "1,2"],
     ),
@@ -135,6 +137,13 @@ def main() -> None:
     args = parser.parse_args()
     only = {p for p in args.only.split(",") if p}
     started = time.monotonic()
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        or "unknown"
+    )
+    on = machine()
     sections = []
     for module, title, full, quick in PARTS:
         if only and module not in only:
@@ -149,7 +158,7 @@ def main() -> None:
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
             body += f"\n\n**This part failed (exit {done.returncode}):**\n\n```\n{tail}\n```"
         sections.append(
-            f"## {title}\n\n```\npython {' '.join(argv[1:])}\n```\n\n"
+            f"## {title}\n\nCommit {commit}, on {on}:\n\n```\npython {' '.join(argv[1:])}\n```\n\n"
             f"{body}\n\n(took {took / 60:.1f} min)\n"
         )
     total = (time.monotonic() - started) / 60
@@ -161,9 +170,10 @@ def main() -> None:
         "of several runs with (min-max); the machines are shared and noisy, so efdl and "
         "torchrun run interleaved in the same run and compare by ratio.\n"
     )
-    if only and args.out.exists():  # replace just these parts in the existing report
-        sections = merge(args.out.read_text(), sections)
-        header = header.replace(f"in {total:.0f} min", "(parts re-run: " + ", ".join(only) + ")")
+    if only and args.out.exists():  # replace just these parts; keep the page's opening
+        report = args.out.read_text()
+        sections = merge(report, sections)
+        header = report.split("\n## ")[0].rstrip("\n") + "\n"
     args.out.write_text(header + "\n" + "\n".join(sections))
     print(f"wrote {args.out} ({total:.1f} min)", file=sys.stderr)
 
