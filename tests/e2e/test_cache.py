@@ -16,6 +16,7 @@ import pytest
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.worker.cache import STATE, SnapshotStorage
 from tests.e2e.harness import Job
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,10 +64,13 @@ def entries(job: Job) -> list[dict[str, object]]:
 
 
 def wait_persisted(job: Job, storage: SnapshotStorage, at_least: int = 2) -> None:
-    deadline = time.monotonic() + 90
-    while len([s for s in storage.steps() if _complete(storage, s)]) < at_least:
-        assert time.monotonic() < deadline, job.agents["a"].output()[-3000:]
-        time.sleep(0.2)
+    wait_until(
+        f"{at_least} complete snapshots",
+        lambda: len([s for s in storage.steps() if _complete(storage, s)]) >= at_least,
+        90,
+        poll_s=0.2,
+        context=lambda: job.agents["a"].output()[-3000:],
+    )
 
 
 def _complete(storage: SnapshotStorage, step: int) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,10 +206,12 @@ def test_a_node_joins_while_a_rebuild_is_in_progress(job: Job) -> None:
     g2 = latest_gen(rows)
     a_pid, b_pid = pids_of(rows, "a"), pids_of(rows, "b")
     job.start("c", script="elastic_steps.py")
-    deadline = time.monotonic() + 60
-    while "ranks 2-2 of 3" not in job.agents["c"].output():  # c's round is out: rebuilding
-        assert time.monotonic() < deadline, job.agents["c"].output()
-        time.sleep(0.05)
+    wait_until(  # c's round is out: rebuilding
+        "c's round",
+        lambda: "ranks 2-2 of 3" in job.agents["c"].output(),
+        60,
+        context=job.agents["c"].output,
+    )
     job.start("d", script="elastic_steps.py")  # a second newcomer before the first one trains
     rows = job.wait_for("four workers", steps_at_world(4, g2), timeout_s=120)
     assert pids_of(rows, "a") == a_pid and pids_of(rows, "b") == b_pid

@@ -348,9 +348,12 @@ def test_etcd_restart_during_a_round(
     committed = max(last_step_of(rows, g).values())
     t0 = time.time()
     job.start("c", script="elastic_steps.py")
-    deadline = time.monotonic() + 30
-    while "joined" not in job.agents["c"].output() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(
+        "c to join",
+        lambda: "joined" in job.agents["c"].output(),
+        30,
+        context=job.agents["c"].output,
+    )
     own_etcd.stop(remove_data=False)
     time.sleep(1)
     own_etcd.start()

@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from efdl.errors import ConfigError
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.torchrun import EfdlRendezvousHandler, create_handler
+from tests.wait import wait_until
 
 Make = Callable[..., EfdlRendezvousHandler]
 
@@ -62,10 +63,7 @@ def together(*handlers: EfdlRendezvousHandler) -> list[RendezvousInfo]:
 
 
 def eventually(pred: Callable[[], bool], timeout_s: float = 15) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+    wait_until("the condition", pred, timeout_s)
 
 
 def test_a_round_gives_ranks_world_size_and_one_shared_store(make: Make) -> None:
