@@ -7,18 +7,27 @@ cache holds a snapshot: then the rows come back from it, laid out for the new wo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from efdl.worker.cache import SnapshotStorage
-from tests.integration.ranks import run_ranks
+from tests.integration.ranks import ForkServer
 
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_state.py"
 MB = 1 << 20
 
 
+@pytest.fixture(scope="module")
+def server() -> Iterator[ForkServer]:
+    """Every rank of this module is forked from one process that imported torch once."""
+    with ForkServer() as forks:
+        yield forks
+
+
 def run(
+    server: ForkServer,
     tmp_path: Path,
     ranks: list[tuple[int, int]],
     old: int,
@@ -41,23 +50,36 @@ def run(
         [str(old), str(a), str(new), str(b), str(tmp_path), str(tmp_path / f"out{i}.json")]
         for i, (a, b) in enumerate(ranks)
     ]
-    run_ranks(SCRIPT, args, env, timeout_s=150)
+    server.run_ranks(SCRIPT, args, env, timeout_s=150)
     return [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(len(ranks))]
 
 
+JOIN = "join 2 -> 3"
 CASES = {
-    "join 2 -> 3": (2, 3, [(0, 0), (1, 1), (-1, 2)]),
+    JOIN: (2, 3, [(0, 0), (1, 1), (-1, 2)]),
     "leave 3 -> 2 (the middle rank; the others change places)": (3, 2, [(0, 1), (1, -1), (2, 0)]),
     "join and leave 3 -> 3": (3, 3, [(0, 0), (1, -1), (2, 2), (-1, 1)]),
     "shrink 4 -> 1": (4, 1, [(0, -1), (1, -1), (2, 0), (3, -1)]),
 }
 
 
+@pytest.fixture(scope="module")
+def joined(server: ForkServer, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The join 2 -> 3 run: two tests read it."""
+    old, new, ranks = CASES[JOIN]
+    return run(server, tmp_path_factory.mktemp("join"), ranks, old, new)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_new_world_holds_the_old_state_bit_for_bit(tmp_path: Path, case: str) -> None:
+def test_the_new_world_holds_the_old_state_bit_for_bit(
+    server: ForkServer, tmp_path: Path, request: pytest.FixtureRequest, case: str
+) -> None:
     old, new, ranks = CASES[case]
-    results = run(tmp_path, ranks, old, new)
+    if case == JOIN:
+        results = request.getfixturevalue("joined")
+    else:
+        results = run(server, tmp_path, ranks, old, new)
     staying = [r for (a, b), r in zip(ranks, results, strict=True) if b >= 0]
     assert len(staying) == new
     for r in staying:
@@ -72,9 +94,9 @@ def test_the_new_world_holds_the_old_state_bit_for_bit(tmp_path: Path, case: str
     assert all(r["received"] > 0 for r in newcomers)
 
 
-def test_a_survivor_that_keeps_its_place_receives_only_its_new_rows(tmp_path: Path) -> None:
-    ranks = [(0, 0), (1, 1), (-1, 2)]
-    results = run(tmp_path, ranks, 2, 3)
+@pytest.mark.timeout(200)
+def test_a_survivor_that_keeps_its_place_receives_only_its_new_rows(joined: list[dict]) -> None:
+    results = joined  # ranks (0, 0), (1, 1), (-1, 2): 0 and 1 keep their places
     # The state is sent once in all (each row to the one rank that needs it): what ranks
     # receive adds up to what they send, and a rank never receives its whole state.
     assert sum(r["received"] for r in results) == sum(r["sent"] for r in results)
@@ -84,8 +106,10 @@ def test_a_survivor_that_keeps_its_place_receives_only_its_new_rows(tmp_path: Pa
 
 
 @pytest.mark.timeout(200)
-def test_a_crash_that_takes_rows_nobody_else_holds_is_a_clear_error(tmp_path: Path) -> None:
-    results = run(tmp_path, [(0, 0), (1, -1), (2, 1)], 3, 2, crash=True)
+def test_a_crash_that_takes_rows_nobody_else_holds_is_a_clear_error(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    results = run(server, tmp_path, [(0, 0), (1, -1), (2, 1)], 3, 2, crash=True)
     for r in (results[0], results[2]):
         assert r["error"].startswith("StateLostError: The job's sharded state is lost")
 
@@ -107,18 +131,20 @@ def check_resumed(results: list[dict[str, object]], cache: Path, old: int, new: 
 
 
 @pytest.mark.timeout(200)
-def test_a_crash_that_takes_rows_comes_back_from_the_cache_laid_out_anew(tmp_path: Path) -> None:
+def test_a_crash_that_takes_rows_comes_back_from_the_cache_laid_out_anew(
+    server: ForkServer, tmp_path: Path
+) -> None:
     cache = tmp_path / "cache"
-    results = run(tmp_path, [(0, 0), (1, -1), (2, 1)], 3, 2, crash=True, cache=cache)
+    results = run(server, tmp_path, [(0, 0), (1, -1), (2, 1)], 3, 2, crash=True, cache=cache)
     check_resumed([results[0], results[2]], cache, 3, 2)
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("old", "new"), [(2, 3), (3, 1)])
 def test_a_job_resumes_from_the_cache_at_another_world_size(
-    tmp_path: Path, old: int, new: int
+    server: ForkServer, tmp_path: Path, old: int, new: int
 ) -> None:
     cache = tmp_path / "cache"
-    run(tmp_path, [(r, -1) for r in range(old)], old, new, cache=cache)  # all leave
-    results = run(tmp_path, [(-1, r) for r in range(new)], old, new, cache=cache)
+    run(server, tmp_path, [(r, -1) for r in range(old)], old, new, cache=cache)  # all leave
+    results = run(server, tmp_path, [(-1, r) for r in range(new)], old, new, cache=cache)
     check_resumed(results, cache, old, new)

@@ -3,12 +3,13 @@
 Args: old world, old rank (-1: a newcomer), new world, new rank (-1: it leaves), a
 directory, an output JSON path. With RESHARD_CRASH set, the ranks that leave die instead
 (nobody hands rows over). The old world's ranks shard a small transformer-shaped model with
-efdl.fully_shard, train 3 AdamW steps and write the full state after each (every tensor
-gathered) to the directory, and hand the rows of the ranks that leave to those that stay, as
-at a pause; with EFDL_CACHE_URL set they persist every step, and wait for the last snapshot;
-then every rank of the new world joins its group, survivors with the model
-they trained, newcomers with their own, and syncs. The new world's ranks write whether the
-full state they hold between them is the old one, bit for bit.
+efdl.fully_shard, train 3 AdamW steps and write the full state (every tensor gathered) to
+the directory after the last (after each where a cache may resume an earlier one), and hand
+the rows of the ranks that leave to those that stay, as at a pause; with EFDL_CACHE_URL set
+they persist every step, and wait for the last snapshot; then every rank of the new world
+joins its group, survivors with the model they trained, newcomers with their own, and syncs.
+The new world's ranks write whether the full state they hold between them is the old one,
+bit for bit.
 """
 
 import datetime
@@ -103,10 +104,11 @@ if old_rank >= 0:
         state.model(x).pow(2).mean().backward()
         state.optimizer.step()
         state.commit()
-        before = full(state)
-        if old_rank == 0:
-            torch.save({"tensors": before}, where / f"before-{state.step}.pt")
-        del before
+        if state.step == 3 or os.environ.get("EFDL_CACHE_URL"):  # where a resume may start
+            before = full(state)
+            if old_rank == 0:
+                torch.save({"tensors": before}, where / f"before-{state.step}.pt")
+            del before
     state.model.zero_grad(set_to_none=True)
     assert state.flush(60), "the last snapshot was not written within 60 s"
     if not os.environ.get("RESHARD_CRASH"):  # a pause (else the ranks that leave die)
