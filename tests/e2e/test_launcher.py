@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
@@ -21,6 +22,7 @@ from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from tests.e2e.harness import (
     EFDL_RUN,
+    Agent,
     Job,
     latest_gen,
     rank0_rows,
@@ -121,21 +123,79 @@ def test_join_grow_crash_leave_and_status(job: Job) -> None:
     assert "The job was stopped" in job.agents["a"].output()
 
 
-def test_a_worker_crash_is_restarted(job: Job) -> None:
-    job.env.update(FAIL_AT="1:5", STEPS="12")
-    agent = job.start("a", "--nproc-per-node", "2", "--max-restarts", "2")
-    assert agent.wait(120) == 0, agent.output()[-3000:]
-    rows = job.events()
+@dataclass
+class EndedJob:
+    """A job whose one agent restarted its crashed workers and finished, then a start of
+    that job refused and a --new-run of it, each to its end: what each said and wrote."""
+
+    job: Job
+    first: Agent
+    first_code: int
+    first_rows: list[dict[str, object]]
+    history_json: str  # `efdl events --json` after the first run
+    history: str  # `efdl events` after the first run
+    status: str  # `efdl status` after the first run
+    again: Agent
+    again_code: int
+    new: Agent
+    new_code: int
+
+
+@pytest.fixture(scope="module")
+def ended_job(
+    etcd_server: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EndedJob]:
+    """Run once, read by the crash-restart and the ended-job tests (each reads what it
+    checks; neither starts anything)."""
+    job = restart_job(tmp_path_factory.mktemp("ended"), etcd_server.endpoint.target, "e2e")
+    try:
+        # rank 1 of 2 crashes at step 5; the workers restart (1 of 2 allowed) and finish
+        job.env.update(FAIL_AT="1:5", STEPS="12")
+        first = job.start("a", "--nproc-per-node", "2", "--max-restarts", "2")
+        first_code = first.wait(120)
+        first_rows = job.events()
+        where = ("--etcd", job.etcd, "--job-id", job.job_id)
+        history_json = efdl("events", *where, "--json").stdout
+        history = efdl("events", *where).stdout
+        status = efdl("status", *where).stdout
+        del job.env["FAIL_AT"]
+        one = ("--nproc-per-node", "1", "--min", "1", "--max", "1")
+        again = job.start("b", *one)
+        again_code = again.wait(60)
+        job.env.update(STEPS="16")  # the script resumes from its own checkpoint: 4 more steps
+        new = job.start("c", *one, "--new-run")
+        new_code = new.wait(120)
+        yield EndedJob(
+            job,
+            first,
+            first_code,
+            first_rows,
+            history_json,
+            history,
+            status,
+            again,
+            again_code,
+            new,
+            new_code,
+        )
+    finally:
+        job.stop()
+
+
+def test_a_worker_crash_is_restarted(ended_job: EndedJob) -> None:
+    agent = ended_job.first
+    assert ended_job.first_code == 0, agent.output()[-3000:]
+    rows = ended_job.first_rows
     assert {r["restart"] for r in rows} == {0, 1}
-    assert max(int(r["step"]) for r in rows) == 11
+    assert max(int(r["step"]) for r in rows) == 11  # type: ignore[call-overload]
     out = agent.output()
     assert "worker rank 1 (local rank 1" in out and "failed with exit code 3" in out
     assert "restarting the workers (restart 1 of 2)" in out
     # Every crash is in the job's history, the failed worker's (and a peer's that failed
     # with it, if it did before its exit was handled), whichever came first: its exit or the
     # round its failure made.
-    history = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id, "--json")
-    crashes = [json.loads(line) for line in history.stdout.splitlines() if '"crash"' in line]
+    lines = ended_job.history_json.splitlines()
+    crashes = [json.loads(line) for line in lines if '"crash"' in line]
     assert any("worker rank 1 " in c["text"] and "exit code 3" in c["text"] for c in crashes)
 
 
@@ -600,30 +660,26 @@ def test_a_mistyped_job_id_is_refused_by_stop_and_status_and_leaves_nothing(job:
         assert not store.get_prefix(f"/efdl/{typo}/").kvs
 
 
-def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(job: Job) -> None:
+def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(ended_job: EndedJob) -> None:
     """Starting a job id that finished must not exit 0 doing nothing: it is refused with a
     sentence saying how to start it again, and --new-run starts a new run of it."""
-    job.env.update(STEPS="4")
-    first = job.start("a", "--nproc-per-node", "1", "--min", "1", "--max", "1")
-    assert first.wait(120) == 0, first.output()[-3000:]
-    done = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
-    assert "finished" in done.stdout and "--new-run" in done.stdout, done.stdout
-    history = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id).stdout
+    job = ended_job.job
+    assert ended_job.first_code == 0, ended_job.first.output()[-3000:]
+    done = ended_job.status
+    assert "finished" in done and "--new-run" in done, done
+    history = ended_job.history
     ends = [line for line in history.splitlines() if " round " in line and "finished:" in line]
     assert len(ends) == 1, history  # the job's end is in its history, once
-    gens = {r["gen"] for r in job.events()}
+    gens = {r["gen"] for r in ended_job.first_rows}
 
-    again = job.start("b", "--nproc-per-node", "1", "--min", "1", "--max", "1")
-    assert again.wait(60) == 2, again.output()[-3000:]
-    out = again.output()
+    assert ended_job.again_code == 2, ended_job.again.output()[-3000:]
+    out = ended_job.again.output()
     assert f"Job '{job.job_id}' finished at" in out and "--new-run" in out
     assert "Traceback" not in out
 
-    job.env.update(STEPS="8")  # the script resumes from its own checkpoint: 4 more steps
-    new = job.start("c", "--nproc-per-node", "1", "--min", "1", "--max", "1", "--new-run")
-    assert new.wait(120) == 0, new.output()[-3000:]
+    assert ended_job.new_code == 0, ended_job.new.output()[-3000:]
     later = [r for r in job.events() if r["gen"] not in gens]
-    assert later and max(int(r["step"]) for r in later) == 7  # type: ignore[call-overload]
+    assert later and max(int(r["step"]) for r in later) == 15  # type: ignore[call-overload]
     assert min(int(r["gen"]) for r in later) > max(int(g) for g in gens)  # type: ignore[call-overload]
 
 
