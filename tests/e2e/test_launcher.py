@@ -9,17 +9,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
 import pytest
 
+from efdl.history import read_events
 from efdl.launcher.node import interface_of
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from tests.e2e.harness import (
     EFDL_RUN,
+    Agent,
     Job,
     latest_gen,
     rank0_rows,
@@ -73,7 +76,17 @@ def test_join_grow_crash_leave_and_status(job: Job) -> None:
         events = [json.loads(line) for line in out.stdout.splitlines()]
         return [e for e in events if e["kind"] == "rescale" and e["generation"] == g3]
 
-    wait_until("the join's pause in the history", restarted, 60)
+    # Waited for in this process (an `efdl events` per poll would start a Python each time),
+    # then read as `efdl events --json` shows it.
+    with EtcdStore(EtcdSettings((Endpoint.parse(job.etcd),))) as store:
+        wait_until(
+            "the join's pause in the history",
+            lambda: any(
+                e.kind == "rescale" and e.generation == g3
+                for e in read_events(store, job.job_id)[0]
+            ),
+            60,
+        )
     (pause,) = restarted()
     assert "workers restarted" in str(pause["text"]) and pause["world_size"] == 3
     # measured from the steps the agent saw (reported every 0.1 s at most), about the rows'
@@ -110,29 +123,117 @@ def test_join_grow_crash_leave_and_status(job: Job) -> None:
     assert "The job was stopped" in job.agents["a"].output()
 
 
-def test_a_worker_crash_is_restarted(job: Job) -> None:
-    job.env.update(FAIL_AT="1:5", STEPS="12")
-    agent = job.start("a", "--nproc-per-node", "2", "--max-restarts", "2")
-    assert agent.wait(120) == 0, agent.output()[-3000:]
-    rows = job.events()
+@dataclass
+class EndedJob:
+    """A job whose one agent restarted its crashed workers and finished, then a start of
+    that job refused and a --new-run of it, each to its end: what each said and wrote."""
+
+    job: Job
+    first: Agent
+    first_code: int
+    first_rows: list[dict[str, object]]
+    history_json: str  # `efdl events --json` after the first run
+    history: str  # `efdl events` after the first run
+    status: str  # `efdl status` after the first run
+    again: Agent
+    again_code: int
+    new: Agent
+    new_code: int
+
+
+@pytest.fixture(scope="module")
+def ended_job(
+    etcd_server: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EndedJob]:
+    """Run once, read by the crash-restart and the ended-job tests (each reads what it
+    checks; neither starts anything)."""
+    job = restart_job(tmp_path_factory.mktemp("ended"), etcd_server.endpoint.target, "e2e")
+    try:
+        # rank 1 of 2 crashes at step 5; the workers restart (1 of 2 allowed) and finish
+        job.env.update(FAIL_AT="1:5", STEPS="12")
+        first = job.start("a", "--nproc-per-node", "2", "--max-restarts", "2")
+        first_code = first.wait(120)
+        first_rows = job.events()
+        where = ("--etcd", job.etcd, "--job-id", job.job_id)
+        history_json = efdl("events", *where, "--json").stdout
+        history = efdl("events", *where).stdout
+        status = efdl("status", *where).stdout
+        del job.env["FAIL_AT"]
+        one = ("--nproc-per-node", "1", "--min", "1", "--max", "1")
+        again = job.start("b", *one)
+        again_code = again.wait(60)
+        job.env.update(STEPS="16")  # the script resumes from its own checkpoint: 4 more steps
+        new = job.start("c", *one, "--new-run")
+        new_code = new.wait(120)
+        yield EndedJob(
+            job,
+            first,
+            first_code,
+            first_rows,
+            history_json,
+            history,
+            status,
+            again,
+            again_code,
+            new,
+            new_code,
+        )
+    finally:
+        job.stop()
+
+
+def test_a_worker_crash_is_restarted(ended_job: EndedJob) -> None:
+    agent = ended_job.first
+    assert ended_job.first_code == 0, agent.output()[-3000:]
+    rows = ended_job.first_rows
     assert {r["restart"] for r in rows} == {0, 1}
-    assert max(int(r["step"]) for r in rows) == 11
+    assert max(int(r["step"]) for r in rows) == 11  # type: ignore[call-overload]
     out = agent.output()
     assert "worker rank 1 (local rank 1" in out and "failed with exit code 3" in out
     assert "restarting the workers (restart 1 of 2)" in out
     # Every crash is in the job's history, the failed worker's (and a peer's that failed
     # with it, if it did before its exit was handled), whichever came first: its exit or the
     # round its failure made.
-    history = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id, "--json")
-    crashes = [json.loads(line) for line in history.stdout.splitlines() if '"crash"' in line]
+    lines = ended_job.history_json.splitlines()
+    crashes = [json.loads(line) for line in lines if '"crash"' in line]
     assert any("worker rank 1 " in c["text"] and "exit code 3" in c["text"] for c in crashes)
 
 
-def test_max_restarts_exhausted_ends_with_a_clear_message(job: Job) -> None:
-    job.env.update(FAIL_AT="0:2")
-    agent = job.start("a", "--nproc-per-node", "1", "--max-restarts", "0")
-    assert agent.wait(120) == 1
-    assert "used all 0 restarts (--max-restarts)" in agent.output()
+@pytest.fixture(scope="module")
+def failed_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """One worker that fails at once (its error recorded), no restarts allowed: run once,
+    read by the tests of what efdl-run says of it."""
+    script = tmp_path_factory.mktemp("boom") / "boom.py"
+    script.write_text(
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    raise ValueError('the learning rate 42 is too large')\n"
+        "main()\n"
+    )
+    return subprocess.run(
+        [
+            *EFDL_RUN,
+            "--standalone",
+            "--job-id",
+            "boom",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "0",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_max_restarts_exhausted_ends_with_a_clear_message(
+    failed_run: subprocess.CompletedProcess[str],
+) -> None:
+    assert failed_run.returncode == 1, failed_run.stderr[-3000:]
+    assert "used all 0 restarts (--max-restarts)" in failed_run.stderr, failed_run.stderr[-3000:]
 
 
 def test_a_spare_replaces_a_dead_member(job: Job) -> None:
@@ -277,34 +378,6 @@ def test_bad_config_files_and_unreachable_etcd(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 20
 
 
-def test_a_torchrun_command_line_without_etcd_runs_standalone(tmp_path: Path) -> None:
-    """`efdl-run --nproc-per-node 2 --master-port P train.py`, as torchrun takes it: no etcd,
-    no --standalone, one node: the job runs standalone, its store on P."""
-    from efdl._process import free_port
-
-    port = free_port()
-    script = tmp_path / "env.py"
-    script.write_text(
-        "import os\n"
-        "print('ENV', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'])\n"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EFDL_")}
-    r = subprocess.run(
-        [*EFDL_RUN, "--nproc-per-node", "2", "--master-port", str(port), str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    seen = sorted(line.split("ENV ", 1)[1] for line in r.stdout.splitlines() if "ENV " in line)
-    assert seen == [f"0 2 {port}", f"1 2 {port}"], r.stdout
-    assert "running it standalone" in r.stderr
-    # the store's line comes with its round, not after the (short) job ended
-    serving = r.stderr.find(f"Serving the c10d store of generation 1 on 127.0.0.1:{port}")
-    assert 0 <= serving < r.stderr.find("workers finished; the job is done"), r.stderr
-
-
 def test_etcd_without_a_job_id_is_torchruns_default_run_id(
     etcd_server: EmbeddedEtcd, tmp_path: Path
 ) -> None:
@@ -378,90 +451,139 @@ def test_a_store_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 2 and f"Cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
 
 
-def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(tmp_path: Path) -> None:
-    script = Path(__file__).parent / "scripts" / "steps.py"
-    result = subprocess.run(
-        [
-            *EFDL_RUN,
-            "--standalone",
-            "--job-id",
-            "logs",
-            "--nproc-per-node",
-            "2",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--redirects",
-            "1",
-            str(script),
-        ],
+# Three runs of one two-worker script, each run once and read by several tests: what it
+# printed (OUT-<rank> and its run id on stdout, two ERR lines on stderr) and, as JSON, its
+# torchrun environment.
+ENV_KEYS = [
+    *("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    *("ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT"),
+    *("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"),
+    *("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS"),
+    *("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "EFDL_GENERATION", "EFDL_ETCD_PASSWORD"),
+    "GLOO_SOCKET_IFNAME",
+]
+SAY = (
+    "import json, os, sys\n"
+    "r = os.environ['RANK']\n"
+    "print(f'OUT-{r}', os.environ['TORCHELASTIC_RUN_ID'])\n"
+    "print(f'ERR-{r}-apple', file=sys.stderr)\n"
+    "print(f'ERR-{r}-pear', file=sys.stderr)\n"
+    f"print('ENV', json.dumps({{k: os.environ.get(k) for k in {ENV_KEYS!r}}}))\n"
+)
+UNLABELLED = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+
+
+@pytest.fixture(scope="module")
+def say_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("say")
+    (path / "say.py").write_text(SAY)
+    return path
+
+
+def say(
+    cwd: Path, *flags: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``efdl-run --nproc-per-node 2 FLAGS say.py`` (no --rank-prefix) to its end."""
+    return subprocess.run(
+        [*UNLABELLED, "--nproc-per-node", "2", *flags, "say.py"],
         capture_output=True,
         text=True,
         timeout=120,
-        env={
-            **os.environ,
-            "OUT_DIR": str(tmp_path),
-            "STEPS": "3",
-            "EFDL_ETCD_PASSWORD": "do-not-leak",
-        },
+        cwd=cwd,
+        env=env,
     )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "[rank" not in result.stdout  # stdout went to the files only
-    files = sorted(p.relative_to(tmp_path / "logs") for p in (tmp_path / "logs").rglob("rank*"))
-    assert [str(f) for f in files] == [
-        "logs/gen1/rank0.stderr",
-        "logs/gen1/rank0.stdout",
-        "logs/gen1/rank1.stderr",
-        "logs/gen1/rank1.stdout",
-    ]
-    rows = [line for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert len(rows) == 6
 
 
-def test_worker_output_follows_torchrun_output_flags(tmp_path: Path) -> None:
+def envs_of(text: str) -> list[dict[str, str]]:
+    """The environments the workers printed (ENV {...} lines), by rank."""
+    found = [json.loads(line.split("ENV ", 1)[1]) for line in text.splitlines() if "ENV {" in line]
+    return sorted(found, key=lambda e: e["RANK"])
+
+
+@pytest.fixture(scope="module")
+def plain_run(say_dir: Path) -> tuple[int, subprocess.CompletedProcess[str]]:
+    """As torchrun takes it: no etcd, no --standalone, one node, --master-port P (no EFDL_
+    variables); P and the run."""
+    from efdl._process import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFDL_")}
+    return port, say(say_dir, "--master-port", str(port), env=env)
+
+
+@pytest.fixture(scope="module")
+def labelled_run(say_dir: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """--rank-prefix, and stdout only to files (--log-dir, --redirects 1): its --log-dir and
+    the run."""
+    logs = say_dir / "labelled-logs"
+    env = {**os.environ, "EFDL_ETCD_PASSWORD": "do-not-leak"}
+    return logs, say(say_dir, "--rank-prefix", "--log-dir", str(logs), "--redirects", "1", env=env)
+
+
+@pytest.fixture(scope="module")
+def filtered_run(say_dir: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A named standalone job (--max-restarts 7, a password and MKL_NUM_THREADS set, no
+    other *_NUM_THREADS) with every output flag: its --log-dir and the run."""
+    logs = say_dir / "logs"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")},
+        "EFDL_ETCD_PASSWORD": "secret",
+        "MKL_NUM_THREADS": "3",
+    }
+    job = ("--standalone", "--job-id", "envjob", "--max-restarts", "7")
+    done = say(
+        say_dir,
+        *job,
+        *("--log-dir", str(logs), "--redirects", "3", "--tee", "1"),
+        *("--local-ranks-filter", "1", "--duplicate-stderr-filters", "apple,kiwi"),
+        env=env,
+    )
+    return logs, done
+
+
+def test_a_torchrun_command_line_without_etcd_runs_standalone(
+    plain_run: tuple[int, subprocess.CompletedProcess[str]],
+) -> None:
+    """`efdl-run --nproc-per-node 2 --master-port P train.py`, as torchrun takes it: no etcd,
+    no --standalone, one node: the job runs standalone, its store on P."""
+    port, r = plain_run
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = [f"{e['RANK']} {e['WORLD_SIZE']} {e['MASTER_PORT']}" for e in envs_of(r.stdout)]
+    assert seen == [f"0 2 {port}", f"1 2 {port}"], r.stdout
+    assert "running it standalone" in r.stderr
+    # the store's line comes with its round, not after the (short) job ended
+    serving = r.stderr.find(f"Serving the c10d store of generation 1 on 127.0.0.1:{port}")
+    assert 0 <= serving < r.stderr.find("workers finished; the job is done"), r.stderr
+
+
+def test_worker_output_follows_torchrun_output_flags(
+    plain_run: tuple[int, subprocess.CompletedProcess[str]],
+    labelled_run: subprocess.CompletedProcess[str],
+    filtered_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
     """As torchrun shows it: each line as the worker printed it. --tee shows those streams
     labelled, also where --redirects sends them to files; --local-ranks-filter keeps the
     other local ranks off the console; --duplicate-stderr-filters copies the matching lines
     to LOG_DIR/JOB/filtered_stderr.log; --rank-prefix labels every line. And each run that
     names no job is a run of its own (TORCHELASTIC_RUN_ID), as torchrun's standalone runs."""
-    script = tmp_path / "say.py"
-    script.write_text(
-        "import os, sys\n"
-        "r = os.environ['RANK']\n"
-        "print(f'OUT-{r}', os.environ['TORCHELASTIC_RUN_ID'])\n"
-        "print(f'ERR-{r}-apple', file=sys.stderr)\n"
-        "print(f'ERR-{r}-pear', file=sys.stderr)\n"
-    )
-    unlabelled = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
-
-    def run(*flags: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [*unlabelled, "--nproc-per-node", "2", *flags, str(script)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=tmp_path,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done
 
     def lines(text: str, word: str) -> list[str]:
         return sorted(line for line in text.splitlines() if word in line)
 
-    plain = run()
+    _, plain = plain_run
+    for done in (plain, labelled_run[1], filtered_run[1]):
+        assert done.returncode == 0, done.stderr[-3000:]
     outs = lines(plain.stdout, "OUT-")
     assert [o.split()[0] for o in outs] == ["OUT-0", "OUT-1"], plain.stdout
     assert lines(plain.stderr, "ERR-") == ["ERR-0-apple", "ERR-0-pear", "ERR-1-apple", "ERR-1-pear"]
 
-    labelled = run("--rank-prefix")
+    labelled_logs, labelled = labelled_run
     assert "[rank1]: ERR-1-pear" in labelled.stderr.splitlines()
-    runs = {line.split()[-1] for line in outs + lines(labelled.stdout, "OUT-")}
+    labelled_outs = lines("".join(p.read_text() for p in labelled_logs.rglob("rank*")), "OUT-")
+    runs = {line.split()[-1] for line in outs + labelled_outs}
     assert len(runs) == 2 and all(r.startswith("standalone-") for r in runs), runs
 
-    logs = tmp_path / "logs"
-    filtered = run(
-        *("--log-dir", str(logs), "--redirects", "3", "--tee", "1"),
-        *("--local-ranks-filter", "1", "--duplicate-stderr-filters", "apple,kiwi"),
-    )
+    logs, filtered = filtered_run
     assert [o.split()[:2] for o in lines(filtered.stdout, "OUT-")] == [["[rank1]:", "OUT-1"]]
     assert "ERR-" not in filtered.stderr  # redirected and not teed
     (copies,) = logs.glob("*/filtered_stderr.log")
@@ -469,50 +591,34 @@ def test_worker_output_follows_torchrun_output_flags(tmp_path: Path) -> None:
     assert lines((copies.parent / "gen1" / "rank0.stdout").read_text(), "OUT-0")  # files: all
 
 
-def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
-    script = tmp_path / "env.py"
-    script.write_text(
-        "import json, os\n"
-        "keys = ['RANK','LOCAL_RANK','WORLD_SIZE','LOCAL_WORLD_SIZE','GROUP_RANK',"
-        "'GROUP_WORLD_SIZE','ROLE_RANK','ROLE_WORLD_SIZE','ROLE_NAME','MASTER_ADDR',"
-        "'MASTER_PORT','TORCHELASTIC_RUN_ID','TORCHELASTIC_RESTART_COUNT',"
-        "'TORCHELASTIC_MAX_RESTARTS','TORCHELASTIC_USE_AGENT_STORE','TORCHELASTIC_ERROR_FILE',"
-        "'OMP_NUM_THREADS','MKL_NUM_THREADS','OPENBLAS_NUM_THREADS','EFDL_GENERATION',"
-        "'EFDL_ETCD_PASSWORD','GLOO_SOCKET_IFNAME']\n"
-        "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
-    )
-    result = subprocess.run(
-        [
-            *EFDL_RUN,
-            "--standalone",
-            "--job-id",
-            "envjob",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "7",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={
-            **{k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")},
-            "EFDL_ETCD_PASSWORD": "secret",
-            "MKL_NUM_THREADS": "3",
-        },
-    )
+def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(
+    labelled_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    logs, result = labelled_run
     assert result.returncode == 0, result.stderr[-2000:]
-    import json
+    assert "[rank" not in result.stdout and "OUT-" not in result.stdout  # to the files only
+    (run,) = (p.name for p in logs.iterdir())  # LOG_DIR/<run id>/
+    files = sorted(p.relative_to(logs) for p in logs.rglob("rank*"))
+    assert [str(f) for f in files] == [
+        f"{run}/gen1/rank0.stderr",
+        f"{run}/gen1/rank0.stdout",
+        f"{run}/gen1/rank1.stderr",
+        f"{run}/gen1/rank1.stdout",
+    ]
+    for rank in (0, 1):  # each worker ran once, its stdout all in its file
+        text = (logs / run / "gen1" / f"rank{rank}.stdout").read_text()
+        assert [line.split()[0] for line in text.splitlines() if "OUT-" in line] == [
+            f"OUT-{rank}"
+        ], text
 
-    envs = sorted(
-        (
-            json.loads(line.split(": ", 1)[1])
-            for line in result.stdout.splitlines()
-            if line.startswith("[rank")
-        ),
-        key=lambda e: e["RANK"],
-    )
+
+def test_worker_environment_follows_torchrun(
+    filtered_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    logs, result = filtered_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    # each rank's environment, from its stdout file (rank 0's is filtered off the console)
+    envs = envs_of("\n".join(p.read_text() for p in logs.glob("*/gen1/rank*.stdout")))
     assert [e["RANK"] for e in envs] == ["0", "1"] and [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
     for e in envs:
         assert e["WORLD_SIZE"] == e["ROLE_WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "2"
@@ -533,31 +639,10 @@ def test_worker_environment_follows_torchrun(tmp_path: Path) -> None:
         assert e["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1") == "lo"
 
 
-def test_the_failing_ranks_recorded_error_is_reported(tmp_path: Path) -> None:
-    script = tmp_path / "boom.py"
-    script.write_text(
-        "from torch.distributed.elastic.multiprocessing.errors import record\n"
-        "@record\n"
-        "def main():\n"
-        "    raise ValueError('the learning rate 42 is too large')\n"
-        "main()\n"
-    )
-    result = subprocess.run(
-        [
-            *EFDL_RUN,
-            "--standalone",
-            "--job-id",
-            "boom",
-            "--nproc-per-node",
-            "1",
-            "--max-restarts",
-            "0",
-            str(script),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_the_failing_ranks_recorded_error_is_reported(
+    failed_run: subprocess.CompletedProcess[str],
+) -> None:
+    result = failed_run
     assert result.returncode == 1
     assert "worker rank 0 (local rank 0" in result.stderr
     assert "failed with exit code 1: ValueError: the learning rate 42 is too large" in result.stderr
@@ -575,30 +660,26 @@ def test_a_mistyped_job_id_is_refused_by_stop_and_status_and_leaves_nothing(job:
         assert not store.get_prefix(f"/efdl/{typo}/").kvs
 
 
-def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(job: Job) -> None:
+def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(ended_job: EndedJob) -> None:
     """Starting a job id that finished must not exit 0 doing nothing: it is refused with a
     sentence saying how to start it again, and --new-run starts a new run of it."""
-    job.env.update(STEPS="4")
-    first = job.start("a", "--nproc-per-node", "1", "--min", "1", "--max", "1")
-    assert first.wait(120) == 0, first.output()[-3000:]
-    done = efdl("status", "--etcd", job.etcd, "--job-id", job.job_id)
-    assert "finished" in done.stdout and "--new-run" in done.stdout, done.stdout
-    history = efdl("events", "--etcd", job.etcd, "--job-id", job.job_id).stdout
+    job = ended_job.job
+    assert ended_job.first_code == 0, ended_job.first.output()[-3000:]
+    done = ended_job.status
+    assert "finished" in done and "--new-run" in done, done
+    history = ended_job.history
     ends = [line for line in history.splitlines() if " round " in line and "finished:" in line]
     assert len(ends) == 1, history  # the job's end is in its history, once
-    gens = {r["gen"] for r in job.events()}
+    gens = {r["gen"] for r in ended_job.first_rows}
 
-    again = job.start("b", "--nproc-per-node", "1", "--min", "1", "--max", "1")
-    assert again.wait(60) == 2, again.output()[-3000:]
-    out = again.output()
+    assert ended_job.again_code == 2, ended_job.again.output()[-3000:]
+    out = ended_job.again.output()
     assert f"Job '{job.job_id}' finished at" in out and "--new-run" in out
     assert "Traceback" not in out
 
-    job.env.update(STEPS="8")  # the script resumes from its own checkpoint: 4 more steps
-    new = job.start("c", "--nproc-per-node", "1", "--min", "1", "--max", "1", "--new-run")
-    assert new.wait(120) == 0, new.output()[-3000:]
+    assert ended_job.new_code == 0, ended_job.new.output()[-3000:]
     later = [r for r in job.events() if r["gen"] not in gens]
-    assert later and max(int(r["step"]) for r in later) == 7  # type: ignore[call-overload]
+    assert later and max(int(r["step"]) for r in later) == 15  # type: ignore[call-overload]
     assert min(int(r["gen"]) for r in later) > max(int(g) for g in gens)  # type: ignore[call-overload]
 
 
@@ -619,8 +700,8 @@ def test_efdl_run_leaves_nothing_in_the_temp_directory(tmp_path: Path, short_tmp
             env=env,
         )
 
-    assert run().returncode == 0
-    assert list(temp.iterdir()) == []
+    # (A run that ended well leaves nothing: checked after the last run below, which also
+    # sweeps.)
     failed = run("--cache-url", str(script / "cache"))  # a file's child: cannot be made
     assert failed.returncode == 2 and "cannot be used" in failed.stderr, failed.stderr
     assert list(temp.iterdir()) == []
