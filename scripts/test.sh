@@ -21,5 +21,6 @@ echo "== ruff"; "$PY" -m ruff check efdl tests benchmarks examples
 echo "== mypy"; "$PY" -m mypy
 echo "== pytest"
 # Two tests at a time (EFDL_TEST_WORKERS): most of a test's time is waiting on processes,
-# leases and windows, and every test must hold under load anyway.
-exec "$PY" -m pytest -n "${EFDL_TEST_WORKERS:-2}" --durations=25 "${SELECT[@]}" "$@"
+# leases and windows, and every test must hold under load anyway. Tests that read one
+# module fixture's run share an xdist_group (--dist loadgroup): one worker makes the run.
+exec "$PY" -m pytest -n "${EFDL_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "${SELECT[@]}" "$@"

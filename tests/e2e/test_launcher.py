@@ -182,6 +182,8 @@ def ended_job(
         job.stop()
 
 
+# Tests reading one module fixture's run share an xdist group, so one worker makes the run.
+@pytest.mark.xdist_group("launcher-ended-job")
 def test_a_worker_crash_is_restarted(ended_job: EndedJob) -> None:
     agent = ended_job.first
     assert ended_job.first_code == 0, agent.output()[-3000:]
@@ -229,6 +231,7 @@ def failed_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.Completed
     )
 
 
+@pytest.mark.xdist_group("launcher-failed-run")
 def test_max_restarts_exhausted_ends_with_a_clear_message(
     failed_run: subprocess.CompletedProcess[str],
 ) -> None:
@@ -541,6 +544,7 @@ def filtered_run(say_dir: Path) -> tuple[Path, subprocess.CompletedProcess[str]]
     return logs, done
 
 
+@pytest.mark.xdist_group("launcher-say-runs")
 def test_a_torchrun_command_line_without_etcd_runs_standalone(
     plain_run: tuple[int, subprocess.CompletedProcess[str]],
 ) -> None:
@@ -556,6 +560,7 @@ def test_a_torchrun_command_line_without_etcd_runs_standalone(
     assert 0 <= serving < r.stderr.find("workers finished; the job is done"), r.stderr
 
 
+@pytest.mark.xdist_group("launcher-say-runs")
 def test_worker_output_follows_torchrun_output_flags(
     plain_run: tuple[int, subprocess.CompletedProcess[str]],
     labelled_run: subprocess.CompletedProcess[str],
@@ -591,6 +596,7 @@ def test_worker_output_follows_torchrun_output_flags(
     assert lines((copies.parent / "gen1" / "rank0.stdout").read_text(), "OUT-0")  # files: all
 
 
+@pytest.mark.xdist_group("launcher-say-runs")
 def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(
     labelled_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
@@ -612,6 +618,7 @@ def test_log_dir_keeps_per_rank_files_and_redirects_silence_the_console(
         ], text
 
 
+@pytest.mark.xdist_group("launcher-say-runs")
 def test_worker_environment_follows_torchrun(
     filtered_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
@@ -639,6 +646,7 @@ def test_worker_environment_follows_torchrun(
         assert e["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1") == "lo"
 
 
+@pytest.mark.xdist_group("launcher-failed-run")
 def test_the_failing_ranks_recorded_error_is_reported(
     failed_run: subprocess.CompletedProcess[str],
 ) -> None:
@@ -660,6 +668,7 @@ def test_a_mistyped_job_id_is_refused_by_stop_and_status_and_leaves_nothing(job:
         assert not store.get_prefix(f"/efdl/{typo}/").kvs
 
 
+@pytest.mark.xdist_group("launcher-ended-job")
 def test_an_ended_job_is_refused_until_a_new_run_is_asked_for(ended_job: EndedJob) -> None:
     """Starting a job id that finished must not exit 0 doing nothing: it is refused with a
     sentence saying how to start it again, and --new-run starts a new run of it."""

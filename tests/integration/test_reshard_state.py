@@ -15,6 +15,9 @@ import pytest
 from efdl.worker.cache import SnapshotStorage
 from tests.integration.ranks import ForkServer
 
+# One fork server (and the runs the tests share) per module: on one xdist worker.
+pytestmark = pytest.mark.xdist_group("reshard-state")
+
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_state.py"
 MB = 1 << 20
 

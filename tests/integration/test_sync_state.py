@@ -12,6 +12,9 @@ import pytest
 
 from tests.integration.ranks import ForkServer
 
+# One fork server (and the runs the tests share) per module: on one xdist worker.
+pytestmark = pytest.mark.xdist_group("sync-state")
+
 SCRIPT = Path(__file__).parent / "scripts" / "sync_state.py"
 BUCKET_MB = 1
 
