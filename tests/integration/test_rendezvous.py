@@ -17,7 +17,8 @@ from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.lifecycle import close_job
-from efdl.rendezvous.participant import _SUPERSEDED, REJOIN_TTLS, Participant
+from efdl.rendezvous.participant import REJOIN_TTLS, Participant
+from efdl.rendezvous.participant.rounds import SUPERSEDED
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.reading import read_members
 from efdl.rendezvous.records import JobKeys, NodeRecord, Round, RoundStatus
@@ -630,14 +631,14 @@ def test_a_node_reads_its_place_as_it_was_when_the_round_was_written(
     assert mine is not None and mine.member is not None and mine.member.first_rank == 1
     next_round = replace(mine.member, generation=r.generation + 1, round_id="next", first_rank=0)
     store.put(keys.member("b"), next_round.to_json())
-    assert c.agents["b"]._own_member(mine) == mine.member
+    assert c.agents["b"].own_member(mine) == mine.member
     assert [m.node_id for m in read_members(store, keys, r)] == ["a", "b"]
     store.compact(store.put(keys.prefix + "tick", b"1"))
-    assert c.agents["b"]._own_member(mine) is _SUPERSEDED
+    assert c.agents["b"].own_member(mine) is SUPERSEDED
     assert [m.node_id for m in read_members(store, keys, r)] == ["a"]
     older = replace(mine.member, generation=max(1, r.generation - 1), round_id="older")
     store.put(keys.member("b"), older.to_json())
-    assert c.agents["b"]._own_member(mine) is None
+    assert c.agents["b"].own_member(mine) is None
 
 
 def test_a_node_id_held_by_a_live_agent_is_refused_to_a_second_one(
@@ -720,7 +721,7 @@ def _fenced_spare(c: Cluster, fence_s: float) -> tuple[Participant, Round]:
 def _asked(spare: Participant, node: str) -> None:
     wait_until(
         f"the leader to have asked {node}",
-        lambda: spare.is_leader and spare._returning.get(node) == 0.0,
+        lambda: spare.is_leader and spare.absences().returning.get(node) == 0.0,
         20,
     )
 
@@ -737,7 +738,7 @@ def test_a_stopped_agent_that_says_nothing_is_no_evidence_its_workers_stopped(
         c.agents["a"].abandon()
         c.stores[0].revoke_lease(c.agents["a"]._session.lease_id)  # type: ignore[union-attr]
         _asked(spare, "a")
-        assert "a" in spare._silent, "a stopped agent's silence taken for evidence"
+        assert "a" in spare.absences().silent, "a stopped agent's silence taken for evidence"
         assert _same(spare.current_round, r)
     finally:
         stopped.close()
@@ -755,11 +756,16 @@ def test_a_member_cut_off_again_is_waited_out_though_its_agent_answers(
     _revoke(c, "a")
     _registered_again(c, "a")  # waited for, back
     wait_until("s to lead", lambda: spare.is_leader, 15)
-    wait_until("a back", lambda: "a" not in spare._silent and "a" in spare._waited, 15)
+
+    def back() -> bool:
+        away = spare.absences()
+        return "a" not in away.silent and "a" in away.waited
+
+    wait_until("a back", back, 15)
     c.agents["a"].abandon()  # cut off again; its agent still answers that it runs the round
     c.stores[0].revoke_lease(c.agents["a"]._session.lease_id)  # type: ignore[union-attr]
     _asked(spare, "a")
-    assert "a" in spare._silent
+    assert "a" in spare.absences().silent
     assert _same(spare.current_round, r)
 
 
@@ -781,7 +787,7 @@ def test_a_new_agent_under_a_silent_members_id_does_not_end_its_fence_wait(
         wait_until(
             "the new record", lambda: c.stores[0].get(JobKeys(c.job).node("a")) is not None, 15
         )
-        assert "a" in spare._silent
+        assert "a" in spare.absences().silent
         assert _same(spare.current_round, r)
     finally:
         silent.close()

@@ -47,7 +47,7 @@ from efdl.rendezvous.participant.inbox import (
     Watched,
     WatchKind,
 )
-from efdl.rendezvous.participant.leading import REJOIN_TTLS, Leadership
+from efdl.rendezvous.participant.leading import REJOIN_TTLS, Absences, Leadership
 from efdl.rendezvous.participant.liveness import Liveness, target_of
 from efdl.rendezvous.participant.registration import (
     Registration,
@@ -55,7 +55,7 @@ from efdl.rendezvous.participant.registration import (
     register,
     write_record,
 )
-from efdl.rendezvous.participant.rounds import SUPERSEDED, Rounds
+from efdl.rendezvous.participant.rounds import Rounds
 from efdl.rendezvous.reading import BLIP_S, retried
 from efdl.rendezvous.records import JobKeys, Member, NodeRecord, Round
 
@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# What Participant._own_member says of a round whose member records are being replaced by a
-# newer one's (rounds.SUPERSEDED).
-_SUPERSEDED = SUPERSEDED
 # How soon the node record is written again after etcd failed to.
 WRITE_RETRY_S = 0.5
 
@@ -376,24 +373,14 @@ class Participant:
         if self._on_lease_expired is not None:
             self._on_lease_expired(reason)
 
-    def _own_member(self, r: Round) -> Member | None:
-        """This node's record in active round ``r`` (see :meth:`Rounds.own_member`)."""
+    def own_member(self, r: Round) -> Member | None:
+        """This node's record in active round ``r``; ``rounds.SUPERSEDED`` while a newer
+        round's records replace it (see :meth:`Rounds.own_member`)."""
         return self._rounds.own_member(r)
 
-    # The leader's record of members whose record went (leading.Leadership), under the names
-    # the tests read it by.
-
-    @property
-    def _returning(self) -> dict[str, float]:
-        return self._leading.returning
-
-    @property
-    def _silent(self) -> dict[str, float]:
-        return self._leading.silent
-
-    @property
-    def _waited(self) -> set[str]:
-        return self._leading.waited
+    def absences(self) -> Absences:
+        """What this node, while it leads, holds of members whose record went (a copy)."""
+        return self._leading.absences()
 
     def _on_forgot_etcd(self) -> None:
         """etcd forgot what it held (the watches re-list by themselves): take the round key

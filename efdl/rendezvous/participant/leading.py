@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from efdl.errors import LeaseLostError, StoreError
@@ -58,6 +58,23 @@ CAS_BACKOFF_MAX_S = 2.0
 RECORDS_LOST_TTLS = 3.0
 # How soon a leader whose write failed on etcd tries again.
 RETRY_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Absences:
+    """What a leader holds of the active round's members whose record went (a copy).
+
+    Args:
+        returning: node id -> until when (clock time) it is waited for: its agent's answer,
+            then its registering again.
+        silent: node id -> until when it may be training still, cut off from etcd (its
+            fence timeout and a margin).
+        waited: the members already waited for in this generation.
+    """
+
+    returning: Mapping[str, float]
+    silent: Mapping[str, float]
+    waited: frozenset[str]
 
 
 class Leadership:
@@ -126,6 +143,10 @@ class Leadership:
         # Rounds whose member records etcd lost, and since when (see step).
         self._records_lost: dict[str, float] = {}
         self._cas_failures = 0  # round writes refused in a row (backed off)
+
+    def absences(self) -> Absences:
+        """A copy of what this leader holds of members whose record went."""
+        return Absences(dict(self.returning), dict(self.silent), frozenset(self.waited))
 
     def begin(self, me: Candidate, sink: Callable[[WatchKind], WatchSink]) -> list[Watch]:
         """Lead from now on, as ``me``: read every node record (the one agent that does) and
