@@ -88,12 +88,18 @@ class Allocator:
             self.leading.clear()
 
     def _stand(self, stop: threading.Event) -> None:
-        campaign = self._election.campaign(self._key, b"{}", self._lease, reclaim=True)
+        campaign = self._election.campaign(self._key, b"{}", self._lease)
         me = campaign.candidate
         if me is None:
-            raise StoreError(
-                f"The election key {self._key} changed as this candidate took it over."
-            )
+            if campaign.holder is not None:
+                log.warning(
+                    "Fleet %s: %s is held under another lease (%x): an earlier run of this "
+                    "candidate whose lease has not expired yet, or another candidate started "
+                    "with the same id. Standing once it goes.",
+                    self._keys.fleet, self._key, campaign.holder.lease,
+                )  # fmt: skip
+                self._election.wait_gone(campaign.holder, stop)
+            return
         while not stop.is_set():
             self.leading.clear()
             if not self._election.wait(me, stop):

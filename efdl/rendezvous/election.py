@@ -76,12 +76,13 @@ class Election:
         self._prefix = prefix
         self._label = label
 
-    def campaign(self, key: str, value: bytes, lease: int, *, reclaim: bool = False) -> Campaign:
+    def campaign(self, key: str, value: bytes, lease: int) -> Campaign:
         """Put ``key`` (under the prefix) bound to ``lease`` unless it exists, in one
         transaction. A key already under ``lease`` is this candidate's (an earlier attempt
-        was applied and its answer lost). With ``reclaim``, a key under another lease is an
-        earlier run of this same candidate (a daemon restarted within its lease's TTL): it
-        is taken over, keeping its place; without, it is someone else's.
+        was applied and its answer lost). A key under another lease is never taken over:
+        it may be an earlier run of this candidate whose lease has not expired yet, or
+        another candidate given the same id and alive, and two holders of one key would
+        both pass its guard. Wait for it to go (:meth:`wait_gone`), then campaign again.
 
         Raises:
             StoreError: etcd failed, or ``lease`` has ended.
@@ -94,14 +95,24 @@ class Election:
             return Campaign(None)
         if holder.lease == lease:
             return Campaign(Candidate(key, holder.create_revision, lease), holder)
-        if not reclaim:
-            return Campaign(None, holder)
-        taken = self._store.txn(
-            [Compare.create_revision_is(key, holder.create_revision)], [Put(key, value, lease)]
-        )
-        if not taken.succeeded:
-            return Campaign(None, holder)
-        return Campaign(Candidate(key, holder.create_revision, lease), holder)
+        return Campaign(None, holder)
+
+    def wait_gone(self, holder: KeyValue, stop: threading.Event, slice_s: float = 1.0) -> bool:
+        """Block until ``holder``'s key goes or is made again (True), or ``stop`` is set
+        (False): a watch from the revision after it was read, read in slices of
+        ``slice_s`` (how late ``stop`` may be seen).
+
+        Raises:
+            StoreError: etcd failed.
+        """
+        with self._store.watch(holder.key, start_revision=holder.mod_revision + 1) as watch:
+            while not stop.is_set():
+                batch = watch.get(timeout_s=slice_s)
+                if batch is not None and (
+                    moved(batch) or any(ev.type is EventType.PUT for ev in batch.events)
+                ):
+                    return True
+        return False
 
     def stand(self, me: Candidate) -> Standing:
         """Where ``me`` stands now: one limited read, whatever the number of candidates."""

@@ -65,17 +65,31 @@ def test_a_campaign_retried_on_its_lease_keeps_its_place_and_another_lease_is_re
     assert other.holder.value == b"a"
 
 
-def test_a_reclaimed_key_is_taken_over_in_its_place(store: MemoryStore) -> None:
-    """A candidate restarted within its old lease's TTL takes its key over, keeping its
-    place, and the old lease's end no longer takes the key with it."""
+def test_a_key_held_under_another_lease_is_waited_for_never_taken(store: MemoryStore) -> None:
+    """A second candidate of the same id (or one restarted within its old lease's TTL) does
+    not take the key over, where both would pass its guard: it waits for the key to go,
+    then stands, after those already standing."""
     election = Election(store, PREFIX, "Fleet f")
     a, b = stand(store, election, "a"), stand(store, election, "b")
     lease = store.grant_lease(60)
-    taken = election.campaign(a.key, b"a", lease, reclaim=True).candidate
-    assert taken == Candidate(a.key, a.create_revision, lease)
-    store.revoke_lease(a.lease)
-    assert election.stands(taken) and election.stand(taken).leads
-    assert not election.stand(b).leads
+    held = election.campaign(a.key, b"a again", lease)
+    assert held.candidate is None and held.holder is not None and held.holder.lease == a.lease
+    stop = threading.Event()
+    gone = threading.Event()
+    waiter = threading.Thread(
+        target=lambda: election.wait_gone(held.holder, stop, 0.05) and gone.set()  # type: ignore[arg-type]
+    )
+    waiter.start()
+    try:
+        assert not gone.wait(0.3)  # the holder's lease lives: nothing to take
+        store.revoke_lease(a.lease)
+        assert gone.wait(10)
+    finally:
+        stop.set()
+        waiter.join(10)
+    again = election.campaign(a.key, b"a again", lease).candidate
+    assert again is not None and again.create_revision > b.create_revision
+    assert not election.stand(again).leads and election.stand(b).leads
 
 
 def test_the_guard_refuses_the_writes_of_a_leader_whose_key_went(store: MemoryStore) -> None:
