@@ -60,10 +60,8 @@ DESCRIPTION = (
     "agent), `kill` (one worker process SIGKILLed: world size unchanged, to the first step of "
     "new processes or a new generation), `node` (one node's agent and workers SIGKILLed), "
     "`spare` (`--max 2`: a third node waits as a spare; node b is SIGKILLed and the spare takes "
-    "its place). efdl agents keep one warm worker process (`--warm-workers 1`, the default on "
-    "a GPU node; none by default on this 2-core machine), and events come once the job is "
-    "steady: every agent's warm process ready (refilled 5 s after workers start and after the "
-    "newest round, at once after a failure). efdl in "
+    "its place). efdl agents fork their workers from a fork server (`--warm-workers 1`, the "
+    "default), and events come once the job is steady: every agent's fork server ready. efdl in "
     "place runs tests/e2e/scripts/elastic_steps.py (rebuild in place, commit every step), efdl "
     "in restart mode the plain script below; torchrun 2.13 runs tests/e2e/scripts/steps.py "
     "(restart; resumes its step counter from a checkpoint written every step) with c10d "
@@ -258,7 +256,7 @@ def torchrun_launcher(
 
 def launcher(name: str, etcd: str, job: str, max_nodes: int) -> Launcher:
     """The launcher ``name`` (a key of LAUNCHERS) for one run of ``job``."""
-    if name in ("efdl", "restart"):  # one warm process per node: a GPU node's default
+    if name in ("efdl", "restart"):  # the fork server: the default, said
         warm = ("--warm-workers", "1")
         return efdl_launcher(etcd, job, max_nodes=max_nodes, in_place=name == "efdl", extra=warm)
     if name == "torchft":
@@ -315,7 +313,7 @@ class Run:
         return [p.pid for p in children if p.pid in logged]
 
     def warm_ready(self) -> bool:
-        """Whether every agent has a warm process ready (efdl; none under torchrun)."""
+        """Whether every agent's fork server is ready (efdl; none under torchrun)."""
         for p in self.procs.values():
             try:
                 names = [c.name() for c in psutil.Process(p.pid).children(recursive=True)]
@@ -351,7 +349,7 @@ class Run:
         for pid in set(pids) | logged:  # workers whose agent died earlier are orphans now
             with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                 cmd = " ".join(psutil.Process(pid).cmdline())
-                if self.launcher.script.name in cmd or "efdl.launcher.warm" in cmd:
+                if self.launcher.script.name in cmd or "efdl.launcher." in cmd:
                     os.kill(pid, signal.SIGKILL)
 
 

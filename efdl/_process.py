@@ -17,7 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,18 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
     parent = os.getpid()
 
     def preexec() -> None:
-        if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-            if os.getppid() != parent:  # the parent died before prctl took effect
-                os._exit(1)
+        die_with(parent, sig)
 
     return preexec
+
+
+def die_with(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Make this process get ``sig`` when its parent (``parent``, its pid) dies (Linux); exit
+    at once if it has died already."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
 
 
 def skip_final_gc() -> None:
@@ -120,7 +126,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 REAP_S = 30.0
 
 
-def reap(proc: subprocess.Popen[Any], what: str, timeout_s: float = REAP_S) -> int | None:
+class Child(Protocol):
+    """A child process as the agent handles it: a :class:`subprocess.Popen`, or a worker
+    forked by the node's fork server (efdl.launcher.warm.ForkedProcess)."""
+
+    pid: int
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+def reap(proc: Child, what: str, timeout_s: float = REAP_S) -> int | None:
     """Wait up to ``timeout_s`` for a SIGKILLed ``proc`` to go; its exit code, or None (logged)
     if it is still there (in uninterruptible sleep): the caller goes on without it."""
     try:

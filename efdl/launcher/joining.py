@@ -28,8 +28,8 @@ SAY_EVERY_S = 10.0  # how often a node that cannot join yet says so
 def await_warm(
     store: KVStore, job_id: str, warm: WarmPool, slots: int, tag: Callable[[], str]
 ) -> None:
-    """Joining a job that trains by restarts: let this node's warm processes (``slots`` of
-    them) finish importing torch first, so that the round that admits it does not stop all
+    """Joining a job that trains by restarts: let this node's fork server (efdl.launcher.warm)
+    finish importing torch first, so that the round that admits it does not stop all
     the others while they do (at most :data:`WARM_WAIT_S`). A job that trains in place (its
     rank 0 node says so) is joined at once: its workers train on until this node's have
     entered their training functions (efdl.worker.ready). A new job's nodes join at once too:
@@ -55,16 +55,16 @@ def await_warm(
         )
         return
     log.info(
-        "%s: the job trains (generation %d); joining once this node's %d warm worker "
-        "process(es) have imported torch (at most %.0f s).",
+        "%s: the job trains (generation %d); joining once this node's fork server has "
+        "imported torch for its %d worker(s) (at most %.0f s).",
         tag(),
         current.generation,
         slots,
         WARM_WAIT_S,
     )
-    if not warm.wait_loaded(slots, WARM_WAIT_S):
+    if not warm.wait_loaded(WARM_WAIT_S):
         log.warning(
-            "%s: the warm worker processes are not ready after %.0f s; joining anyway.",
+            "%s: the fork server is not ready after %.0f s; joining anyway.",
             tag(),
             WARM_WAIT_S,
         )

@@ -1,24 +1,24 @@
-"""Warm worker processes: an interpreter with torch already imported, waiting for its place.
+"""Warm workers: forked from an interpreter that has imported torch, instead of started cold.
 
-Starting a worker costs a Python interpreter and ``import torch`` (1.5-3 s on a CPU host,
-more on a GPU node with CUDA's libraries) before the script's own first line; every restart,
-replacement and newcomer waited for it. The agent keeps processes started ahead of need
-(``--warm-workers``); when it needs a worker, it hands one of them the worker's command line
-and environment, and the script starts at once in that same process (same pid, same pipes):
-``python script.py`` for plain and efdl-aware scripts alike.
+Starting a worker costs a Python interpreter and ``import torch`` (1.5-3 s of CPU on a CPU
+host, more on a GPU node with CUDA's libraries) before the script's own first line; every
+restart, replacement and newcomer waited for it, and every worker of a node paid it again.
+The agent starts one fork server per node (efdl.launcher.forkserver) while it starts and
+joins (``--warm-workers``); it imports torch once, and each worker is a child forked from
+it: ``python script.py`` for plain and efdl-aware scripts alike, in a process of its own that
+starts at once and shares the imported pages with its siblings.
 
-What a warm process does not share with a fresh one: it imported torch under the agent's
+What a forked worker does not share with a fresh one: it imported torch under the agent's
 environment, not the worker's. Nothing torch reads at import differs between the two except
-the thread counts (``OMP_NUM_THREADS`` and friends), which are applied again at the hand-over
-(``torch.set_num_threads``); CUDA is not initialised by the import, so ``CUDA_VISIBLE_DEVICES``
-is read first at the script's first CUDA call, as in a fresh process.
+the thread counts (``OMP_NUM_THREADS`` and friends), which are applied again in the child
+(``torch.set_num_threads``); CUDA is not initialised by the import, so
+``CUDA_VISIBLE_DEVICES`` is read first at the script's first CUDA call, as in a fresh process.
+A worker whose interpreter settings (``PYTHON*`` variables) differ from the server's starts
+cold (:func:`forkable`).
 
-Run as ``python -m efdl.launcher.warm``: it imports torch, then waits for one JSON line on its
-standard input, ``{"argv": [...], "env": {...}}`` (argv as after ``python``: ``script args``
-or ``-m module args``), and runs it as ``__main__``. End of input: it exits 0 unused.
-A worker started cold runs as ``python -m efdl.launcher.warm --now script args``, in its own
-environment at once: warm or cold, every Python worker's optimizer steps are watched for the
-agent (efdl.launcher.stepwatch) before its script's first line.
+A worker started cold runs as ``python -m efdl.launcher.warm --now script args``: warm or
+cold, every Python worker's optimizer steps are watched for the agent
+(efdl.launcher.stepwatch) before its script's first line.
 """
 
 from __future__ import annotations
@@ -27,29 +27,36 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
 
-from efdl._process import spawn_worker
-from efdl.protocol.env import SECRET_VARIABLES, WARM_ENV
+from efdl._process import die_with_parent
+from efdl.protocol.env import SECRET_VARIABLES
 
 log = logging.getLogger(__name__)
 
-# How long after starting workers, and after the newest round, the warm pool is filled again:
-# a warm process importing torch takes CPU from the workers' own start and rebuild.
+# How long after starting workers, and after the newest round, a fork server that ended is
+# started again: its import takes CPU from the workers' own start and rebuild.
 REFILL_AFTER_S = 5.0
+ANSWER_S = 30.0  # how long the fork server may take to fork a worker and say its pid
 
-# The process names (/proc/PID/comm) of a warm process importing torch, and of one ready and
-# waiting for its place.
+# The process names (/proc/PID/comm) of the fork server importing torch, and of one ready.
 WARMING_NAME = "efdl-warming"
 WAITING_NAME = "efdl-warm"
 NAMES = frozenset({WARMING_NAME, WAITING_NAME})
 NOW = "--now"  # ``python -m efdl.launcher.warm --now script args``: a cold start
+# The environment variables a forked child applies itself (efdl.launcher.forkserver); any
+# other PYTHON* variable is read by an interpreter's start only.
+APPLIED = frozenset({"PYTHONUNBUFFERED", "PYTHONIOENCODING"})
 
 
-def _set_name(name: str) -> None:
+def set_name(name: str) -> None:
     """Name this process as ps, top and /proc/PID/comm show it (Linux; 15 bytes)."""
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as f:
         f.write(name[:15])
@@ -75,95 +82,246 @@ def warm_command(args: Sequence[str]) -> list[str] | None:
     return None if args[1].startswith("-") else list(args[1:])
 
 
+def forkable(env: Mapping[str, str], server_env: Mapping[str, str]) -> bool:
+    """Whether a worker with environment ``env`` may be forked from a server started with
+    ``server_env``: the ``PYTHON*`` variables an interpreter reads at its start agree."""
+
+    def settings(e: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in e.items() if k.startswith("PYTHON") and k not in APPLIED}
+
+    return settings(env) == settings(server_env)
+
+
+class ForkedProcess:
+    """A worker forked by the fork server, seen as :class:`subprocess.Popen` shows a child:
+    its pid, its output pipes, its exit code once the server reaped it."""
+
+    def __init__(self, pid: int, args: Sequence[str], stdout: IO[bytes], stderr: IO[bytes]):
+        self.pid = pid
+        self.args = list(args)
+        self.stdin: IO[bytes] | None = None
+        self.stdout: IO[bytes] | None = stdout
+        self.stderr: IO[bytes] | None = stderr
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+
+    def ended(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # not reaped: the pid is still this worker's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _Server:
+    """One fork server process and the thread that reads what it says."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = ours
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "efdl.launcher.forkserver", str(theirs.fileno())],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            pass_fds=[theirs.fileno()],
+            process_group=0,
+            preexec_fn=die_with_parent(),
+        )
+        theirs.close()
+        self.ready = threading.Event()
+        self.gone = threading.Event()
+        self._lock = threading.Lock()
+        self._answers: dict[int, int] = {}
+        self._answered = threading.Condition(self._lock)
+        self._forked: dict[int, ForkedProcess] = {}
+        self._orders = 0
+        threading.Thread(target=self._read, name="efdl-forkserver", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            message: dict[str, Any] = json.loads(data)
+            if message.get("ready"):
+                self.ready.set()
+            elif "id" in message:
+                with self._lock:
+                    self._answers[int(message["id"])] = int(message["pid"])
+                    self._answered.notify_all()
+            else:
+                with self._lock:
+                    proc = self._forked.pop(int(message["pid"]), None)
+                if proc is not None:
+                    proc.ended(int(message["code"]))
+        # The server is gone, and its children with it (their death signal): SIGKILL.
+        with self._lock:
+            self.gone.set()
+            self._answered.notify_all()
+            left, self._forked = list(self._forked.values()), {}
+        for proc in left:
+            proc.ended(-signal.SIGKILL)
+        self.ready.clear()
+
+    def fork(
+        self, argv: Sequence[str], args: Sequence[str], env: Mapping[str, str]
+    ) -> ForkedProcess | None:
+        """A worker forked to run ``argv``; None if the server could not (it is gone)."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        with self._lock:
+            self._orders += 1
+            order = self._orders
+        try:
+            message = json.dumps({"id": order, "argv": list(argv), "env": dict(env)}).encode()
+            socket.send_fds(self.sock, [message], [out_w, err_w])
+        except OSError as e:
+            log.warning("The fork server (pid %d) took no order: %s.", self.proc.pid, e)
+            for fd in (out_r, err_r):
+                os.close(fd)
+            return None
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        deadline = time.monotonic() + ANSWER_S
+        with self._lock:
+            while order not in self._answers and not self.gone.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._answered.wait(left)
+            pid = self._answers.pop(order, None)
+            if pid is not None:
+                proc = ForkedProcess(pid, args, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+                self._forked[pid] = proc
+                return proc
+        for fd in (out_r, err_r):
+            os.close(fd)
+        log.warning(
+            "The fork server (pid %d) forked no worker within %.0f s.", self.proc.pid, ANSWER_S
+        )
+        return None
+
+    def close(self) -> None:
+        """End of input: the server kills what it forked and exits (this waits for it)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(timeout=ANSWER_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.sock.close()
+
+
 class WarmPool:
-    """Warm processes for one agent: ``take()`` one ready to become a worker, ``fill()`` up
-    to ``size``.
+    """Where an agent's workers start warm: ``start()`` forks one from the node's fork
+    server, ``fill()`` starts the server (again, if it ended).
 
     Args:
-        size: how many to keep (0: none; every worker starts cold).
-        env: the environment they start with (the agent's).
+        size: 0: every worker starts cold; else workers start warm.
+        env: the environment the server starts with (the agent's).
     """
 
     def __init__(self, size: int, env: Mapping[str, str]) -> None:
         self.size = size
         self._env = dict(env)
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._server: _Server | None = None
 
     def fill(self, count: int | None = None) -> list[int]:
-        """Start warm processes until ``count`` (default: the pool's size) are waiting;
-        returns the pids of those started."""
+        """Start the fork server unless it runs (or ``count`` is 0); the pids started."""
         want = self.size if count is None else count
-        self._procs = [p for p in self._procs if p.poll() is None]
-        started = []
-        while len(self._procs) < want:
-            proc = spawn_worker([sys.executable, "-m", __name__], self._env, subprocess.PIPE)
-            self._procs.append(proc)
-            started.append(proc.pid)
-        return started
+        if not want or (self._server is not None and not self._server.gone.is_set()):
+            return []
+        if self._server is not None:
+            self._server.close()
+        self._server = _Server(self._env)
+        return [self._server.proc.pid]
 
-    def loaded(self) -> int:
-        """How many have imported torch and wait (their name says so)."""
-        return sum(1 for p in self._procs if p.poll() is None and _name(p.pid) == WAITING_NAME)
+    def loaded(self) -> bool:
+        """Whether the fork server has imported torch and waits for orders."""
+        return self._server is not None and self._server.ready.is_set()
 
-    def wait_loaded(self, count: int, timeout_s: float) -> bool:
-        """Wait until ``count`` of them are loaded, or ``timeout_s`` passed; whether they are.
-        (Polled every 50 ms: a handful of /proc reads.)"""
+    def wait_loaded(self, timeout_s: float) -> bool:
+        """Wait until the fork server is loaded, or ``timeout_s`` passed; whether it is."""
+        server = self._server
+        if server is None:
+            return False
         deadline = time.monotonic() + timeout_s
-        while self.loaded() < count:
-            if time.monotonic() > deadline or not any(p.poll() is None for p in self._procs):
+        while not server.ready.wait(0.1):
+            if time.monotonic() > deadline or server.gone.is_set():
                 return False
-            time.sleep(0.05)
         return True
 
-    def take(self) -> subprocess.Popen[bytes] | None:
-        """The oldest live warm process (the one furthest along its imports), or None."""
-        while self._procs:
-            proc = self._procs.pop(0)
-            if proc.poll() is None:
-                return proc
-            log.warning("A warm worker process (pid %d) had ended (%s).", proc.pid, proc.returncode)
-        return None
-
-    def start(self, args: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
-        """The worker command ``args`` with ``env``, started in a warm process; None when
-        none is waiting or the command cannot start warm (see :func:`warm_command`)."""
+    def start(self, args: Sequence[str], env: Mapping[str, str]) -> ForkedProcess | None:
+        """The worker command ``args`` with ``env``, forked from the fork server; None when
+        there is none, or the command cannot start warm (see :func:`warm_command` and
+        :func:`forkable`). A server still importing is waited for (a cold start would import
+        beside it), at most :data:`ANSWER_S`."""
         command = warm_command(args)
-        proc = self.take() if command is not None else None
-        if proc is not None and command is not None:
-            _hand_over(proc, command, env)
-        return proc
+        server = self._server
+        if command is None or server is None or not forkable(env, server.env):
+            return None
+        if not self.wait_loaded(ANSWER_S):
+            log.warning("The fork server (pid %d) is not ready; starting cold.", server.proc.pid)
+            return None
+        return server.fork(command, args, env)
 
     def close(self) -> None:
-        """Let the unused ones go, at once: they hold nothing but imported modules."""
-        for proc in self._procs:
-            _close_quietly(proc)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        for proc in self._procs:
-            proc.wait()
-        self._procs = []
+        """Let the fork server go (it kills any worker it forked that still runs)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
 
-def _name(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+def import_torch() -> None:
+    """What a warm interpreter imports ahead of need. torch._dynamo (which the first
+    ``optimizer.step()`` imports lazily: over a second here) makes torch's compile cache
+    directory in the temp directory at its import; one that it made here and left empty is
+    removed, as a worker that never steps an optimizer would not have made it (torch makes
+    it again when it writes there)."""
+    import tempfile
+
+    import torch
+    import torch.distributed
+
+    temp = tempfile.gettempdir()
+    before = set(os.listdir(temp))
+    with contextlib.suppress(Exception):  # only an optimisation
+        import torch._dynamo  # noqa: F401
+    for name in set(os.listdir(temp)) - before:
+        if name.startswith("torchinductor_"):
+            with contextlib.suppress(OSError):  # not empty after all: torch's
+                os.rmdir(os.path.join(temp, name))
 
 
-def _hand_over(proc: subprocess.Popen[bytes], argv: Sequence[str], env: Mapping[str, str]) -> None:
-    """Hand a warm process its worker's command line and environment."""
-    assert proc.stdin is not None
-    with contextlib.suppress(OSError):  # it died meanwhile: its exit is reported as a worker's
-        proc.stdin.write(json.dumps({"argv": list(argv), "env": dict(env)}).encode() + b"\n")
-    _close_quietly(proc)
+def apply_thread_count() -> None:
+    """Apply the worker's ``OMP_NUM_THREADS`` (libgomp read the agent's at the import)."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
 
-
-def _close_quietly(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(OSError):
-        if proc.stdin is not None:
-            proc.stdin.close()
+        torch.set_num_threads(int(threads))
 
 
 def _run(argv: list[str]) -> None:
@@ -188,33 +346,12 @@ def _run(argv: list[str]) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == [NOW]:  # a cold start: the worker's own environment, at once
-        _start(sys.argv[2:])
+        start(sys.argv[2:])
         return
-    _set_name(WARMING_NAME)  # told apart from a worker, and from one that is ready
-    import torch
-    import torch.distributed
-
-    with contextlib.suppress(Exception):  # only an optimisation: what the first
-        import torch._dynamo  # optimizer.step() imports lazily (over a second here)
-    _set_name(WAITING_NAME)
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return  # the agent let it go unused
-    order = json.loads(line)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # a worker's stdin, as the agent gives a cold one
-    os.close(devnull)
-    os.environ.clear()
-    os.environ.update(order["env"])
-    os.environ[WARM_ENV] = "1"
-    _set_name(os.path.basename(sys.executable))  # as a fresh worker's
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:  # libgomp read the agent's at import
-        torch.set_num_threads(int(threads))
-    _start(list(order["argv"]))
+    raise SystemExit(f"usage: python -m {__name__} {NOW} script [args] | -m module [args]")
 
 
-def _start(argv: list[str]) -> None:
+def start(argv: list[str]) -> None:
     """Run the worker's command line; an exception is printed as python prints it."""
     try:
         _run(argv)
@@ -223,7 +360,12 @@ def _start(argv: list[str]) -> None:
         import runpy
         import traceback
 
-        ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
+        ours = {
+            os.path.abspath(__file__),
+            os.path.abspath(runpy.__file__ or ""),
+            "<frozen runpy>",
+            os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkserver.py"),
+        }
         tb = exc.__traceback__
         while tb is not None and _where(tb.tb_frame.f_code.co_filename) in ours:
             tb = tb.tb_next
@@ -239,29 +381,23 @@ if __name__ == "__main__":
     main()
 
 
-def default_warm(slots: int, gpus: bool, cpus: int) -> int:
-    """How many warm processes a node keeps unless told: see :func:`warm_pool`."""
-    return slots if gpus or cpus >= 4 * slots else 0
-
-
-def warm_pool(size: int | None, args: Sequence[str], slots: int, gpus: bool, cpus: int) -> WarmPool:
-    """The node's warm worker processes, the first ``slots`` started now: the first workers'
-    interpreters import torch while the agent starts and joins. ``--warm-workers``; by
-    default one per slot on a GPU node or one with at least 4 cores per slot, none on a CPU
-    node with fewer: each refill imports torch on a core the workers train on there."""
-    size = default_warm(slots, gpus, cpus) if size is None else size
-    # Never the agent's secrets: a warm process's /proc/<pid>/environ is what it started with.
+def warm_pool(size: int | None, args: Sequence[str]) -> WarmPool:
+    """The node's fork server, started now: it imports torch while the agent starts and
+    joins. ``--warm-workers``: 0 starts every worker cold; by default (or any other number)
+    workers are forked warm. Only for this Python running a script or a module."""
+    size = 1 if size is None else size
+    # Never the agent's secrets: the server's /proc/<pid>/environ is what it started with.
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
     pool = WarmPool(size if warm_command(args) else 0, env)
-    pool.fill(slots if pool.size else 0)
+    pool.fill()
     return pool
 
 
 class RefillTimer:
-    """When an agent fills its warm pool again: :data:`REFILL_AFTER_S` after its workers
-    start, and after the newest round; as soon as the next workers start once a worker
-    failed, for a second round is likely near (a dead node's lease expiring after its peers'
-    failures).
+    """When an agent starts its fork server again if it ended (killed, out of memory):
+    :data:`REFILL_AFTER_S` after its workers start, and after the newest round; as soon as
+    the next workers start once a worker failed, for a second round is likely near (a dead
+    node's lease expiring after its peers' failures).
 
     Args:
         pool: the agent's warm pool.
@@ -286,8 +422,8 @@ class RefillTimer:
         self._soon = True
 
     def started(self) -> None:
-        """Workers started, taking warm processes: replace them once the workers are past
-        their own start (their imports and the warm ones' would share the node's cores)."""
+        """Workers started: look at the server once the workers are past their own start (a
+        new server's import would share the node's cores with them)."""
         self.due = self._clock() + (0.0 if self._soon else REFILL_AFTER_S)
         self._soon = False
 
@@ -302,8 +438,7 @@ class RefillTimer:
         started = self._pool.fill()
         if started:
             log.info(
-                "%s: started %d warm worker process(es) (pids %s).",
+                "%s: the fork server had ended; started it again (pid %d).",
                 self._tag(),
-                len(started),
-                started,
+                started[0],
             )

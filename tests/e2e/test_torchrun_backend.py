@@ -146,4 +146,9 @@ def test_efdl_stop_ends_torchrun_agents_calmly(job: tuple[Job, dict[str, Torchru
         assert runs[name].proc.wait(timeout=60) == 0, runs[name].output()[-3000:]
         out = runs[name].output()
         assert f"ended (stopped by efdl stop): node {name} leaves" in out, out[-3000:]
-        assert "Traceback" not in out and "RendezvousClosedError" not in out, out[-3000:]
+        # The agents' lines: a worker whose peer on the other node was stopped a moment
+        # earlier may print gloo's "Connection reset by peer" before its own SIGTERM comes
+        # (torchrun's agents stop their workers each on its own; the wider apart, the
+        # busier the machine).
+        agent = "\n".join(x for x in out.splitlines() if not x.startswith("[rank"))
+        assert "Traceback" not in agent and "RendezvousClosedError" not in out, out[-3000:]

@@ -1,16 +1,17 @@
-"""Warm worker processes: the agent keeps interpreters with torch imported, and a replacement
-(in place) or a restart (plain script) starts in them."""
+"""Warm workers: the agent's fork server imports torch once, and every worker, a replacement
+(in place) or a restart (plain script) is forked from it."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
+from efdl.launcher import warm
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from tests.e2e.harness import (
     Job,
@@ -24,16 +25,12 @@ from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-WARM_LINE = re.compile(r"started (\d+) warm worker process\(es\) \(pids \[([\d, ]+)\]\)")
-
-
-def warm_pids(job: Job, node: str) -> set[int]:
-    """The pids of the warm processes the agent started after its workers (its log line)."""
-    out = job.agents[node].output
-    wait_until(f"node {node}'s warm processes", lambda: WARM_LINE.search(out()), 90)
-    found = WARM_LINE.search(out())
-    assert found is not None
-    return {int(p) for p in found.group(2).split(",")}
+def server_pid(job: Job, node: str) -> int:
+    """The pid of the node's fork server (the agent's child named for it)."""
+    agent = psutil.Process(job.agents[node].proc.pid)
+    found = [p for p in agent.children() if p.name() in warm.NAMES]
+    assert len(found) == 1, found
+    return found[0].pid
 
 
 def pids_after(rows: list[dict[str, object]], gen: int, upto: int = 1 << 30) -> set[int]:
@@ -44,7 +41,7 @@ def pids_after(rows: list[dict[str, object]], gen: int, upto: int = 1 << 30) -> 
 @pytest.fixture()
 def in_place(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
     j = in_place_job(tmp_path, etcd_server.endpoint.target, "warm")
-    j.common += ["--warm-workers", "2"]  # as on a GPU node (none by default on 2 cores)
+    j.common += ["--warm-workers", "1"]  # the default, said
     yield j
     j.stop()
 
@@ -52,7 +49,7 @@ def in_place(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
 @pytest.fixture()
 def restart(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
     j = restart_job(tmp_path, etcd_server.endpoint.target, "warmr")
-    j.common += ["--nproc-per-node", "2", "--warm-workers", "2"]
+    j.common += ["--nproc-per-node", "2"]
     yield j
     j.stop()
 
@@ -61,29 +58,44 @@ def test_a_crashed_in_place_worker_is_replaced_by_a_warm_process(in_place: Job) 
     job = in_place
     job.start("a", "--nproc-per-node", "2", script="elastic_steps.py")
     rows = job.wait_for("two workers", steps_at_world(2))
-    assert all(r["warm"] for r in rows)  # the first workers started in the warm processes
-    ready = warm_pids(job, "a")
-    assert len(ready) == 2
+    assert all(r["warm"] for r in rows)  # the first workers were forked warm
+    server = server_pid(job, "a")
     victim = next(int(r["pid"]) for r in rows if r["rank"] == 1)  # type: ignore[call-overload]
     g = latest_gen(rows)
     os.kill(victim, signal.SIGKILL)
     rows = job.wait_for("the replacement training", steps_at_world(2, g))
     new = pids_after(rows, g) - pids_after(rows, 0, g)
-    assert len(new) == 1 and new <= ready, (new, ready)  # the survivor trains on in place
+    assert len(new) == 1, new  # the survivor trains on in place
+    assert all(r["warm"] for r in rows if int(str(r["pid"])) in new)
+    assert all(psutil.Process(pid).ppid() == server for pid in new)  # forked by the server
     check_consistent(rows)
 
 
-def test_a_restart_starts_every_worker_in_a_warm_process(restart: Job) -> None:
+def test_a_restart_starts_every_worker_warm(restart: Job) -> None:
     job = restart
     job.start("a")
     rows = job.wait_for("two workers", steps_at_world(2))
-    ready = warm_pids(job, "a")
+    server = server_pid(job, "a")
     victim = next(int(r["pid"]) for r in rows if r["rank"] == 1)  # type: ignore[call-overload]
     os.kill(victim, signal.SIGKILL)
     g = latest_gen(rows)
     rows = job.wait_for("the restarted workers", steps_at_world(2, g))
-    assert pids_after(rows, g) == ready
-    assert all(r["warm"] for r in rows if int(r["gen"]) > g)  # type: ignore[call-overload]
+    assert len(pids_after(rows, g)) == 2
+    assert all(r["warm"] for r in rows)  # type: ignore[call-overload]
+    assert server_pid(job, "a") == server  # one server, all along
+
+
+def test_a_killed_fork_server_is_started_again(restart: Job) -> None:
+    """Killed (out of memory, by hand): its workers die with it and are restarted, cold while
+    no server is there, and the agent starts a new server for the later ones."""
+    job = restart
+    job.start("a")
+    rows = job.wait_for("two workers", steps_at_world(2))
+    g = latest_gen(rows)
+    os.kill(server_pid(job, "a"), signal.SIGKILL)
+    rows = job.wait_for("the restarted workers", steps_at_world(2, g))
+    out = job.agents["a"].output
+    wait_until("a new fork server", lambda: "started it again" in out(), 90)
 
 
 def test_no_warm_processes_with_warm_workers_0(restart: Job) -> None:
@@ -109,7 +121,7 @@ def test_a_node_joins_a_job_in_place_at_once(in_place: Job) -> None:
     check_consistent(rows)
 
 
-def test_a_node_joining_a_job_by_restarts_waits_for_its_warm_processes(restart: Job) -> None:
+def test_a_node_joining_a_job_by_restarts_waits_for_its_fork_server(restart: Job) -> None:
     """A plain script's job restarts every worker at the round that admits a node: the node
     joins once its warm processes have imported torch, so the others stop only then (here
     it joins as a spare: the job is at its --max)."""
@@ -120,4 +132,4 @@ def test_a_node_joining_a_job_by_restarts_waits_for_its_warm_processes(restart: 
     out = job.agents["b"].output
     wait_until("node b to join", lambda: "node b joined" in out(), 90)
     out = job.agents["b"].output()
-    assert "joining once this node's 2 warm worker" in out and "trains in place" not in out, out
+    assert "joining once this node's fork server" in out and "trains in place" not in out, out

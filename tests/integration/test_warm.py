@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,19 +83,86 @@ def test_a_module_runs_as_python_m_would(
     assert seen["name"] == "__main__" and seen["argv"] == [str(tmp_path / "mytrainer.py"), "x"]
 
 
-def test_unused_warm_processes_go_when_the_pool_closes() -> None:
-    pool = WarmPool(2, os.environ)
-    waiting = pool.fill()
-    assert len(waiting) == 2
-    pool.close()  # end of input: they exit unused (close waits for them)
-    assert not [pid for pid in waiting if psutil.pid_exists(pid)]
-    assert pool.take() is None
+SLEEPER = """
+import os, sys, time
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
 
 
-def test_a_command_that_cannot_start_warm_is_left_to_a_cold_start(pool: WarmPool) -> None:
+def test_the_fork_server_goes_with_the_pool_and_kills_what_it_forked(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEPER)
+    pool = WarmPool(1, os.environ)
+    (server,) = pool.fill()
+    assert pool.fill() == []  # one server a node
+    proc = pool.start([sys.executable, str(script)], dict(os.environ))
+    assert proc is not None
+    assert proc.stdout is not None and int(proc.stdout.readline()) == proc.pid
+    assert psutil.Process(proc.pid).ppid() == server
+    pool.close()  # end of input: the server kills its children and exits (close waits)
+    assert proc.wait(timeout=60) == -9
+    assert not psutil.pid_exists(server)
+    psutil.wait_procs([psutil.Process(proc.pid)] if psutil.pid_exists(proc.pid) else [], 60)
+    assert not psutil.pid_exists(proc.pid)
+
+
+AGENT = """
+import os, sys
+from efdl.launcher.warm import WarmPool
+pool = WarmPool(1, os.environ)
+(server,) = pool.fill()
+proc = pool.start([sys.executable, sys.argv[1]], dict(os.environ))
+print(server, proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_agent_takes_its_fork_server_and_workers_with_it(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEPER)
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert agent.stdout is not None
+        server, worker = (int(x) for x in agent.stdout.readline().split())
+        procs = [psutil.Process(server), psutil.Process(worker)]
+        agent.kill()  # no close, no end of input: the death signals alone
+        agent.wait(timeout=60)
+        _, alive = psutil.wait_procs(procs, timeout=60)
+        assert not alive
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_a_command_that_cannot_start_warm_is_left_to_a_cold_start(
+    pool: WarmPool, tmp_path: Path
+) -> None:
     pool.fill()
     assert pool.start(["/usr/bin/env", "true"], os.environ) is None  # --no-python
-    assert pool.take() is not None  # the warm process is still there for a worker
+    other = {**os.environ, "PYTHONHASHSEED": "7", "PYTHONDONTWRITEBYTECODE": "1"}
+    assert pool.start([sys.executable, "x.py"], other) is None  # read at an interpreter's start
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    code, out, err = run_warm(pool, [str(script)])
+    assert code == 0 and json.loads(out)["warm"] == "1", err  # the server still forks
+
+
+def test_workers_are_forked_concurrently_and_each_exit_is_its_own(
+    pool: WarmPool, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    pool.fill()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [pool.start([sys.executable, str(script)], {**env, "CODE": str(c)}) for c in range(4)]
+    assert all(p is not None for p in procs)
+    assert len({p.pid for p in procs if p is not None}) == 4
+    assert [p.wait(timeout=60) for p in procs if p is not None] == [0, 1, 2, 3]
 
 
 def test_only_this_python_running_a_script_or_module_can_start_warm() -> None:
