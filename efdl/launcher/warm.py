@@ -44,7 +44,10 @@ log = logging.getLogger(__name__)
 # How long after starting workers, and after the newest round, a fork server that ended is
 # started again: its import takes CPU from the workers' own start and rebuild.
 REFILL_AFTER_S = 5.0
-ANSWER_S = 30.0  # how long the fork server may take to fork a worker and say its pid
+ANSWER_S = (
+    10.0  # how long the fork server may take to fork a worker and say its pid (ms, as a rule)
+)
+LOAD_S = 60.0  # how long a worker's start waits for the fork server's import before going cold
 
 # The process names (/proc/PID/comm) of the fork server importing torch, and of one ready.
 WARMING_NAME = "efdl-warming"
@@ -149,6 +152,8 @@ class _Server:
         self.gone = threading.Event()
         self._lock = threading.Lock()
         self._answers: dict[int, int] = {}
+        self._abandoned: set[int] = set()  # orders given up on: what they fork is killed
+        self.stuck = False  # an order went unanswered: no more orders (see fork)
         self._answered = threading.Condition(self._lock)
         self._forked: dict[int, ForkedProcess] = {}
         self._orders = 0
@@ -166,9 +171,16 @@ class _Server:
             if message.get("ready"):
                 self.ready.set()
             elif "id" in message:
+                order, pid = int(message["id"]), int(message["pid"])
                 with self._lock:
-                    self._answers[int(message["id"])] = int(message["pid"])
-                    self._answered.notify_all()
+                    late = order in self._abandoned
+                    if not late:
+                        self._answers[order] = pid
+                        self._answered.notify_all()
+                if late:  # its worker was started cold meanwhile: not two of one rank
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
             else:
                 with self._lock:
                     proc = self._forked.pop(int(message["pid"]), None)
@@ -211,15 +223,22 @@ class _Server:
                     break
                 self._answered.wait(left)
             pid = self._answers.pop(order, None)
-            if pid is not None:
+            if pid is None:
+                self._abandoned.add(order)
+                self.stuck = not self.gone.is_set()
+            else:
                 proc = ForkedProcess(pid, args, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
                 self._forked[pid] = proc
                 return proc
         for fd in (out_r, err_r):
             os.close(fd)
-        log.warning(
-            "The fork server (pid %d) forked no worker within %.0f s.", self.proc.pid, ANSWER_S
-        )
+        if self.stuck:
+            log.warning(
+                "The fork server (pid %d) forked no worker within %.0f s (stopped? stuck in the "
+                "kernel?); this node's workers start cold from now on.",
+                self.proc.pid,
+                ANSWER_S,
+            )
         return None
 
     def close(self) -> None:
@@ -277,12 +296,12 @@ class WarmPool:
         """The worker command ``args`` with ``env``, forked from the fork server; None when
         there is none, or the command cannot start warm (see :func:`warm_command` and
         :func:`forkable`). A server still importing is waited for (a cold start would import
-        beside it), at most :data:`ANSWER_S`."""
+        beside it), at most :data:`LOAD_S`."""
         command = warm_command(args)
         server = self._server
-        if command is None or server is None or not forkable(env, server.env):
+        if command is None or server is None or server.stuck or not forkable(env, server.env):
             return None
-        if not self.wait_loaded(ANSWER_S):
+        if not self.wait_loaded(LOAD_S):
             log.warning("The fork server (pid %d) is not ready; starting cold.", server.proc.pid)
             return None
         return server.fork(command, args, env)

@@ -25,6 +25,7 @@ from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
+
 def server_pid(job: Job, node: str) -> int:
     """The pid of the node's fork server (the agent's child named for it)."""
     agent = psutil.Process(job.agents[node].proc.pid)

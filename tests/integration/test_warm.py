@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from efdl.launcher import warm
 from efdl.launcher.warm import WarmPool, warm_command
+from tests.wait import wait_until
 
 SCRIPT = """
 import json, os, sys, torch
@@ -150,6 +153,27 @@ def test_a_command_that_cannot_start_warm_is_left_to_a_cold_start(
     script.write_text(SCRIPT)
     code, out, err = run_warm(pool, [str(script)])
     assert code == 0 and json.loads(out)["warm"] == "1", err  # the server still forks
+
+
+def test_a_stopped_fork_server_is_given_up_and_what_it_forks_late_is_killed(
+    pool: WarmPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGSTOPped (or stuck in the kernel): the order goes unanswered for ANSWER_S, the
+    worker is left to a cold start and later ones too; when the server wakes and forks the
+    order, that child is killed: no rank runs twice."""
+    monkeypatch.setattr(warm, "ANSWER_S", 1.0)
+    script = tmp_path / "sleep.py"
+    script.write_text(SLEEPER)
+    (server,) = pool.fill()
+    assert pool.wait_loaded(120)
+    os.kill(server, signal.SIGSTOP)
+    try:
+        assert pool.start([sys.executable, str(script)], dict(os.environ)) is None
+        assert pool.start([sys.executable, str(script)], dict(os.environ)) is None  # at once
+    finally:
+        os.kill(server, signal.SIGCONT)
+    forked = psutil.Process(server)
+    wait_until("the late child killed", lambda: not forked.children(), 60)
 
 
 def test_workers_are_forked_concurrently_and_each_exit_is_its_own(
