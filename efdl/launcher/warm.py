@@ -332,6 +332,12 @@ def import_torch() -> None:
         if name.startswith("torchinductor_"):
             with contextlib.suppress(OSError):  # not empty after all: torch's
                 os.rmdir(os.path.join(temp, name))
+    # efdl's worker library, which an efdl-aware script imports (70 ms); nothing in it starts
+    # work, a group or the efdl runtime at import.
+    import efdl.worker.cache
+    import efdl.worker.runtime
+    import efdl.worker.sampler
+    import efdl.worker.state  # noqa: F401
 
 
 def apply_thread_count() -> None:
