@@ -28,6 +28,7 @@ this server's cold (:func:`efdl.launcher.warm.forkable`), and the child applies
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import io
 import json
@@ -42,6 +43,13 @@ from efdl._process import die_with
 from efdl.launcher import warm
 from efdl.protocol.env import WARM_ENV
 
+# OpenBLAS's setter, as numpy's wheels and others name it (threadpoolctl's list).
+SET_BLAS_THREADS = (
+    "openblas_set_num_threads",
+    "openblas_set_num_threads64_",
+    "scipy_openblas_set_num_threads",
+    "scipy_openblas_set_num_threads64_",
+)
 MAX_ORDER = 1 << 20  # bytes of one order (an environment of a few kB, as a rule)
 
 
@@ -69,7 +77,53 @@ def _stdio(env: dict[str, str]) -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-def _child(order: dict[str, Any], fds: list[int], server: int, own: list[int]) -> NoReturn:
+def _reseed() -> None:
+    """Seed what a fresh interpreter seeds from the OS at its start, which every child would
+    otherwise inherit from this server alike (each rank, each restart: the same dropout masks
+    and augmentations): torch's default generator, numpy's global one. (Python's ``random``
+    seeds itself again after a fork; ``hash()``'s secret is the server's, one per node: set
+    ``PYTHONHASHSEED``, or ``--warm-workers 0``, where a script needs it per process.)"""
+    import torch
+
+    torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def _blas_threads(env: dict[str, str]) -> None:
+    """Apply the worker's thread count to the OpenBLAS that numpy loaded here: it read the
+    agent's environment at its load (torch's own count: efdl.launcher.warm.apply_thread_count)."""
+    value = env.get("OPENBLAS_NUM_THREADS") or env.get("OMP_NUM_THREADS") or ""
+    if not value.isdigit() or int(value) < 1:
+        return
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line.lower()}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            lib = ctypes.CDLL(path)
+            for name in SET_BLAS_THREADS:
+                setter = getattr(lib, name, None)
+                if setter is not None:
+                    setter(int(value))
+                    break
+
+
+def _shadowed(argv: list[str], imported: frozenset[str]) -> list[str]:
+    """The modules this server imported beyond a cold start's that the script's own
+    directory (``sys.path[0]`` of ``python script.py``; the working directory for ``-m``)
+    would shadow: the script would import its own, as under ``python script.py``."""
+    where = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    try:
+        names = set(os.listdir(where))
+    except OSError:
+        return []
+    return sorted(m for m in imported if f"{m}.py" in names or m in names)
+
+
+def _child(
+    order: dict[str, Any], fds: list[int], server: int, own: list[int], imported: frozenset[str]
+) -> NoReturn:
     """Become the worker: set the process up as a fresh one, run the script, and end as the
     interpreter ends (SystemExit unwinds to the top: exit handlers, finalisation)."""
     die_with(server)
@@ -88,11 +142,22 @@ def _child(order: dict[str, Any], fds: list[int], server: int, own: list[int]) -
     env = dict(order["env"])
     os.environ.clear()
     os.environ.update(env)
+    argv = list(order["argv"])
+    shadowed = _shadowed(argv, imported)
+    if shadowed:  # started cold in this same process: same pid, pipes and group
+        os.write(
+            2,
+            f"efdl: {shadowed} beside the script shadow modules efdl's fork server "
+            "had imported: this worker starts cold.\n".encode(),
+        )
+        os.execv(sys.executable, [sys.executable, "-m", "efdl.launcher.warm", warm.NOW, *argv])
     os.environ[WARM_ENV] = "1"
     _stdio(env)
     warm.set_name(os.path.basename(sys.executable))  # as a fresh worker's
+    _reseed()
     warm.apply_thread_count()
-    warm.start(list(order["argv"]))
+    _blas_threads(env)
+    warm.start(argv)
     raise SystemExit(0)
 
 
@@ -105,7 +170,7 @@ def _kill_all(children: set[int]) -> None:
             os.waitpid(pid, 0)
 
 
-def serve(sock: socket.socket, server: int) -> None:
+def serve(sock: socket.socket, server: int, imported: frozenset[str]) -> None:
     """Fork a worker per order, report each one's exit; return at the end of input. In a
     child it does not return: the child's SystemExit unwinds through it."""
     wake_r, wake_w = os.pipe()
@@ -139,7 +204,9 @@ def serve(sock: socket.socket, server: int) -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(order, fds, server, [sock.fileno(), wake_r, wake_w])
+                _child(order, fds, server, [sock.fileno(), wake_r, wake_w], imported)
+            with contextlib.suppress(OSError):  # the child does it too: whichever is first
+                os.setpgid(pid, pid)  # (a stop sent at once reaches the group)
             for fd in fds:
                 os.close(fd)
             children.add(pid)
@@ -149,12 +216,20 @@ def serve(sock: socket.socket, server: int) -> None:
 def main() -> None:
     fd = int(sys.argv[1])  # started with the agent's death signal (efdl._process)
     warm.set_name(warm.WARMING_NAME)  # told apart from a worker, and from one that is ready
+    # What a cold worker has imported before its script's first line (torch, for the step
+    # watch): beyond it, what the script's own directory must not shadow (see _shadowed).
+    import torch.optim.optimizer  # noqa: F401
+
+    from efdl.launcher import stepwatch  # noqa: F401
+
+    cold = {name.partition(".")[0] for name in sys.modules}
     warm.import_torch()
+    imported = frozenset({name.partition(".")[0] for name in sys.modules} - cold)
     sock = socket.socket(fileno=fd)
     gc.collect()
     gc.freeze()  # the children share these pages instead of copying them as the GC walks them
     warm.set_name(warm.WAITING_NAME)
-    serve(sock, os.getpid())
+    serve(sock, os.getpid(), imported)
 
 
 if __name__ == "__main__":

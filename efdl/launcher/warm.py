@@ -27,12 +27,14 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
@@ -47,6 +49,7 @@ REFILL_AFTER_S = 5.0
 ANSWER_S = (
     10.0  # how long the fork server may take to fork a worker and say its pid (ms, as a rule)
 )
+REPORT_S = 2.0  # how long a worker's end may go unreported by the server before /proc is read
 LOAD_S = 60.0  # how long a worker's start waits for the fork server's import before going cold
 
 # The process names (/proc/PID/comm) of the fork server importing torch, and of one ready.
@@ -97,7 +100,9 @@ def forkable(env: Mapping[str, str], server_env: Mapping[str, str]) -> bool:
 
 class ForkedProcess:
     """A worker forked by the fork server, seen as :class:`subprocess.Popen` shows a child:
-    its pid, its output pipes, its exit code once the server reaped it."""
+    its pid, its output pipes, its exit code once the server reaped it. Its end is seen
+    through a pidfd too: a server that is stopped (SIGSTOP, stuck) reaps nothing and says
+    nothing, and the exit code is then read from the process's /proc entry (a zombie's)."""
 
     def __init__(self, pid: int, args: Sequence[str], stdout: IO[bytes], stderr: IO[bytes]):
         self.pid = pid
@@ -107,6 +112,10 @@ class ForkedProcess:
         self.stderr: IO[bytes] | None = stderr
         self.returncode: int | None = None
         self._ended = threading.Event()
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfds
+            self._pidfd = os.pidfd_open(pid)
+            weakref.finalize(self, os.close, self._pidfd)
 
     def ended(self, code: int) -> None:
         if self.returncode is None:
@@ -117,8 +126,21 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._ended.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ended.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            if self._pidfd is None:
+                self._ended.wait(left)
+                continue
+            try:
+                done, _, _ = select.select([self._pidfd], [], [], left)
+            except (OSError, ValueError):
+                done = []
+                self._ended.wait(0.1)
+            if done and not self._ended.wait(REPORT_S):  # the server did not say: stopped
+                self.ended(_zombie_code(self.pid))
         assert self.returncode is not None
         return self.returncode
 
@@ -129,6 +151,17 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def _zombie_code(pid: int) -> int:
+    """The exit code of process ``pid`` that ended and is not reaped (/proc/PID/stat's
+    exit_code, Linux 3.5+); -SIGKILL where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return os.waitstatus_to_exitcode(int(fields[49]))
+    except (OSError, IndexError, ValueError):
+        return -signal.SIGKILL
 
 
 class _Server:
@@ -363,9 +396,9 @@ def _run(argv: list[str]) -> None:
         sys.path[0] = os.getcwd()  # as python -m does
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
-    script = argv[0]
+    script = os.path.abspath(argv[0])  # __main__.__file__ is absolute, as python makes it
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as python script.py does
+    sys.path[0] = os.path.dirname(script)  # as python script.py does
     runpy.run_path(script, run_name="__main__")
 
 
@@ -377,7 +410,15 @@ def main() -> None:
 
 
 def start(argv: list[str]) -> None:
-    """Run the worker's command line; an exception is printed as python prints it."""
+    """Run the worker's command line; an exception is printed as python prints it. Files the
+    script left open are flushed at exit, after its own exit handlers: runpy's module
+    globals stay in a reference cycle that the interpreter's end does not free, where
+    ``python script.py``'s are cleared (and their files written)."""
+    import atexit
+
+    from efdl._process import flush_open_files
+
+    atexit.register(flush_open_files)
     try:
         _run(argv)
     except Exception as exc:  # printed as python would, from the script's frames on

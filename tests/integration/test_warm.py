@@ -196,3 +196,74 @@ def test_only_this_python_running_a_script_or_module_can_start_warm() -> None:
     assert warm_command(["/usr/bin/bash", "run.sh"]) is None  # --no-python
     assert warm_command([py, "-X", "dev", "train.py"]) is None  # interpreter flags: cold
     assert warm_command([py, "-m"]) is None
+
+
+RANDOM = """
+import json, os, numpy, torch
+print(json.dumps({"torch": torch.rand(1).item(), "numpy": float(numpy.random.rand()),
+                  "seed": torch.initial_seed()}), flush=True)
+"""
+
+
+def test_each_forked_worker_draws_its_own_random_numbers(pool: WarmPool, tmp_path: Path) -> None:
+    """As fresh interpreters do: torch's and numpy's generators seeded afresh in each."""
+    script = tmp_path / "draw.py"
+    script.write_text(RANDOM)
+    draws = [json.loads(run_warm(pool, [str(script)])[1]) for _ in range(2)]
+    assert draws[0]["torch"] != draws[1]["torch"] and draws[0]["seed"] != draws[1]["seed"]
+    assert draws[0]["numpy"] != draws[1]["numpy"]
+
+
+def test_a_module_beside_the_script_that_shadows_an_imported_one_starts_cold(
+    pool: WarmPool, tmp_path: Path
+) -> None:
+    """The server imported ``statistics`` (torch._dynamo does); a script with its own
+    statistics.py imports that one under ``python script.py``, so it starts cold."""
+    (tmp_path / "statistics.py").write_text("def summary():\n    return 'mine'\n")
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import os, statistics\nprint(statistics.summary(), os.environ.get('EFDL_WARM'))\n"
+    )
+    code, out, err = run_warm(pool, [str(script)])
+    assert code == 0, err
+    assert out.split() == ["mine", "None"], out
+    assert "shadow" in err, err
+
+
+def test_a_file_left_open_is_written_and_the_main_file_is_absolute(
+    pool: WarmPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "s.py").write_text(
+        "f = open('left.txt', 'w')\nf.write('hello')\nprint(__file__)\ndef g():\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_warm(pool, ["sub/s.py"])
+    assert code == 0, err
+    assert out.strip() == str(tmp_path / "sub" / "s.py")
+    assert (tmp_path / "left.txt").read_text() == "hello"
+
+
+def test_a_worker_end_is_seen_while_its_fork_server_is_stopped(
+    pool: WarmPool, tmp_path: Path
+) -> None:
+    """A SIGSTOPped server reaps nothing and says nothing: the worker's end is seen through
+    its pidfd and its code read from /proc (the agent does not wait for the server)."""
+    script = tmp_path / "exit.py"
+    go = tmp_path / "go"
+    script.write_text(
+        "import os, sys, time\n"
+        f"deadline = time.monotonic() + 120\nwhile not os.path.exists({str(go)!r}):\n"
+        "    assert time.monotonic() < deadline\n    time.sleep(0.05)\nsys.exit(5)\n"
+    )
+    (server,) = pool.fill()
+    assert pool.wait_loaded(120)
+    proc = pool.start([sys.executable, str(script)], dict(os.environ))
+    assert proc is not None
+    os.kill(server, signal.SIGSTOP)
+    try:
+        go.touch()
+        assert proc.wait(timeout=60) == 5
+        assert psutil.Process(server).status() == psutil.STATUS_STOPPED  # still
+    finally:
+        os.kill(server, signal.SIGCONT)
