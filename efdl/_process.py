@@ -86,7 +86,8 @@ def exit_left() -> NoReturn:
 
 def flush_open_files() -> None:
     """Flush every open file object's buffer (about 20 ms): what their deallocation would
-    have written, where the interpreter's end will not deallocate them."""
+    have written, where the interpreter's end will not deallocate them. Only where no other
+    thread may hold one of them (a flush takes the buffer's lock)."""
     for obj in gc.get_objects():  # files and their buffers are tracked
         if issubclass(type(obj), _io._IOBase):  # the C base: no __class__ lookups
             with contextlib.suppress(Exception):  # closed, detached, a broken pipe

@@ -396,9 +396,9 @@ def _run(argv: list[str]) -> None:
         sys.path[0] = os.getcwd()  # as python -m does
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
-    script = os.path.abspath(argv[0])  # __main__.__file__ is absolute, as python makes it
+    script = argv[0]
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(script)  # as python script.py does
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as python script.py does
     runpy.run_path(script, run_name="__main__")
 
 
@@ -410,15 +410,7 @@ def main() -> None:
 
 
 def start(argv: list[str]) -> None:
-    """Run the worker's command line; an exception is printed as python prints it. Files the
-    script left open are flushed at exit, after its own exit handlers: runpy's module
-    globals stay in a reference cycle that the interpreter's end does not free, where
-    ``python script.py``'s are cleared (and their files written)."""
-    import atexit
-
-    from efdl._process import flush_open_files
-
-    atexit.register(flush_open_files)
+    """Run the worker's command line; an exception is printed as python prints it."""
     try:
         _run(argv)
     except Exception as exc:  # printed as python would, from the script's frames on

@@ -230,20 +230,6 @@ def test_a_module_beside_the_script_that_shadows_an_imported_one_starts_cold(
     assert "shadow" in err, err
 
 
-def test_a_file_left_open_is_written_and_the_main_file_is_absolute(
-    pool: WarmPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "s.py").write_text(
-        "f = open('left.txt', 'w')\nf.write('hello')\nprint(__file__)\ndef g():\n    pass\n"
-    )
-    monkeypatch.chdir(tmp_path)
-    code, out, err = run_warm(pool, ["sub/s.py"])
-    assert code == 0, err
-    assert out.strip() == str(tmp_path / "sub" / "s.py")
-    assert (tmp_path / "left.txt").read_text() == "hello"
-
-
 def test_a_worker_end_is_seen_while_its_fork_server_is_stopped(
     pool: WarmPool, tmp_path: Path
 ) -> None:
