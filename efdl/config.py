@@ -330,10 +330,11 @@ class LaunchConfig(EtcdClientConfig):
         settle_s: joins closer together than this make one round.
         join_timeout_s: how long the job may wait below ``min_workers`` before it fails.
         max_restarts: how many times this node restarts its failed workers before giving up.
-        warm_workers: 0: every worker starts cold. None (or any other number): workers
-            are forked from the node's fork server, one interpreter that imported torch at
-            the agent's start, so that no start, restart, replacement or newcomer imports
-            it again (efdl.launcher.warm; about 300 MB of host memory with a CPU build).
+        warm_workers: 0: every worker starts cold; any other number: workers are forked
+            from the node's fork server, one interpreter that imported torch at the agent's
+            start, so that no start, restart, replacement or newcomer imports it again
+            (efdl.launcher.warm; about 300 MB of host memory with a CPU build). None: forked
+            on a GPU node or one with 4+ cores per worker slot, else cold.
         grace_period_s: SIGTERM to SIGKILL, for workers and for a graceful leave.
         hang_timeout_s: how long an in-place worker may make no step while a peer waits on
             it in a collective before its agent replaces it (efdl.worker.hang); None: 90% of

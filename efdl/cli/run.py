@@ -27,7 +27,7 @@ from efdl.errors import ConfigError, EfdlError
 from efdl.kubeflow import pet_params
 from efdl.launcher.agent import NodeAgent
 from efdl.launcher.gpus import cuda_ids, discover, select
-from efdl.launcher.node import default_host, local_node
+from efdl.launcher.node import cpu_count, default_host, gpu_infos, local_node, resolve_slots
 from efdl.launcher.warm import warm_pool
 from efdl.rendezvous.api import Endpoint, EtcdSettings, EventType
 from efdl.rendezvous.decide import Policy
@@ -133,9 +133,10 @@ from efdl.rendezvous.served import (
     "--warm-workers",
     "warm_workers",
     type=int,
-    help="0: every worker starts cold (a Python interpreter and a torch import of its own). "
-    "Default (any other number): workers are forked from one interpreter per node that "
-    "imported torch once, at the agent's start (about 300 MB of host memory).",
+    help="0: every worker starts cold (a Python interpreter and a torch import of its own); "
+    "any other number: workers are forked from one interpreter per node that imported torch "
+    "once, at the agent's start (about 300 MB of host memory). Default: forked on a GPU node "
+    "or one with 4+ cores per worker slot, else cold.",
 )
 @click.option(
     "--grace-period",
@@ -386,7 +387,10 @@ def launch(cfg: LaunchConfig, args: list[str]) -> int:
     for path in sweep_private_dirs():
         log.debug("Removed %s, the private directory of an efdl process that is gone.", path)
     gpus = select(discover(), os.environ.get("CUDA_VISIBLE_DEVICES"), cfg.gpus)
-    warm = warm_pool(cfg.warm_workers, args)  # importing while etcd starts
+    slots, _ = resolve_slots(cfg.nproc_per_node, gpu_infos(gpus))
+    warm = warm_pool(
+        cfg.warm_workers, args, slots, bool(gpus), cpu_count()
+    )  # importing while etcd starts
     try:
         job_id = check_id(cfg.job_id or DEFAULT_JOB_ID)
         # A node started while etcd is away waits for it as long as the job may wait for

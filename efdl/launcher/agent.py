@@ -147,7 +147,7 @@ class NodeAgent:
             cfg.virtual_local_rank,
         )
         if warm is None:
-            warm = warm_pool(cfg.warm_workers, list(args))
+            warm = warm_pool(cfg.warm_workers, list(args), node.slots, bool(node.gpus), node.cpus)
         self._warm = warm
         self._phase = AgentPhase.JOINING
         self._limits = Limits(

@@ -439,11 +439,18 @@ if __name__ == "__main__":
     main()
 
 
-def warm_pool(size: int | None, args: Sequence[str]) -> WarmPool:
+def default_warm(slots: int, gpus: bool, cpus: int) -> int:
+    """Whether a node forks its workers unless told (1) or starts them cold (0): on a GPU
+    node, or a CPU node with at least 4 cores per worker slot; not on a CPU node with fewer,
+    where the server's import shares the cores the first workers train on."""
+    return 1 if gpus or cpus >= 4 * slots else 0
+
+
+def warm_pool(size: int | None, args: Sequence[str], slots: int, gpus: bool, cpus: int) -> WarmPool:
     """The node's fork server, started now: it imports torch while the agent starts and
-    joins. ``--warm-workers``: 0 starts every worker cold; by default (or any other number)
-    workers are forked warm. Only for this Python running a script or a module."""
-    size = 1 if size is None else size
+    joins. ``--warm-workers``: 0 starts every worker cold, any other number forks them; by
+    default :func:`default_warm`. Only for this Python running a script or a module."""
+    size = default_warm(slots, gpus, cpus) if size is None else size
     # Never the agent's secrets: the server's /proc/<pid>/environ is what it started with.
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
     pool = WarmPool(size if warm_command(args) else 0, env)

@@ -42,7 +42,7 @@ def pids_after(rows: list[dict[str, object]], gen: int, upto: int = 1 << 30) -> 
 @pytest.fixture()
 def in_place(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
     j = in_place_job(tmp_path, etcd_server.endpoint.target, "warm")
-    j.common += ["--warm-workers", "1"]  # the default, said
+    j.common += ["--warm-workers", "1"]  # as on a GPU node (cold by default on 2 cores)
     yield j
     j.stop()
 
@@ -50,7 +50,7 @@ def in_place(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
 @pytest.fixture()
 def restart(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
     j = restart_job(tmp_path, etcd_server.endpoint.target, "warmr")
-    j.common += ["--nproc-per-node", "2"]
+    j.common += ["--nproc-per-node", "2", "--warm-workers", "1"]
     yield j
     j.stop()
 

@@ -9,6 +9,7 @@ import pytest
 
 from efdl.config import EtcdClientConfig, LaunchConfig, load, read_password, read_yaml
 from efdl.errors import ConfigError
+from efdl.launcher.warm import default_warm
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 
 
@@ -230,7 +231,13 @@ def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) 
 
 def test_warm_workers_default_and_bad_values() -> None:
     base = {"standalone": True}
-    assert load(LaunchConfig, base, env={}).warm_workers is None  # forked warm
+    assert load(LaunchConfig, base, env={}).warm_workers is None  # see default_warm
     assert load(LaunchConfig, base, env={"EFDL_WARM_WORKERS": "0"}).warm_workers == 0
     with pytest.raises(ConfigError, match=r"--warm-workers \(-1\) must not be negative"):
         load(LaunchConfig, {**base, "warm_workers": -1}, env={})
+
+
+def test_workers_are_forked_by_default_where_a_core_can_be_spared() -> None:
+    assert default_warm(slots=8, gpus=True, cpus=16) == 1  # a GPU node
+    assert default_warm(slots=2, gpus=False, cpus=8) == 1  # 4 cores per slot
+    assert default_warm(slots=2, gpus=False, cpus=2) == 0  # the workers' own cores
