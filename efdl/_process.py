@@ -84,20 +84,13 @@ def exit_left() -> NoReturn:
     raise SystemExit(0)
 
 
-def flush_open_files() -> None:
-    """Flush every open file object's buffer (about 20 ms): what their deallocation would
-    have written, where the interpreter's end will not deallocate them. Only where no other
-    thread may hold one of them (a flush takes the buffer's lock)."""
-    for obj in gc.get_objects():  # files and their buffers are tracked
-        if issubclass(type(obj), _io._IOBase):  # the C base: no __class__ lookups
-            with contextlib.suppress(Exception):  # closed, detached, a broken pipe
-                obj.flush()
-
-
 def _at_exit() -> None:
     if not _skip_final_gc:
         return
-    flush_open_files()
+    for obj in gc.get_objects():  # files and their buffers are tracked (about 20 ms)
+        if issubclass(type(obj), _io._IOBase):  # the C base: no __class__ lookups
+            with contextlib.suppress(Exception):  # closed, detached, a broken pipe
+                obj.flush()
     gc.freeze()
 
 

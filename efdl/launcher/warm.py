@@ -310,10 +310,6 @@ class WarmPool:
         self._server = _Server(self._env)
         return [self._server.proc.pid]
 
-    def loaded(self) -> bool:
-        """Whether the fork server has imported torch and waits for orders."""
-        return self._server is not None and self._server.ready.is_set()
-
     def wait_loaded(self, timeout_s: float) -> bool:
         """Wait until the fork server is loaded, or ``timeout_s`` passed; whether it is."""
         server = self._server

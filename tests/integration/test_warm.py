@@ -87,9 +87,9 @@ def test_a_module_runs_as_python_m_would(
 
 
 SLEEPER = """
-import os, sys, time
+import os, signal
 print(os.getpid(), flush=True)
-time.sleep(600)
+signal.pause()  # until killed
 """
 
 
@@ -237,10 +237,11 @@ def test_a_worker_end_is_seen_while_its_fork_server_is_stopped(
     its pidfd and its code read from /proc (the agent does not wait for the server)."""
     script = tmp_path / "exit.py"
     go = tmp_path / "go"
-    script.write_text(
-        "import os, sys, time\n"
-        f"deadline = time.monotonic() + 120\nwhile not os.path.exists({str(go)!r}):\n"
-        "    assert time.monotonic() < deadline\n    time.sleep(0.05)\nsys.exit(5)\n"
+    os.mkfifo(go)
+    script.write_text(  # exits 5 once the test writes to the pipe (at most 120 s)
+        "import os, select, sys\n"
+        f"fd = os.open({str(go)!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
+        "os.set_blocking(fd, True)\nassert select.select([fd], [], [], 120)[0]\nsys.exit(5)\n"
     )
     (server,) = pool.fill()
     assert pool.wait_loaded(120)
@@ -248,7 +249,18 @@ def test_a_worker_end_is_seen_while_its_fork_server_is_stopped(
     assert proc is not None
     os.kill(server, signal.SIGSTOP)
     try:
-        go.touch()
+        writer: list[int] = []
+
+        def opened() -> bool:  # ENXIO until the script has opened its read end
+            try:
+                writer.append(os.open(go, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                return False
+            return True
+
+        wait_until("the script's read end of the pipe", opened, 60)
+        os.write(writer[0], b"go")
+        os.close(writer[0])
         assert proc.wait(timeout=60) == 5
         assert psutil.Process(server).status() == psutil.STATUS_STOPPED  # still
     finally:
