@@ -33,7 +33,7 @@ from efdl.worker.state import ElasticState
 
 old_world, old_rank, new_world, new_rank = map(int, sys.argv[1:5])
 where, out = Path(sys.argv[5]), sys.argv[6]
-timeout = datetime.timedelta(seconds=60)
+timeout = datetime.timedelta(seconds=120)  # a peer writing snapshots on a busy disk
 WIDTH = 512  # 6.3M parameters: 76 MB of state with AdamW's two moments
 
 

@@ -22,7 +22,7 @@ from efdl.worker.state import ElasticState
 
 rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = dist.FileStore(store_path, world)
-timeout = datetime.timedelta(seconds=60)
+timeout = datetime.timedelta(seconds=120)  # a peer writing snapshots on a busy disk
 dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 get_runtime().side = dist.new_group(backend="gloo", timeout=timeout)
 
