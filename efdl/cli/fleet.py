@@ -29,20 +29,27 @@ from efdl.cli.common import (
 )
 
 
-def _fleet_policy(resize_interval: float, history_days: float) -> FleetPolicy:
-    """The allocator's settings from --resize-interval and --history-days
+def _fleet_policy(resize_interval: float, history_days: float, resume_after: float) -> FleetPolicy:
+    """The allocator's settings from --resize-interval, --history-days and --resume-after
     (efdl.fleet.allocate.FleetPolicy)."""
     from efdl.fleet.allocate import FleetPolicy
 
-    if resize_interval < 0:
-        raise ConfigError(
-            f"--resize-interval {resize_interval} is negative; expected seconds >= 0."
-        )
+    for flag, value in (("--resize-interval", resize_interval), ("--resume-after", resume_after)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} {value} is not a number of seconds >= 0.")
     if not history_days > 0:
         raise ConfigError(f"--history-days {history_days} is not a number of days > 0.")
-    return FleetPolicy(resize_interval, history_s=history_days * 86400)
+    return FleetPolicy(resize_interval, history_s=history_days * 86400, resume_after_s=resume_after)
 
 
+_resume_option = click.option(
+    "--resume-after",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Least seconds a suspended job stays suspended (no suspend-resume round trips "
+    "while inference swings).",
+)
 _history_option = click.option(
     "--history-days",
     type=float,
@@ -191,6 +198,7 @@ def cancel(
     help="Least seconds between two resizes of one job.",
 )
 @_history_option
+@_resume_option
 @click.option(
     "--lease-ttl",
     "lease_ttl_s",
@@ -205,6 +213,7 @@ def allocator(
     candidate_id: str | None,
     resize_interval: float,
     history_days: float,
+    resume_after: float,
     lease_ttl_s: int,
     config_file: Path | None,
     **flags: Any,
@@ -216,7 +225,7 @@ def allocator(
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.leader import Allocator
 
-    policy = _fleet_policy(resize_interval, history_days)
+    policy = _fleet_policy(resize_interval, history_days, resume_after)
     keys = fleet_keys(fleet)
     host = socket.gethostname().split(".")[0] or "allocator"
     name = check_id(candidate_id or f"{host}-{uuid.uuid4().hex[:6]}", "candidate id")
@@ -261,6 +270,7 @@ def allocator(
     help="Least seconds between two resizes of one job (when this host allocates).",
 )
 @_history_option
+@_resume_option
 @click.option("--no-allocator", is_flag=True, help="Never stand for the fleet's allocator.")
 @click.option(
     "--job-uids",
@@ -283,6 +293,7 @@ def node(
     lease_ttl_s: int,
     resize_interval: float,
     history_days: float,
+    resume_after: float,
     no_allocator: bool,
     job_uids: str | None,
     job_etcd_cert: Path | None,
@@ -298,7 +309,7 @@ def node(
     from efdl.fleet.etcd_users import EtcdUsers
     from efdl.fleet.spawn import isolation_from_flags
 
-    policy = _fleet_policy(resize_interval, history_days)
+    policy = _fleet_policy(resize_interval, history_days, resume_after)
     keys = fleet_keys(fleet)
     name = check_id(host_id or socket.gethostname(), "host id")
     cfg = etcd_config(config_file, flags)

@@ -1,6 +1,10 @@
 """The fleet's one decision: which job holds which GPUs. Pure: hosts, jobs and the clock in,
 each job's status and the reasons out; no I/O (the elected loop reads etcd and writes this).
 
+A decision counts first (how many GPUs each job gets) and places second (which GPUs), so
+that every rule below is applied to the whole fleet at once, in one pass per priority, and
+deciding again at once changes nothing (a fixed point).
+
 The rules, in the order they apply:
 
 1. A GPU that a process not of efdl's holds (inference at peak), or whose host is gone, is
@@ -8,30 +12,40 @@ The rules, in the order they apply:
    waits for nothing). A host whose record went only lately (``lingering``: its daemon may be
    restarting while its agents train on) keeps its GPUs with the jobs that hold them, and
    nothing new is placed there, for ``FleetPolicy.host_grace_s``.
-2. Jobs are served by priority (higher first), then in the order they were submitted.
-3. A job gets at least its ``min`` workers or nothing. What its min needs comes from free
-   GPUs first; then from lower-priority jobs, shrunk in place (never below their own min),
-   lowest priority first; then from equal-priority jobs' GPUs above their min; then by
-   suspending whole lower-priority jobs that have a remote cache (they persist, stop, and
-   resume later at whatever size is free). If all that cannot make its min, nothing is taken
-   from anyone and the job waits. A running job that fell below its min and cannot get it
-   back is suspended when it has a cache (its GPUs would idle), else it waits as it is.
-   Mins are served again, by priority, until nothing changes: the GPUs a suspension frees
-   serve every job that waits for them in the same decision (a job suspended earlier in it
-   included, which then runs on), so that deciding again at once changes nothing.
-4. GPUs left over go to running elastic jobs up to their ``max``: higher priority first,
-   and within a priority one GPU at a time to the job that holds the fewest (fair share).
-5. Placement prefers fewer hosts per job: a job grows first on hosts it is on, then on the
-   host that fits what it needs most tightly, else on the hosts with the most free GPUs;
-   fragments are used (one free GPU on each of two hosts makes a 2-worker job). A shrink
-   gives back GPUs on the hosts where the job has the fewest.
+2. What the allocator may not take: a job resized less than ``resize_interval_s`` ago keeps
+   what it holds (it is *frozen*; one below its min may still get its min back); a running
+   job without a remote cache keeps its min (it cannot be suspended: its state lives only
+   in its workers).
+3. Mins, by priority (higher first). Within a priority, running jobs come first, the largest
+   first (when some must be suspended, the smallest go: fewer GPUs restart), then the others,
+   the smallest min first (most jobs are small and short: starting them first shortens the
+   mean completion time), then in the order they were submitted. A job gets at least its
+   ``min`` workers or nothing: its min is admitted when what is left (every usable GPU, less
+   what rule 2 keeps and the mins admitted before it) covers it. A running job whose min is
+   not admitted is suspended when it has a cache (its GPUs serve the jobs after it), else it
+   runs on below its min and waits (and grows back toward it on GPUs left over). A waiting
+   job that does not fit lets smaller ones after it start (backfill), unless it has waited
+   longer than ``max_wait_s``: then nothing of its priority or lower starts past it until it
+   runs (it is not starved). A job suspended less than ``resume_after_s`` ago does not start
+   again yet (no suspend-resume round trips while inference swings).
+4. GPUs left over go to running elastic jobs up to their ``max``, by priority; within a
+   priority they are shared evenly (max-min fair, GPU by GPU to the job that holds the
+   fewest, ties to the job that holds more now), so that equal jobs converge to equal shares
+   and a higher-priority job grows past its min into what lower ones hold above theirs.
+5. Placement prefers fewer hosts per job, away from inference: a job that shrinks gives
+   back GPUs on the hosts where it has the fewest; a job that grows takes all it needs at
+   once, first on hosts it is on, then on the host that fits the rest most tightly among
+   those where no process of inference runs (inference grows on its hosts first), then among
+   the others, else on the hosts with the most free GPUs; fragments are used (one free GPU
+   on each of two hosts makes a 2-worker job).
 6. No thrashing: the allocator changes a running job's GPUs at most once per
-   ``resize_interval_s``, except to give it back its min. Everything one decision changes is
-   one resize per job (its agents rebuild once).
+   ``resize_interval_s``, except to give it back its min (rule 2). Everything one decision
+   changes is one resize per job (its agents rebuild once).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,11 +74,16 @@ class FleetPolicy:
             daemon restarting, or away from etcd, while its agents train on).
         history_s: how long the fleet's events are kept (the leader deletes older ones,
             hourly: efdl.fleet.registry.prune_events); decisions do not read them.
+        max_wait_s: a waiting job that has waited this long (since it was submitted, or
+            suspended) is let nobody of its priority or lower start past it.
+        resume_after_s: the least time a suspended job stays suspended.
     """
 
     resize_interval_s: float = 60.0
     host_grace_s: float = 60.0
     history_s: float = 7 * 86400.0
+    max_wait_s: float = 4 * 3600.0
+    resume_after_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +115,15 @@ class _Work:
     """One job while deciding."""
 
     job: Job
+    order: int  # its place in the serving order of rule 3
     held: Held = field(default_factory=dict)
-    phase: Phase = Phase.QUEUED
+    kept: int = 0  # GPUs on lingering hosts: held, never moved
+    had: int = 0  # its size after rule 1
     facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
-    notes: list[str] = field(default_factory=list)  # what this decision did to it
-    frozen: bool = False  # resized less than the interval ago: the allocator leaves it be
+    frozen: bool = False  # resized less than the interval ago (rule 2)
+    floor: int = 0  # what the allocator may not take from it (rule 2)
+    admitted: bool = False  # its min (rule 3)
+    target: int = 0  # its size after this decision
     waiting: str = ""  # why it lacks its min, if it does
 
     @property
@@ -112,13 +135,31 @@ class _Work:
         return self.job.spec
 
     @property
+    def running(self) -> bool:
+        return self.job.status.phase is Phase.RUNNING
+
+    @property
     def size(self) -> int:
         return sum(len(ix) for ix in self.held.values())
 
     @property
-    def excess(self) -> int:
-        """GPUs above its min (what a shrink may take)."""
-        return max(0, self.size - self.spec.min_workers)
+    def movable(self) -> int:
+        """What it holds that the allocator could move (not on a lingering host)."""
+        return self.size - self.kept
+
+    @property
+    def low(self) -> int:
+        """Its min, less what it keeps on lingering hosts: what it needs of the pool."""
+        return max(0, self.spec.min_workers - self.kept)
+
+    @property
+    def high(self) -> int:
+        return max(0, self.spec.max_workers - self.kept)
+
+    @property
+    def base(self) -> int:
+        """Its share of the pool once its min is admitted (a frozen job keeps more)."""
+        return max(self.low, self.floor)
 
 
 def allocate(
@@ -132,180 +173,258 @@ def allocate(
     ``lingering``: hosts whose record went less than ``policy.host_grace_s`` ago."""
     usable = {h.host_id: set(h.usable()) for h in hosts}
     staying = set(lingering) - set(usable)
-    work = [
-        _Work(j, phase=j.status.phase)
-        for j in sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.submitted, j.spec.job_id))
-        if not j.status.phase.final
-    ]
+    work = _serving_order([j for j in jobs if not j.status.phase.final])
     free = {h: set(ix) for h, ix in usable.items()}
-    for w in work:  # rule 1: what each running job still holds (the first claim wins)
-        if w.phase is not Phase.RUNNING:
-            continue
-        lost: list[str] = []
-        for host, indices in w.job.status.gpus:
-            if host in staying:  # kept, and placed nowhere else: the host is not usable
-                w.held.setdefault(host, set()).update(indices)
-                continue
-            for i in indices:
-                if i in free.get(host, ()):
-                    free[host].discard(i)
-                    w.held.setdefault(host, set()).add(i)
-                else:
-                    lost.append(f"{host}:{i}")
-        if lost:
-            named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
-            w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
-        if w.size > w.spec.max_workers:  # a record from before a change of its spec
-            _give_back(w, free, w.size - w.spec.max_workers)
-            w.facts.append(f"shrunk to its max of {w.spec.max_workers}")
-        w.frozen = now - w.job.status.changed < policy.resize_interval_s
-    for _ in range(3 * len(work) + 3):  # rules 2-3: each job's min, by priority, again
-        # while a pass changed something (a suspension's GPUs may make another's min). Each
-        # pass that changes something moves GPUs to a job of higher priority or starts one;
-        # the bound only guards against a mistake in that argument.
-        if not any([_serve_min(w, work, free) for w in work]):
-            break
-    _grow(work, free)  # rule 4
-    return _decision(work, now)
-
-
-def _serve_min(w: _Work, work: list[_Work], free: Held) -> bool:
-    """Give ``w`` its min if it lacks it (rule 3); True if that freed GPUs for others."""
-    need = w.spec.min_workers - w.size
-    if need <= 0:
-        return False
-    short = need - _count(free)
-    plan, found = _reclaim_plan(w, work, short)
-    if found < short:
-        if w.phase is Phase.RUNNING and w.spec.cache_url:
-            _stop(
-                w,
-                free,
-                f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up",
-            )
-            return True
-        if w.phase is Phase.RUNNING:
-            w.waiting = (
-                f"runs below its min of {w.spec.min_workers} (no cache to suspend to); "
-                "waits for GPUs"
-            )
-        else:
-            w.waiting = (
-                f"waits: its min of {w.spec.min_workers} needs {_gpus_word(need)}; at most "
-                f"{_count(free) + found} could be freed for it"
-            )
-        return False
-    w.waiting = ""
-    for victim, take in plan:
-        if take >= victim.size:
-            _stop(victim, free, f"suspended to make room for {w.id} (priority {w.spec.priority})")
-        else:
-            _give_back(victim, free, take)
-            victim.notes.append(
-                f"shrunk by {_gpus_word(take)} for {w.id} (priority {w.spec.priority})"
-            )
-    _place(w, free, need)
-    if w.phase is not Phase.RUNNING:
-        was = w.job.status.phase
-        if was is Phase.RUNNING:  # suspended earlier in this decision: it never stops
-            w.notes = [f"kept at its min of {w.spec.min_workers} on GPUs freed meanwhile"]
-        else:
-            w.notes.append("resumed" if was is Phase.SUSPENDED else "started")
-        w.phase = Phase.RUNNING
-    return _count(free) > 0
-
-
-def _stop(w: _Work, free: Held, why: str) -> None:
-    """Take all of ``w``'s GPUs. A job that ran before this decision is suspended; one that
-    started in it goes back to where it was (queued or suspended), as if it never started."""
-    _give_back(w, free, w.size)
-    was = w.job.status.phase
-    if was is Phase.RUNNING:
-        w.phase = Phase.SUSPENDED
-        w.notes = [why]
-    else:
-        w.phase = was
-        w.notes = []
-
-
-def _reclaim_plan(w: _Work, work: list[_Work], short: int) -> tuple[list[tuple[_Work, int]], int]:
-    """What to take from whom so that ``short`` more GPUs are free for ``w``'s min, and how
-    many it found (fewer than ``short``: it cannot be done)."""
-    plan: dict[str, tuple[_Work, int]] = {}
-    found = 0
-    if short <= 0:
-        return [], 0
-    others = [
-        v for v in work if v is not w and v.phase is Phase.RUNNING and v.size and not v.frozen
-    ]
-    lowest_first = sorted(others, key=lambda v: (v.spec.priority, -v.spec.submitted, v.id))
-    shrinks = [v for v in lowest_first if v.spec.priority < w.spec.priority]
-    shrinks += [v for v in lowest_first if v.spec.priority == w.spec.priority]
-    for v in shrinks:  # shrink in place, never below their min
-        take = min(v.excess, short - found)
-        if take:
-            plan[v.id] = (v, take)
-            found += take
-        if found >= short:
-            return list(plan.values()), found
-    for v in lowest_first:  # then suspend whole lower-priority jobs that can resume
-        if v.spec.priority >= w.spec.priority or not v.spec.cache_url:
-            continue
-        found += v.size - plan.get(v.id, (v, 0))[1]
-        plan[v.id] = (v, v.size)
-        if found >= short:
-            break
-    return list(plan.values()), found
-
-
-def _grow(work: list[_Work], free: Held) -> None:
-    """Rule 4: the free GPUs to running elastic jobs up to their max, by priority, then one
-    at a time to the one holding the fewest."""
-    grown: dict[str, int] = {}
-    while _count(free):
-        wanting = [
-            w
-            for w in work
-            if w.phase is Phase.RUNNING and w.size < w.spec.max_workers and not w.frozen
-        ]
-        if not wanting:
-            break
-        top = max(w.spec.priority for w in wanting)
-        w = min((w for w in wanting if w.spec.priority == top), key=lambda w: w.size)
-        grown[w.id] = grown.get(w.id, 0) + 1
-        _place(w, free, 1)
+    for w in work:  # rule 1
+        if w.running:
+            _still_held(w, free, usable, staying)
+        w.frozen = w.running and now - w.job.status.changed < policy.resize_interval_s
     for w in work:
-        if w.id in grown and w.job.status.phase is Phase.RUNNING:  # else it started now
-            w.notes.append(f"grew by {_gpus_word(grown[w.id])} onto free GPUs")
+        w.had = w.size
+    pool = _count(free) + sum(w.movable for w in work)  # what the allocator may move
+    _admit(work, pool, now, policy)  # rules 2-3
+    _share(work, pool)  # rule 4
+    shared = {h.host_id for h in hosts if any(g.foreign for g in h.gpus)}
+    changed = _place(work, free, staying, shared)  # rule 5
+    return _decision(work, changed, now)
 
 
-# ---------------------------------------------------------------- placement
+def _serving_order(jobs: list[Job]) -> list[_Work]:
+    def key(j: Job) -> tuple[float, ...]:
+        st = j.status
+        if st.phase is Phase.RUNNING:  # the largest first, then the oldest
+            return (-j.spec.priority, 0, -st.size, j.spec.submitted)
+        return (-j.spec.priority, 1, j.spec.min_workers, j.spec.submitted)
+
+    ordered = sorted(jobs, key=lambda j: (*key(j), j.spec.job_id))
+    return [_Work(j, n) for n, j in enumerate(ordered)]
 
 
-def _place(w: _Work, free: Held, n: int) -> None:
+def _still_held(w: _Work, free: Held, usable: dict[str, set[int]], staying: set[str]) -> None:
+    """Rule 1: what a running job still holds (the first claim, in serving order, wins)."""
+    lost: list[str] = []
+    for host, indices in w.job.status.gpus:
+        if host in staying:  # kept, and placed nowhere else: the host is not usable
+            w.held.setdefault(host, set()).update(indices)
+            w.kept += len(indices)
+            continue
+        for i in indices:
+            if i in free.get(host, ()):
+                free[host].discard(i)
+                w.held.setdefault(host, set()).add(i)
+            else:
+                lost.append(f"{host}:{i}")
+    if lost:
+        named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+        w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
+    if w.size > w.spec.max_workers:  # a record from before a change of its spec
+        _give_back(w, free, w.size - w.spec.max_workers, staying)
+        w.facts.append(f"shrunk to its max of {w.spec.max_workers}")
+
+
+# ---------------------------------------------------------------- rules 2-3: mins
+
+
+def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
+    """Rules 2-3: whose min is admitted. A pinned job (frozen, or without a cache) that
+    cannot reach its min but could be suspended is unpinned and the pass runs again, so that
+    the GPUs its suspension frees serve every job, of any priority, in the same decision."""
+    unpinned: set[str] = set()
+    for _ in range(len(work) + 1):
+        for w in work:
+            if not w.running or w.id in unpinned:
+                w.floor = 0
+            elif w.frozen:
+                w.floor = w.movable
+            elif not w.spec.cache_url:
+                w.floor = min(w.movable, w.low)
+            else:
+                w.floor = 0
+        left = pool - sum(w.floor for w in work)
+        blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
+        again = False
+        for w in work:
+            need = w.base - w.floor
+            blocked = blocked_below is not None and w.spec.priority <= blocked_below
+            if need <= left and not (blocked and not w.running) and _may_start(w, now, policy):
+                w.admitted, w.waiting = True, ""
+                left -= need
+                continue
+            w.admitted = False
+            if w.running and w.floor and w.spec.cache_url:
+                unpinned.add(w.id)  # it will be suspended: its GPUs serve the others
+                again = True
+                break
+            if w.running and w.spec.cache_url:
+                continue  # suspended (rule 3); its GPUs were never counted as kept
+            if w.running:
+                w.waiting = (
+                    f"runs below its min of {w.spec.min_workers} (no cache to suspend to); "
+                    "waits for GPUs"
+                )
+                continue
+            w.waiting = _why_waiting(w, need, left, blocked, now, policy)
+            if _waited(w, now) >= policy.max_wait_s and blocked_below is None:
+                blocked_below = w.spec.priority
+        if not again:
+            return
+
+
+def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
+    st = w.job.status
+    return not (st.phase is Phase.SUSPENDED and now - st.changed < policy.resume_after_s)
+
+
+def _waited(w: _Work, now: float) -> float:
+    st = w.job.status
+    return now - (st.changed if st.phase is Phase.SUSPENDED else w.spec.submitted)
+
+
+def _why_waiting(
+    w: _Work, need: int, left: int, blocked: bool, now: float, policy: FleetPolicy
+) -> str:
+    if not _may_start(w, now, policy):
+        return (
+            f"waits: suspended less than {policy.resume_after_s:g} s ago; resumes after that "
+            "if its min fits"
+        )
+    if need <= left and blocked:
+        return "waits: a job of its priority or higher has waited longer and goes first"
+    return (
+        f"waits: its min of {w.spec.min_workers} needs {_gpus_word(need)}; at most "
+        f"{max(0, left)} could be freed for it"
+    )
+
+
+# ---------------------------------------------------------------- rule 4: sizes
+
+
+def _share(work: list[_Work], pool: int) -> None:
+    """Rule 4: each running job's size; a job that is not admitted keeps its floor."""
+    for w in work:
+        w.target = w.base if w.admitted else w.floor
+    left = pool - sum(w.target for w in work)
+    by_priority: dict[int, list[_Work]] = {}
+    for w in work:
+        # (a job without a cache that runs below its min grows back toward it too)
+        if _phase(w) is Phase.RUNNING and not w.frozen and w.target < w.high:
+            by_priority.setdefault(w.spec.priority, []).append(w)
+    for priority in sorted(by_priority, reverse=True):
+        if left <= 0:
+            return
+        heap = [(w.target, -w.size, w.order, w) for w in by_priority[priority]]
+        heapq.heapify(heap)
+        while heap and left > 0:
+            _, _, _, w = heapq.heappop(heap)
+            # the lowest gets as many as make it equal to the next one (at least one)
+            ceiling = heap[0][0] if heap else w.high
+            step = max(1, min(ceiling - w.target, w.high - w.target, left))
+            w.target += step
+            left -= step
+            if w.target < w.high:
+                heapq.heappush(heap, (w.target, -w.size, w.order, w))
+
+
+# ---------------------------------------------------------------- rule 5: placement
+
+
+def _place(work: list[_Work], free: Held, staying: set[str], shared: set[str]) -> dict[str, int]:
+    """Move GPUs so that each job holds its target: shrinks first, then growth, the largest
+    growth first (it finds whole hosts). Returns each moved job's change in GPUs."""
+    changed: dict[str, int] = {}
+    for w in work:
+        if _phase(w) is not Phase.RUNNING:
+            w.target = 0
+        if w.movable > w.target:
+            changed[w.id] = w.target - w.movable
+            _give_back(w, free, w.movable - w.target, staying)
+    growing = sorted(
+        (w for w in work if w.target > w.movable), key=lambda w: (w.movable - w.target, w.order)
+    )
+    index = _FreeIndex(free, shared)
+    for w in growing:
+        changed[w.id] = w.target - w.movable
+        _take(w, index, w.target - w.movable)
+    return changed
+
+
+class _FreeIndex:
+    """The free GPUs by how many each host has free, to find the host that fits a need
+    most tightly (or has the most) without a scan of every host: a heap of host ids per
+    count, entries dropped lazily once their host's count has changed."""
+
+    def __init__(self, free: Held, shared: set[str]) -> None:
+        self.free = free
+        self._shared = shared
+        self._by_count: dict[tuple[bool, int], list[str]] = {}
+        self._most = 0
+        for host in sorted(free):
+            self._file(host)
+
+    def _file(self, host: str) -> None:
+        n = len(self.free[host])
+        if n:
+            heapq.heappush(self._by_count.setdefault((host in self._shared, n), []), host)
+            self._most = max(self._most, n)
+
+    def _first(self, shared: bool, n: int) -> str | None:
+        heap = self._by_count.get((shared, n))
+        while heap and len(self.free[heap[0]]) != n:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def tightest(self, n: int) -> str | None:
+        """The host with the fewest free GPUs that are at least ``n`` (the first by id), one
+        that inference does not use first."""
+        for shared in (False, True):
+            for count in range(n, self._most + 1):
+                if (host := self._first(shared, count)) is not None:
+                    return host
+        return None
+
+    def fullest(self) -> str | None:
+        """The host with the most free GPUs (the first by id), or None if none has any."""
+        best: tuple[int, bool, str] | None = None
+        for shared in (False, True):
+            for count in range(self._most, 0, -1):
+                if (host := self._first(shared, count)) is not None:
+                    if best is None or (-count, shared, host) < best:
+                        best = (-count, shared, host)
+                    break
+        return best[2] if best else None
+
+    def take(self, host: str, n: int) -> list[int]:
+        chosen = sorted(self.free[host])[:n]
+        self.free[host].difference_update(chosen)
+        self._file(host)
+        return chosen
+
+
+def _take(w: _Work, index: _FreeIndex, n: int) -> None:
     """Give ``w`` ``n`` free GPUs: on its own hosts first (most free first), then on the
     host that fits the rest most tightly, else on the hosts with the most free."""
+    free = index.free
     while n > 0:
         own = [h for h in w.held if free.get(h)]
         if own:
-            host = min(own, key=lambda h: (-len(free[h]), h))
+            host: str | None = min(own, key=lambda h: (-len(free[h]), h))
         else:
-            fits = [h for h in free if len(free[h]) >= n]
-            if fits:
-                host = min(fits, key=lambda h: (len(free[h]), h))
-            else:
-                host = min((h for h in free if free[h]), key=lambda h: (-len(free[h]), h))
-        chosen = sorted(free[host])[:n]
-        free[host].difference_update(chosen)
+            host = index.tightest(n) or index.fullest()
+        if host is None:
+            return  # (cannot happen: targets never exceed the pool)
+        chosen = index.take(host, n)
         w.held.setdefault(host, set()).update(chosen)
         n -= len(chosen)
 
 
-def _give_back(w: _Work, free: Held, n: int) -> None:
+def _give_back(w: _Work, free: Held, n: int, staying: set[str]) -> None:
     """Take ``n`` GPUs from ``w``, from the hosts where it has the fewest (highest indices
-    first), back to ``free``."""
-    while n > 0 and w.held:
-        host = min(w.held, key=lambda h: (len(w.held[h]), h))
+    first), back to ``free``; never those on a lingering host."""
+    while n > 0:
+        hosts = [h for h in w.held if h not in staying and w.held[h]]
+        if not hosts:
+            return
+        host = min(hosts, key=lambda h: (len(w.held[h]), h))
         for i in sorted(w.held[host], reverse=True)[:n]:
             w.held[host].discard(i)
             free.setdefault(host, set()).add(i)
@@ -321,28 +440,66 @@ def _count(held: Held) -> int:
 # ---------------------------------------------------------------- the result
 
 
-def _decision(work: list[_Work], now: float) -> Allocation:
+def _phase(w: _Work) -> Phase:
+    was = w.job.status.phase
+    if w.admitted or (was is Phase.RUNNING and not w.spec.cache_url):
+        return Phase.RUNNING
+    return Phase.SUSPENDED if was is Phase.RUNNING else was
+
+
+def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocation:
+    gained = sorted(
+        (w for w in work if changed.get(w.id, 0) > 0), key=lambda w: (-w.spec.priority, w.order)
+    )
     statuses: dict[str, JobStatus] = {}
     reasons: list[Reason] = []
     for w in work:
-        old = w.job.status
-        gpus = _gpus(w.held) if w.phase is Phase.RUNNING else ()
-        notes = [*w.facts, *w.notes]
+        old, phase = w.job.status, _phase(w)
+        gpus = _gpus(w.held) if phase is Phase.RUNNING else ()
+        notes = [*w.facts, *_notes(w, phase, changed.get(w.id, 0), gained)]
         text = "; ".join([*notes, w.waiting] if w.waiting else notes)
-        if gpus != old.gpus or w.phase is not old.phase:  # (the GPUs are in the record:
+        if gpus != old.gpus or phase is not old.phase:  # (the GPUs are in the record:
             # a reason names them while they are few)
             text = text or "placed"
-            if w.phase is Phase.RUNNING:
+            if phase is Phase.RUNNING:
                 size = f"{w.spec.min_workers}-{w.spec.max_workers}"
                 where = describe(gpus) if len(gpus) <= 4 else f"{len(gpus)} hosts"
                 text += f": {gpu_count(gpus)} of {size} workers on {where}"
-            statuses[w.id] = JobStatus(w.phase, gpus, now, text)
+            statuses[w.id] = JobStatus(phase, gpus, now, text)
         elif text and (same := JobStatus(old.phase, old.gpus, old.changed, text)) != old:
             statuses[w.id] = same  # the same place, a new reason (a waiting job)
         else:
             continue
         reasons.append(Reason(w.id, statuses[w.id].reason))
     return Allocation(statuses, tuple(reasons))
+
+
+def _notes(w: _Work, phase: Phase, delta: int, gained: list[_Work]) -> list[str]:
+    """What this decision did to ``w``, in words."""
+    was = w.job.status.phase
+    if phase is not Phase.RUNNING:
+        if was is not Phase.RUNNING:
+            return []
+        if w.had < w.spec.min_workers and not _for(w, gained):
+            return [f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up"]
+        return [f"suspended to make room for {_for(w, gained) or 'higher-priority jobs'}"]
+    if was is not Phase.RUNNING:
+        return ["resumed" if was is Phase.SUSPENDED else "started"]
+    if delta > 0:
+        return [f"grew by {_gpus_word(delta)} onto free GPUs"]
+    if delta < 0:
+        by = _for(w, gained)
+        return [f"shrunk by {_gpus_word(-delta)}" + (f" for {by}" if by else "")]
+    return []
+
+
+def _for(w: _Work, gained: list[_Work]) -> str:
+    """The job of ``w``'s priority or higher that gained GPUs this decision, the highest
+    priority first ("x (priority p)"), or "": whom ``w``'s loss served."""
+    for v in gained:
+        if v is not w and v.spec.priority >= w.spec.priority:
+            return f"{v.id} (priority {v.spec.priority})"
+    return ""
 
 
 def _gpus(held: Held) -> Gpus:

@@ -342,7 +342,8 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
     assert code == 2 and f"The training script 'nosuch.py' is not in {tmp_path}" in out, out
     for args, message in [
         (["cancel", "nope"], "has no job 'nope'"),
-        (["allocator", "--resize-interval", "-1"], "--resize-interval -1.0 is negative"),
+        (["allocator", "--resize-interval", "-1"], "--resize-interval -1.0 is not a number of"),
+        (["node", "--resume-after", "-5"], "--resume-after -5.0 is not a number of seconds"),
         (["node", "--history-days", "0"], "--history-days 0.0 is not a number of days > 0"),
         (["node", "--job-uids", "1-70000"], "--job-uids 1-70000 holds uid 65534"),
         *(

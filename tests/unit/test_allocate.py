@@ -137,7 +137,7 @@ def test_shrinking_never_goes_below_a_jobs_min_then_suspends_lower_jobs_with_a_c
     assert size(d, "urgent") == 10
 
 
-def test_an_equal_priority_job_takes_only_what_another_holds_above_its_min() -> None:
+def test_equal_priority_jobs_converge_to_equal_shares_and_never_suspend_each_other() -> None:
     hosts = fleet(1)
     h0 = hosts[0].host_id
     jobs = [
@@ -145,7 +145,15 @@ def test_an_equal_priority_job_takes_only_what_another_holds_above_its_min() -> 
         queued(spec("next", 2, 8, at=2)),
     ]
     d = allocate(hosts, jobs, NOW)
-    assert size(d, "first") == 6 and size(d, "next") == 2
+    assert size(d, "first") == 4 and size(d, "next") == 4  # not 6 and 2 forever
+    assert "shrunk by 4 GPUs for next (priority 0)" in d.statuses["first"].reason
+    # 7 and 1 (the newcomer was placed when only one GPU was free) become 4 and 4
+    jobs = [
+        running(spec("first", 1, 8, at=1), ((h0, tuple(range(7))),)),
+        running(spec("next", 1, 8, at=2), ((h0, (7,)),)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert size(d, "first") == 4 and size(d, "next") == 4
     # and never suspends it
     jobs = [
         running(spec("first", 8, 8, at=1), ((h0, tuple(range(8))),)),
@@ -195,10 +203,12 @@ def test_fragmented_gpus_make_a_job() -> None:
     assert d.statuses["pair"].gpus == (("a", (7,)), ("b", (0,)))
 
 
-def test_placement_prefers_the_host_that_fits_tightest_then_the_fewest_hosts() -> None:
+def test_placement_prefers_hosts_inference_does_not_use_then_the_tightest_fit() -> None:
     hosts = [host("a", 8), host("b", 8, foreign=range(4)), host("c", 8, foreign=range(6))]
     d = allocate(hosts, [queued(spec("four", 4, 4))], NOW)
-    assert d.statuses["four"].gpus == (("b", (4, 5, 6, 7)),)  # fits, and leaves a whole
+    assert d.statuses["four"].gpus == (("a", (0, 1, 2, 3)),)  # inference grows on b and c
+    d = allocate(hosts[1:], [queued(spec("four", 4, 4))], NOW)
+    assert d.statuses["four"].gpus == (("b", (4, 5, 6, 7)),)  # fits, and leaves c's two
     d = allocate(hosts, [queued(spec("ten", 10, 10))], NOW)
     assert d.statuses["ten"].gpus == (("a", tuple(range(8))), ("c", (6, 7)))
 
@@ -362,10 +372,31 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
     # a job waits for its min only when nothing could make it: free GPUs, what unfrozen
     # lower- or equal-priority jobs hold above their min, lower-priority jobs with a cache
     before = {j.spec.job_id: j.status for j in jobs}
+    policy = FleetPolicy()
+
+    def starved(j: Job) -> bool:  # waited past max_wait_s: nobody of its priority or lower
+        st_ = before[j.spec.job_id]  # starts past it
+        since = st_.changed if st_.phase is Phase.SUSPENDED else j.spec.submitted
+        return st_.phase is not Phase.RUNNING and now - since >= policy.max_wait_s
+
     for w in final:
         waiting = w.status.phase in (Phase.QUEUED, Phase.SUSPENDED)
         if not waiting or before[w.spec.job_id].phase is Phase.RUNNING:
             continue
+        old_w = before[w.spec.job_id]
+        if old_w.phase is Phase.SUSPENDED and now - old_w.changed < policy.resume_after_s:
+            continue  # suspended lately: it may not start yet
+        ahead = [
+            u
+            for u in final
+            if u is not w
+            and u.status.phase is not Phase.RUNNING
+            and starved(u)
+            and (-u.spec.priority, u.spec.min_workers, u.spec.submitted)
+            < (-w.spec.priority, w.spec.min_workers, w.spec.submitted)
+        ]
+        if ahead:
+            continue  # a job that waited longer goes first
         could = free
         for v in final:
             old = before[v.spec.job_id]
