@@ -3,6 +3,8 @@ scheduler must keep, checked on every tick and over the whole run."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from benchmarks import fleet_sim
@@ -10,6 +12,7 @@ from benchmarks.fleet_sim import (
     Costs,
     Outcome,
     Trace,
+    TraceJob,
     check_outcome,
     make_trace,
     simulate_efdl,
@@ -81,3 +84,27 @@ def test_cli_quick(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "| 1x | packed | efdl |" in out and "| 1x | spread | gang-min+res |" in out
     assert "Goals (issue 56)" in out and ("PASS" in out or "FAIL" in out)
+
+
+def test_easy_reservation_holds_back_only_what_would_delay_the_head() -> None:
+    """One host of 8 GPUs, no inference: A (4 GPUs, 2 h) runs; B (8 GPUs) cannot fit and
+    gets the reservation at A's end; C (4 GPUs, 3 h) would still hold GPUs then, so it
+    waits behind B; D (4 GPUs, 10 min) ends before A does and backfills. Greedy backfill
+    starts C at once and B waits for C too."""
+    host = "gke-train-a3-a000.us-central1-a.c.fleet-prod.internal"
+    jobs = (
+        TraceJob("low-a", 0.0, 4, 4, 0, 4 * 2 * 3600.0, True),
+        TraceJob("low-b", 60.0, 8, 8, 0, 8 * 3600.0, True),
+        TraceJob("low-c", 120.0, 4, 4, 0, 4 * 3 * 3600.0, True),
+        TraceJob("low-d", 180.0, 4, 4, 0, 4 * 600.0, True),
+    )
+    trace = Trace((host,), 8, tuple((host, i) for i in range(8)), (0,), 300.0, jobs, True)
+    start: dict[bool, dict[str, float]] = {}
+    for reserve in (False, True):
+        o = simulate_gang(trace, COSTS, "max", reserve=reserve, check=True)
+        check_outcome(o, COSTS)
+        start[reserve] = {r.job.job_id: r.first_start or math.inf for r in o.runs}
+    assert start[False]["low-c"] == 120.0 and start[False]["low-b"] > 3 * 3600
+    easy = start[True]
+    assert easy["low-d"] == 180.0  # it ends before the reservation: backfilled
+    assert easy["low-b"] < 2.2 * 3600 <= easy["low-c"] < math.inf
