@@ -335,7 +335,8 @@ def simulate_efdl(
     inf_n = -1
     arrived = 0
     demand = 0  # sum of arrived unfinished jobs' max
-    unfreeze: list[float] = []  # when a job's resize interval ends (heap)
+    wake: list[float] = []  # when a time rule changes an input (heap): a job's resize
+    # interval or suspension hold ends, or a waiting job reaches max_wait_s
     changed = True
     t = 0.0
     left = len(o.runs)
@@ -373,8 +374,9 @@ def simulate_efdl(
             demand += j.max_workers
             arrived += 1
             changed = True
-        while unfreeze and unfreeze[0] <= now:
-            heapq.heappop(unfreeze)
+            heapq.heappush(wake, now + policy.max_wait_s)
+        while wake and wake[0] <= now:
+            heapq.heappop(wake)
             changed = True
         if changed or every_tick:
             changed = False
@@ -387,7 +389,10 @@ def simulate_efdl(
                 _apply(o, runs[job_id], jobs[job_id].status, st, lost[job_id], owner, now, c)
                 jobs[job_id] = Job(specs[job_id], st)
                 if st.changed == now and st.phase is Phase.RUNNING:
-                    heapq.heappush(unfreeze, now + policy.resize_interval_s)
+                    heapq.heappush(wake, now + policy.resize_interval_s)
+                elif st.changed == now and st.phase is Phase.SUSPENDED:
+                    heapq.heappush(wake, now + policy.resume_after_s)
+                    heapq.heappush(wake, now + policy.max_wait_s)
         running = []
         smallest = trace.total + 1  # the least a job waiting or growing could use
         for job_id, job in jobs.items():
