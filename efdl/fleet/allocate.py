@@ -18,8 +18,8 @@ The rules, in the order they apply:
    in its workers).
 3. Mins, by priority (higher first). Within a priority, running jobs come first, the largest
    first (when some must be suspended, the smallest go: fewer GPUs restart), then the others,
-   the smallest min first (most jobs are small and short: starting them first shortens the
-   mean completion time), then in the order they were submitted. A job gets at least its
+   the smallest first (by max: most jobs are small and short, and starting them first
+   shortens the mean completion time), then in the order they were submitted. A job gets at least its
    ``min`` workers or nothing: its min is admitted when what is left (every usable GPU, less
    what rule 2 keeps and the mins admitted before it) covers it. A running job whose min is
    not admitted is suspended when it has a cache (its GPUs serve the jobs after it), else it
@@ -194,7 +194,7 @@ def _serving_order(jobs: list[Job]) -> list[_Work]:
         st = j.status
         if st.phase is Phase.RUNNING:  # the largest first, then the oldest
             return (-j.spec.priority, 0, -st.size, j.spec.submitted)
-        return (-j.spec.priority, 1, j.spec.min_workers, j.spec.submitted)
+        return (-j.spec.priority, 1, j.spec.max_workers, j.spec.submitted)
 
     ordered = sorted(jobs, key=lambda j: (*key(j), j.spec.job_id))
     return [_Work(j, n) for n, j in enumerate(ordered)]

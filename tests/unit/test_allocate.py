@@ -392,8 +392,8 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
             if u is not w
             and u.status.phase is not Phase.RUNNING
             and starved(u)
-            and (-u.spec.priority, u.spec.min_workers, u.spec.submitted)
-            < (-w.spec.priority, w.spec.min_workers, w.spec.submitted)
+            and (-u.spec.priority, u.spec.max_workers, u.spec.submitted)
+            < (-w.spec.priority, w.spec.max_workers, w.spec.submitted)
         ]
         if ahead:
             continue  # a job that waited longer goes first
