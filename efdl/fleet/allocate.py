@@ -17,17 +17,18 @@ The rules, in the order they apply:
    job without a remote cache keeps its min (it cannot be suspended: its state lives only
    in its workers).
 3. Mins, by priority (higher first). Within a priority, running jobs come first, the largest
-   first (when some must be suspended, the smallest go: fewer GPUs restart), then the others,
-   the smallest first (by max: most jobs are small and short, and starting them first
-   shortens the mean completion time), then in the order they were submitted. A job gets at least its
-   ``min`` workers or nothing: its min is admitted when what is left (every usable GPU, less
-   what rule 2 keeps and the mins admitted before it) covers it. A running job whose min is
-   not admitted is suspended when it has a cache (its GPUs serve the jobs after it), else it
-   runs on below its min and waits (and grows back toward it on GPUs left over). A waiting
-   job that does not fit lets smaller ones after it start (backfill), unless it has waited
-   longer than ``max_wait_s``: then nothing of its priority or lower starts past it until it
-   runs (it is not starved). A job suspended less than ``resume_after_s`` ago does not start
-   again yet (no suspend-resume round trips while inference swings).
+   first (when some must be suspended, the smallest go: fewer GPUs restart), then the
+   others, the smallest first (by max: most jobs are small and short, and starting them
+   first shortens the mean completion time), then in the order they were submitted. A job
+   gets at least its ``min`` workers or nothing: its min is admitted when what is left
+   (every usable GPU, less what rule 2 keeps and the mins admitted before it) covers it. A
+   running job whose min is not admitted is suspended when it has a cache (its GPUs serve
+   the jobs after it), else it runs on below its min and waits (and grows back toward it on
+   GPUs left over). A waiting job that does not fit lets smaller ones after it start
+   (backfill), unless it has waited longer than ``max_wait_s``: then nothing of its priority
+   or lower starts past it until it runs (it is not starved). A job suspended less than
+   ``resume_after_s`` ago does not start again yet (no suspend-resume round trips while
+   inference swings).
 4. GPUs left over go to running elastic jobs up to their ``max``, by priority; within a
    priority they are shared evenly (max-min fair, GPU by GPU to the job that holds the
    fewest, ties to the job that holds more now), so that equal jobs converge to equal shares

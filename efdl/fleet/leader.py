@@ -7,7 +7,8 @@ The election is the rendezvous's (efdl.rendezvous.election): each candidate puts
 watches the key created just before its own, so a leader's death (its lease expires) hands
 over to exactly one successor without a herd. The leader decides when a host or a job record
 changes, and at least every ``period_s`` (a job's resize interval ends with no record
-changing).
+changing), but at most once per ``gap_s``: what changes meanwhile (a thousand hosts'
+records at a fleet's start, inference moving on many hosts) makes one decision.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Allocator:
         lease: the candidate's lease id (its daemon's): the election key goes with it.
         policy: the allocator's settings.
         period_s: decide at least this often while leading.
+        gap_s: decide at most this often (changes that come within it wait for its end).
         clock: wall-clock seconds (the records' times); an argument for tests.
         on_decision: called after each decision written (tests, metrics).
     """
@@ -53,6 +55,7 @@ class Allocator:
         lease: int,
         policy: FleetPolicy | None = None,
         period_s: float = 5.0,
+        gap_s: float = 1.0,
         clock: Callable[[], float] = time.time,
         on_decision: Callable[[Allocation], None] | None = None,
     ) -> None:
@@ -63,6 +66,7 @@ class Allocator:
         self._lease = lease
         self._policy = policy or FleetPolicy()
         self._period_s = period_s
+        self._gap_s = gap_s
         self._clock = clock
         self._on_decision = on_decision
         self._inbox: queue.Queue[WatchBatch | StoreError] = queue.Queue()
@@ -122,16 +126,22 @@ class Allocator:
                     self._store.watch(prefix, prefix=True, start_revision=start, sink=self._sink())
                 )
             while not stop.is_set():
+                decided = time.monotonic()
                 if not self.decide(leading):
                     return  # no longer leading
                 try:
                     item = self._inbox.get(timeout=self._period_s)
                 except queue.Empty:
                     continue
-                if isinstance(item, StoreError):
-                    raise item
-                while not self._inbox.empty():  # one decision for what came together
-                    self._inbox.get_nowait()
+                if stop.wait(max(0.0, decided + self._gap_s - time.monotonic())):
+                    return
+                while True:  # one decision for what came together
+                    if isinstance(item, StoreError):
+                        raise item
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
         finally:
             for w in watches:
                 w.cancel()

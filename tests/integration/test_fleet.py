@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,6 +204,7 @@ class Candidates:
         self.allocators: dict[str, Allocator] = {}
         self.leases: dict[str, tuple[EtcdStore, int]] = {}
         self.decisions: list[Allocation] = []
+        self.decided: list[float] = []  # when each decision was written (monotonic)
 
     def start(self, name: str) -> None:
         store = EtcdStore(self.server.settings(request_timeout_s=3))
@@ -216,12 +218,16 @@ class Candidates:
             lease,
             FleetPolicy(resize_interval_s=0.0),
             period_s=0.5,
-            on_decision=self.decisions.append,
+            on_decision=self._written,
         )
         stop = threading.Event()
         thread = threading.Thread(target=alloc.run, args=(stop,), daemon=True, name=name)
         self.allocators[name], self.stops[name], self.threads[name] = alloc, stop, thread
         thread.start()
+
+    def _written(self, decision: Allocation) -> None:
+        self.decisions.append(decision)
+        self.decided.append(time.monotonic())
 
     def kill(self, name: str) -> None:
         """As if its daemon died: it stops acting, and its lease ends."""
@@ -281,6 +287,36 @@ def test_one_candidate_leads_and_a_successor_takes_over_when_it_dies(
         st = statuses(store, keys)
         assert st["high"].size == 4 and st["low"].size == 4
         assert "shrunk by 4 GPUs for high (priority 5)" in st["low"].reason
+
+
+def test_a_burst_of_changes_makes_few_decisions_at_most_one_per_gap(
+    etcd_server: EmbeddedEtcd, keys: FleetKeys, candidates: Candidates
+) -> None:
+    """Sixty jobs submitted at once (as a fleet's start, or inference moving on many hosts,
+    changes many records): the leader decides at most once per gap (1 s), each decision
+    taking in everything that came meanwhile, and every job gets its place."""
+    with EtcdStore(etcd_server.settings()) as store:
+        for i in range(8):
+            add_host(store, keys, f"ip-10-2-0-{i}.ec2.internal", 8)
+        candidates.start("ip-10-2-0-0.ec2.internal")
+        wait_until(
+            "the candidate to lead",
+            lambda: candidates.allocators["ip-10-2-0-0.ec2.internal"].leading.is_set(),
+            30,
+        )
+        before = len(candidates.decided)
+        t0 = time.monotonic()
+        for i in range(60):
+            submit(store, keys, spec(f"burst-{i:02d}", 1, 1))
+        wait_until(
+            "every job placed",
+            lambda: sum(st.phase is Phase.RUNNING for st in statuses(store, keys).values()) == 60,
+            60,
+        )
+        made = candidates.decided[before:]
+        # one decision per gap at most (and one more for the one under way at the start)
+        assert len(made) <= (made[-1] - t0) / 1.0 + 2, (len(made), made[-1] - t0)
+        assert len(made) < 20, len(made)
 
 
 def efdl(server: EmbeddedEtcd, keys: FleetKeys, *args: str) -> subprocess.CompletedProcess[str]:
