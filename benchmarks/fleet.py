@@ -1,436 +1,43 @@
-"""The fleet: elastic jobs sharing GPUs with inference by priority, against gang scheduling.
+"""The fleet on this machine: a real run of ``efdl node`` daemons sharing stand-in GPUs.
 
-Part 1, a simulated day. 64 hosts x 8 GPUs; inference's demand over a day, compressed (peak
-at 20:00, trough at 04:00: from ``--low`` to ``--high`` of the GPUs, each GPU taken in a fixed
-random order, so that inference leaves fragments on every host); about 30 training jobs (1-64
-GPUs, min/max, three priorities, arrivals spread over the first 18 hours). The clock is
-simulated (one tick per simulated minute); the allocator is the real one: every tick the
-hosts' records (their GPUs inference holds, marked foreign) are written to a real etcd, the
-fleet is read back, decided and the decision written with its compare-and-swap by the
-leader's own step (efdl.fleet.leader.Allocator.decide), on the simulated clock.
-Jobs train at their GPU count times the tick (linear scaling), less what a change costs:
-``--resize-s`` of the whole job per in-place resize, ``--start-s`` per start or resume from the
-cache. The same trace under gang scheduling (what torchrun or a non-elastic PyTorchJob gets:
-a job starts when all its GPUs are free, as pods of up to a host's GPUs each on one host, in
-priority order with backfill, and keeps them; a
-GPU that inference takes preempts the job on it, which goes back to its last checkpoint,
-every ``--ckpt-min`` minutes, and queues again), with each job asking for its max, and again
-with each asking for its min.
+Three ``efdl node`` daemons with stand-in NVML (4 GPUs each) and one etcd; a low- and a
+normal-priority job train the digits example (benchmarks/digits_worker.py); a process that is
+not efdl's takes a GPU; a high-priority job arrives, then ends. Measured: the time from the
+foreign process's start to the GPU's agent gone (the GPU back to inference), steps lost, and
+a figure of who held which GPU when (efdl.timeline.draw_fleet). Then, on an otherwise idle
+host, how soon a GPU a foreign process takes is free and the job trains on without it.
 
-Part 2, a real run on this machine (``--real``, on by default): three ``efdl node`` daemons
-with stand-in NVML (4 GPUs each) and one etcd; a low- and a normal-priority job train the
-digits example (benchmarks/digits_worker.py); a process that is not efdl's takes a GPU;
-a high-priority job arrives, then ends. Measured: the time from the foreign process's start
-to the GPU's agent gone (the GPU back to inference), steps lost, and a figure of who held
-which GPU when (efdl.timeline.draw_fleet).
+The allocator's policy over a simulated day of a thousand jobs, against gang scheduling with
+backfill, is benchmarks/fleet_sim.py.
 
-Usage: python -m benchmarks.fleet [--jobs 30] [--seed 1] [--no-real] [--figures docs/img]
+Usage: python -m benchmarks.fleet [--no-real] [--gpu-back 3] [--figures docs/img]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
-import random
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from benchmarks.report import FIGURES, pyplot, save, spread, verdict
-from efdl.fleet.allocate import Allocation, FleetPolicy
+from benchmarks.report import FIGURES, spread, verdict
 from efdl.fleet.holdings import holdings
-from efdl.fleet.leader import Allocator
-from efdl.fleet.records import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
-from efdl.fleet.registry import read_events, status_writes, submit
-from efdl.rendezvous.api import Compare, KVStore
+from efdl.fleet.records import Phase
+from efdl.fleet.registry import read_events
 from efdl.rendezvous.embedded import EmbeddedEtcd
-from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.memory_store import MemoryStore
 from efdl.timeline import draw_fleet
 from tests.e2e.fleet_harness import Fleet, step_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-DAY_S = 86400.0
-TICK_S = 60.0
-EPOCH = 1_800_000_000.0  # the simulated clock's zero (08:00 of the trace's day)
-PRIORITIES = {0: "low", 50: "normal", 100: "high"}
-
-
-# --------------------------------------------------------------------------- the trace
-
-
-@dataclass(frozen=True)
-class TraceJob:
-    job_id: str
-    arrive_s: float
-    min_workers: int
-    max_workers: int
-    priority: int
-    work: float  # GPU-seconds at linear scaling
-    cache: bool
-
-
-@dataclass(frozen=True)
-class Trace:
-    hosts: tuple[str, ...]
-    gpus_per_host: int
-    order: tuple[tuple[str, int], ...]  # the order in which inference takes GPUs
-    low: float
-    high: float
-    jobs: tuple[TraceJob, ...]
-
-    def inference(self, t: float) -> set[tuple[str, int]]:
-        """The GPUs inference holds at ``t`` (seconds since 08:00): the most at 20:00."""
-        phase = 2 * math.pi * (t - 12 * 3600) / DAY_S
-        share = self.low + (self.high - self.low) * (0.5 + 0.5 * math.cos(phase))
-        return set(self.order[: math.ceil(share * len(self.order))])
-
-
-def make_trace(
-    n_hosts: int,
-    per_host: int,
-    n_jobs: int,
-    seed: int,
-    low: float,
-    high: float,
-    load: float,
-    packed: bool,
-) -> Trace:
-    rng = random.Random(seed)
-    hosts = tuple(f"gpu-{i:03d}.us-central1-a.c.fleet.internal" for i in range(n_hosts))
-    order = [(h, i) for h in hosts for i in range(per_host)]
-    rng.shuffle(order)
-    if packed:  # inference fills hosts one after another, in a random order of hosts
-        rank = {h: n for n, h in enumerate(rng.sample(hosts, len(hosts)))}
-        order.sort(key=lambda g: (rank[g[0]], g[1]))
-    jobs = []
-    for n in range(n_jobs):
-        hi = rng.choice([1, 2, 4, 8, 8, 16, 16, 32, 64])
-        rigid = rng.random() < 0.2
-        lo = hi if rigid else max(1, hi // 4)
-        prio = rng.choices([0, 50, 100], weights=[6, 3, 1])[0]
-        hours = rng.uniform(2, 10)  # at its max size
-        jobs.append(
-            TraceJob(
-                f"{PRIORITIES[prio]}-{n:02d}",
-                rng.uniform(0, 18 * 3600),
-                lo,
-                hi,
-                prio,
-                hi * hours * 3600 * load,
-                rng.random() < 0.9,
-            )
-        )
-    jobs.sort(key=lambda j: j.arrive_s)
-    return Trace(hosts, per_host, tuple(order), low, high, tuple(jobs))
-
-
-# --------------------------------------------------------------------------- outcomes
-
-
-@dataclass
-class Outcome:
-    name: str
-    started: dict[str, float] = field(default_factory=dict)
-    finished: dict[str, float] = field(default_factory=dict)
-    busy_gpu_s: float = 0.0  # GPUs held by training
-    usable_gpu_s: float = 0.0  # min(free of inference, what arrived jobs could use)
-    lost_gpu_s: float = 0.0  # work trained again (gang: back to a checkpoint)
-    preemptions: int = 0
-    resizes: dict[str, int] = field(default_factory=dict)  # in-place resizes per job
-    chosen_gaps: list[float] = field(default_factory=list)  # between the allocator's resizes
-    series: list[tuple[float, int, int]] = field(default_factory=list)  # t, inference, training
-    decide_ms: list[float] = field(default_factory=list)  # etcd write -> decision written
-    reclaim_ms: list[float] = field(default_factory=list)  # the same, ticks inference grew
-
-
-@dataclass
-class _Run:
-    """One job while simulating."""
-
-    job: TraceJob
-    done: float = 0.0
-    gpus: frozenset[tuple[str, int]] = frozenset()
-    checkpoint: float = 0.0
-    ran_s: float = 0.0  # running time since its last start (gang: for its checkpoints)
-    pause_s: float = 0.0  # owed: a start or a resize not yet paid for
-
-
-def _advance(r: _Run, out: Outcome, t: float, scaling: float) -> bool:
-    """One tick of training (``scaling``: the efficiency kept per doubling of the job's
-    GPUs; 1: linear); True when the job finished in it."""
-    n = len(r.gpus)
-    if not n:
-        return False
-    pay = min(r.pause_s, TICK_S)
-    r.pause_s -= pay
-    r.done += n * scaling ** math.log2(n) * (TICK_S - pay)
-    r.ran_s += TICK_S
-    out.busy_gpu_s += n * TICK_S
-    if r.done >= r.job.work:
-        out.finished[r.job.job_id] = t + TICK_S
-        return True
-    return False
-
-
-def _usable(trace: Trace, runs: list[_Run], t: float, inference: int) -> float:
-    want = sum(r.job.max_workers for r in runs if r.job.arrive_s < t + TICK_S)
-    return min(len(trace.order) - inference, want) * TICK_S
-
-
-def simulate_gang(trace: Trace, size_of: str, args: argparse.Namespace) -> Outcome:
-    out = Outcome(f"gang, each job at its {size_of}")
-    runs = [_Run(j) for j in trace.jobs]
-    t = 0.0
-    while len(out.finished) < len(runs) and t < args.horizon_h * 3600:
-        taken = trace.inference(t)
-        for r in runs:  # inference preempts the whole job on a GPU it takes
-            if r.gpus & taken:
-                out.preemptions += 1
-                out.lost_gpu_s += r.done - r.checkpoint
-                r.done, r.gpus = r.checkpoint, frozenset()
-        held = set().union(*(r.gpus for r in runs))
-        busy = taken | held
-        free = {
-            h: [i for i in range(trace.gpus_per_host) if (h, i) not in busy] for h in trace.hosts
-        }
-        waiting = [
-            r for r in runs
-            if r.job.arrive_s <= t and not r.gpus and r.job.job_id not in out.finished
-        ]  # fmt: skip
-        for r in sorted(waiting, key=lambda r: (-r.job.priority, r.job.arrive_s)):
-            size = r.job.max_workers if size_of == "max" else r.job.min_workers
-            placed = _place_pods(free, size, trace.gpus_per_host)
-            if placed:  # backfill: a smaller job behind may start
-                r.gpus = frozenset(placed)
-                r.pause_s, r.ran_s = args.start_s, 0.0
-                out.started.setdefault(r.job.job_id, t)
-        out.usable_gpu_s += _usable(
-            trace, [r for r in runs if r.job.job_id not in out.finished], t, len(taken)
-        )
-        out.series.append((t, len(taken), sum(len(r.gpus) for r in runs)))
-        for r in runs:
-            every = args.ckpt_min * 60
-            if r.gpus and _advance(r, out, t, args.scaling):
-                r.gpus = frozenset()
-            elif r.gpus and r.ran_s // every > (r.ran_s - TICK_S) // every:
-                r.checkpoint = r.done
-        t += TICK_S
-    return out
-
-
-def _place_pods(free: dict[str, list[int]], size: int, per_host: int) -> list[tuple[str, int]]:
-    """A gang job's GPUs as pods of min(size, per_host) GPUs, each pod on one host (torchrun's
-    --nproc-per-node, a PyTorchJob's GPUs per pod), tightest hosts first; taken from ``free``
-    when they all fit, else nothing."""
-    pod = min(size, per_host)
-    fits = sorted((h for h, ix in free.items() if len(ix) >= pod), key=lambda h: len(free[h]))
-    if len(fits) < size // pod:
-        return []
-    placed = []
-    for h in fits[: size // pod]:
-        placed += [(h, i) for i in free[h][:pod]]
-        free[h] = free[h][pod:]
-    return placed
-
-
-def simulate_efdl(trace: Trace, store: KVStore, args: argparse.Namespace) -> Outcome:
-    out = Outcome("efdl")
-    keys = FleetKeys(f"bench-{uuid.uuid4().hex[:6]}")
-    leader_key = f"{keys.leader}bench"
-    store.put(leader_key, b"{}")
-    mine = store.get(leader_key)
-    assert mine is not None
-    leading = Compare.create_revision_is(leader_key, mine.create_revision)
-    clock = [EPOCH]  # the simulated wall clock the allocator reads
-    decisions: list[Allocation] = []
-    allocator = Allocator(
-        store, keys, "bench", 0, FleetPolicy(args.resize_interval), clock=lambda: clock[0],
-        on_decision=decisions.append,
-    )  # fmt: skip
-    runs = {j.job_id: _Run(j) for j in trace.jobs}
-    last_chosen: dict[str, float] = {}
-    foreign_before: dict[str, frozenset[int]] = {}
-    t = 0.0
-    while len(out.finished) < len(runs) and t < args.horizon_h * 3600:
-        now = clock[0] = EPOCH + t
-        taken = trace.inference(t)
-        t0 = time.perf_counter()
-        grew = False
-        for host in trace.hosts:
-            foreign = frozenset(i for i in range(trace.gpus_per_host) if (host, i) in taken)
-            if foreign_before.get(host) != foreign:
-                grew |= bool(foreign - foreign_before.get(host, frozenset()))
-                foreign_before[host] = foreign
-                record = tuple(
-                    FleetGpu(i, f"GPU-{host}-{i}", i in foreign) for i in range(trace.gpus_per_host)
-                )
-                store.put(keys.host(host), Host(host, "10.0.0.1", record).to_json())
-        for j in trace.jobs:
-            if t <= j.arrive_s < t + TICK_S:
-                submit(store, keys, _spec(j, now))
-        assert allocator.decide(leading)  # what the leader does: read, allocate, write
-        ms = (time.perf_counter() - t0) * 1000
-        out.decide_ms.append(ms)
-        if grew:
-            out.reclaim_ms.append(ms)
-        statuses = decisions.pop().statuses if decisions else {}
-        for job_id, st in statuses.items():
-            r = runs[job_id]
-            gpus = frozenset((h, i) for h, ix in st.gpus for i in ix)
-            if st.phase is Phase.RUNNING and not r.gpus:  # started, or resumed
-                r.pause_s += args.start_s
-                out.started.setdefault(job_id, t)
-            elif st.phase is Phase.RUNNING and gpus != r.gpus:
-                r.pause_s += args.resize_s
-                out.resizes[job_id] = out.resizes.get(job_id, 0) + 1
-                if not r.gpus & taken:  # the allocator's own choice (inference took none)
-                    if job_id in last_chosen:
-                        out.chosen_gaps.append(t - last_chosen[job_id])
-                    last_chosen[job_id] = t
-            r.gpus = gpus if st.phase is Phase.RUNNING else frozenset()
-        active = [r for r in runs.values() if r.job.job_id not in out.finished]
-        out.usable_gpu_s += _usable(trace, active, t, len(taken))
-        out.series.append((t, len(taken), sum(len(r.gpus) for r in runs.values())))
-        for r in active:
-            if _advance(r, out, t, args.scaling):  # its agents exit 0: the daemon marks it finished
-                ended = JobStatus(Phase.FINISHED, (), now + TICK_S, "its agents finished")
-                store.txn([], status_writes(keys, r.job.job_id, ended))
-                r.gpus = frozenset()
-        t += TICK_S
-    return out
-
-
-def _spec(j: TraceJob, now: float) -> JobSpec:
-    return JobSpec(
-        j.job_id, ("train.py",), "/srv/code", j.min_workers, j.max_workers, j.priority,
-        f"s3://ckpt/{j.job_id}" if j.cache else "", (), submitted=now,
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _jct(o: Outcome, trace: Trace, prio: int | None = None) -> list[float]:
-    return [
-        (o.finished[j.job_id] - j.arrive_s) / 3600
-        for j in trace.jobs
-        if j.job_id in o.finished and (prio is None or j.priority == prio)
-    ]
-
-
-def _p95(v: list[float]) -> float:
-    return sorted(v)[max(0, math.ceil(0.95 * len(v)) - 1)] if v else float("nan")
-
-
-def _mean(v: list[float]) -> float:
-    return statistics.fmean(v) if v else float("nan")
-
-
-def report_sim(trace: Trace, outs: list[Outcome], args: argparse.Namespace) -> list[str]:
-    lines = [
-        f"{len(trace.hosts)} hosts x {trace.gpus_per_host} GPUs; inference from "
-        f"{trace.low:.0%} (04:00) to {trace.high:.0%} (20:00) of the GPUs; {len(trace.jobs)} "
-        f"jobs (seed {args.seed}): "
-        + ", ".join(
-            f"{sum(1 for j in trace.jobs if j.priority == p)} {name}"
-            for p, name in PRIORITIES.items()
-        )
-        + f", {sum(1 for j in trace.jobs if j.min_workers == j.max_workers)} of fixed size, "
-        f"{sum(j.work for j in trace.jobs) / 3600:.0f} GPU-hours of work. Resize costs the job "
-        f"{args.resize_s:.0f} s, a start or resume {args.start_s:.0f} s; gang jobs checkpoint "
-        f"every {args.ckpt_min:.0f} min. One tick per simulated minute; the allocator's resize "
-        f"interval {args.resize_interval:.0f} s.",
-        "",
-        "| scheduler | utilization | JCT mean (h) | JCT p95 (h) | queueing mean (h) | "
-        "finished | preempted | GPU-hours trained again | resizes per job |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for o in outs:
-        waits = [
-            (o.started[j.job_id] - j.arrive_s) / 3600 for j in trace.jobs if j.job_id in o.started
-        ]
-        jct = _jct(o, trace)
-        resizes = [float(o.resizes.get(j.job_id, 0)) for j in trace.jobs]
-        lines.append(
-            f"| {o.name} | {o.busy_gpu_s / o.usable_gpu_s:.1%} | {_mean(jct):.2f} | "
-            f"{_p95(jct):.2f} | {_mean(waits):.2f} | {len(o.finished)}/{len(trace.jobs)} | "
-            f"{o.preemptions} | {o.lost_gpu_s / 3600:.0f} | "
-            + (f"{_mean(resizes):.1f} (max {max(resizes):.0f})" if o.name == "efdl" else "-")
-            + " |"
-        )
-    lines += [
-        "",
-        "| scheduler | "
-        + " | ".join(f"JCT {n}: mean / p95 (h)" for n in PRIORITIES.values())
-        + " |",
-    ]
-    lines.append("|---" * (len(PRIORITIES) + 1) + "|")
-    for o in outs:
-        cells = [
-            f"{_mean(_jct(o, trace, p)):.2f} / {_p95(_jct(o, trace, p)):.2f}" for p in PRIORITIES
-        ]
-        lines.append(f"| {o.name} | " + " | ".join(cells) + " |")
-    efdl = next(o for o in outs if o.name == "efdl")
-    gangs = [o for o in outs if o is not efdl]
-    util = efdl.busy_gpu_s / efdl.usable_gpu_s
-    cut = [1 - _mean(_jct(efdl, trace)) / _mean(_jct(g, trace)) for g in gangs]
-    gaps = efdl.chosen_gaps
-    lines += [
-        "",
-        "The allocator in etcd, per simulated minute (hosts' records written, the fleet read, "
-        f"decided, the decision written): {spread(efdl.decide_ms, 1)} ms; in the minutes "
-        f"inference took GPUs: {spread(efdl.reclaim_ms, 1)} ms (max "
-        f"{max(efdl.reclaim_ms, default=0):.1f}). A GPU goes back to inference in: the "
-        "daemon's NVML poll (1 s) + this decision + the job's step in flight (its worker "
-        "leaves at the step boundary); measured end to end in the real run below.",
-        "",
-        f"Goals: utilization >= 95 % of what inference leaves free: {util:.1%}, "
-        f"{verdict(util >= 0.95)}; mean JCT >= 30 % below gang: "
-        + ", ".join(f"{c:.0%} below {g.name}" for c, g in zip(cut, gangs, strict=True))
-        + f", {verdict(all(c >= 0.30 for c in cut))}; no job resized by the allocator's choice "
-        f"more than once a minute: shortest gap {min(gaps, default=float('inf')) / 60:.0f} min, "
-        f"{verdict(min(gaps, default=float('inf')) >= args.resize_interval)} (shrinks because "
-        "inference took a GPU happen at once, by design); committed steps lost: 0 by "
-        "construction here (a shrink is in place, a suspension persists first): measured in "
-        "the real run.",
-    ]
-    return lines
-
-
-def figure_sim(trace: Trace, outs: list[Outcome], figures: Path) -> str:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(11, 4), dpi=110)
-    total = len(trace.order)
-    first = outs[0].series
-    xs = [t / 3600 for t, _, _ in first]
-    ax.fill_between(xs, 0, [i for _, i, _ in first], color="lightgray", label="inference")
-    for o, colour in zip(outs, ["tab:green", "tab:orange", "tab:red"], strict=False):
-        ax.plot(
-            [t / 3600 for t, _, _ in o.series],
-            [i + n for _, i, n in o.series],
-            color=colour,
-            linewidth=1.2,
-            label=f"inference + training ({o.name})",
-        )
-    ax.axhline(total, color="black", linewidth=0.8)
-    ax.set_xlabel("hours since 08:00")
-    ax.set_ylabel("GPUs in use")
-    ax.set_ylim(0, total * 1.05)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(f"{len(trace.hosts)} hosts x {trace.gpus_per_host} GPUs, {len(trace.jobs)} jobs")
-    return save(fig, "fleet-day.png", "GPUs in use over the simulated day", figures)
 
 
 # --------------------------------------------------------------------------- the real run
@@ -642,109 +249,19 @@ def _world(out: Path) -> int:
     return int(str(rows[-1]["world"])) if rows else 0
 
 
-def _trace(args: argparse.Namespace) -> Trace:
-    return make_trace(
-        args.hosts, args.gpus, args.jobs, args.seed, args.low, args.high, args.load, args.packed
-    )
-
-
-def matrix(args: argparse.Namespace) -> list[str]:
-    """Mean JCT of efdl over gang at max, and the utilizations, across inference placement,
-    scaling, load and seeds (the allocator on the in-memory store: the same registry code,
-    whose contract tests pass against etcd too)."""
-    lines = [
-        "| inference placed | scaling | load | efdl JCT / gang-at-max JCT (per seed) | "
-        "efdl / gang-at-min | utilization efdl | gang at max | gang at min |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for packed in (False, True):
-        for scaling in (1.0, 0.9):
-            for load in (1.0, 2.0):
-                r_max, r_min, u = [], [], ([], [], [])  # type: ignore[var-annotated]
-                for seed in range(1, args.seeds + 1):
-                    case = argparse.Namespace(
-                        **{**vars(args), "packed": packed, "scaling": scaling, "load": load,
-                           "seed": seed}
-                    )  # fmt: skip
-                    trace = _trace(case)
-                    outs = [
-                        simulate_efdl(trace, MemoryStore(), case),
-                        simulate_gang(trace, "max", case),
-                        simulate_gang(trace, "min", case),
-                    ]
-                    jct = [_mean(_jct(o, trace)) for o in outs]
-                    r_max.append(jct[0] / jct[1])
-                    r_min.append(jct[0] / jct[2])
-                    for k, o in enumerate(outs):
-                        u[k].append(o.busy_gpu_s / o.usable_gpu_s)
-                lines.append(
-                    f"| {'packed' if packed else 'spread'} | "
-                    f"{'linear' if scaling == 1 else f'{scaling:.0%} per doubling'} | "
-                    f"{load:.0f}x | "
-                    f"{' '.join(f'{r:.2f}' for r in r_max)} | "
-                    f"{' '.join(f'{r:.2f}' for r in r_min)} | "
-                    + " | ".join(spread(v, 0, 100) + " %" for v in u)
-                    + " |"
-                )
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--hosts", type=int, default=64)
-    parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--jobs", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--low", type=float, default=0.15)
-    parser.add_argument("--high", type=float, default=0.70)
-    parser.add_argument("--resize-s", type=float, default=10.0)
-    parser.add_argument("--start-s", type=float, default=60.0)
-    parser.add_argument("--ckpt-min", type=float, default=30.0)
-    parser.add_argument("--resize-interval", type=float, default=60.0)
-    parser.add_argument("--load", type=float, default=1.0, help="Each job's work times this.")
-    parser.add_argument("--packed", action="store_true", help="Inference fills whole hosts.")
-    parser.add_argument(
-        "--scaling", type=float, default=1.0, help="Efficiency kept per doubling of GPUs."
-    )
-    parser.add_argument("--horizon-h", type=float, default=96.0)
     parser.add_argument("--no-real", action="store_true")
     parser.add_argument(
         "--gpu-back", type=int, default=3, help="Times a GPU is taken apart from the real run."
     )
-    parser.add_argument("--seeds", type=int, default=2, help="Seeds per case of the matrix.")
-    parser.add_argument("--no-matrix", action="store_true")
     parser.add_argument("--figures", type=Path, default=FIGURES)
     args = parser.parse_args()
-    trace = _trace(args)
-    server = EmbeddedEtcd()
-    server.start()
-    try:
-        with EtcdStore(server.settings()) as store:
-            efdl = simulate_efdl(trace, store, args)
-    finally:
-        server.stop()
-    outs = [efdl, simulate_gang(trace, "max", args), simulate_gang(trace, "min", args)]
-    lines = ["### A simulated day: 64 hosts x 8 GPUs, efdl against gang scheduling", ""]
-    lines += report_sim(trace, outs, args)
-    lines += ["", figure_sim(trace, outs, args.figures)]
-    if not args.no_matrix:
-        lines += [
-            "",
-            "The same against other traces: inference spread over the hosts (the "
-            "Kubernetes scheduler's default scoring) or packed onto whole hosts; linear "
-            "scaling or 90 % kept per doubling of a job's GPUs; each job's work once or "
-            f"twice; seeds 1-{args.seeds}. Below 1: efdl's jobs finish sooner.",
-            "",
-        ]
-        lines += matrix(args)
+    lines: list[str] = []
     if not args.no_real:
-        lines += [
-            "",
-            "### A real run: three efdl node hosts x 4 stand-in GPUs, the digits example",
-            "",
-        ]
+        lines += ["### A real run: three efdl node hosts x 4 stand-in GPUs, the digits example", ""]
         lines += real_run(args.figures)
     if args.gpu_back:
         lines += ["", "### A GPU back to inference, on an otherwise idle host", ""]

@@ -12,27 +12,31 @@ The rules, in the order they apply:
    waits for nothing). A host whose record went only lately (``lingering``: its daemon may be
    restarting while its agents train on) keeps its GPUs with the jobs that hold them, and
    nothing new is placed there, for ``FleetPolicy.host_grace_s``.
-2. What the allocator may not take: a job resized less than ``resize_interval_s`` ago keeps
-   what it holds (it is *frozen*; one below its min may still get its min back); a running
-   job without a remote cache keeps its min (it cannot be suspended: its state lives only
-   in its workers).
-3. Mins, by priority (higher first). Within a priority, running jobs come first, the largest
-   first (when some must be suspended, the smallest go: fewer GPUs restart), then the
-   others, the smallest first (by max: most jobs are small and short, and starting them
-   first shortens the mean completion time), then in the order they were submitted. A job
-   gets at least its ``min`` workers or nothing: its min is admitted when what is left
-   (every usable GPU, less what rule 2 keeps and the mins admitted before it) covers it. A
-   running job whose min is not admitted is suspended when it has a cache (its GPUs serve
-   the jobs after it), else it runs on below its min and waits (and grows back toward it on
-   GPUs left over). A waiting job that does not fit lets smaller ones after it start
-   (backfill), unless it has waited longer than ``max_wait_s``: then nothing of its priority
-   or lower starts past it until it runs (it is not starved). A job suspended less than
-   ``resume_after_s`` ago does not start again yet (no suspend-resume round trips while
-   inference swings).
+2. What the allocator may not take: a job resized less than ``resize_interval_s`` ago and
+   holding at least its min keeps what it holds (it is *frozen*); a running job without a
+   remote cache keeps its min (it cannot be suspended: its state lives only in its workers).
+   A frozen job below its min is not protected: in its turn it gets its min back, or is
+   suspended.
+3. Mins, by priority (higher first), in one pass. Within a priority, running jobs come
+   first, the largest min first (when some must be suspended, the smallest go: fewer GPUs
+   restart), then waiting jobs: those that waited longer than ``max_wait_s`` first, then the
+   smallest (by max: most jobs are small and short, and starting them first shortens the
+   mean completion time), then the oldest. Nothing in this order changes by a decision, so
+   deciding again changes nothing. A job gets at least its ``min`` workers or nothing: its
+   min is admitted when what is left (every usable GPU, less what rule 2 keeps and the mins
+   admitted before it) covers it. A running job whose min is not admitted is suspended when
+   it has a cache (its GPUs serve the jobs after it), else it runs on below its min and
+   waits (and grows back toward it on GPUs left over); one that holds no GPU any more waits
+   as a queued job does. A waiting job that does not fit lets the jobs after it start
+   (backfill), unless it waited longer than ``max_wait_s`` and its min could fit the fleet:
+   then no waiting job of its priority or lower starts past it until it runs (it is not
+   starved). A job suspended less than ``resume_after_s`` ago does not start again yet (no
+   suspend-resume round trips while inference swings).
 4. GPUs left over go to running elastic jobs up to their ``max``, by priority; within a
-   priority they are shared evenly (max-min fair, GPU by GPU to the job that holds the
-   fewest, ties to the job that holds more now), so that equal jobs converge to equal shares
-   and a higher-priority job grows past its min into what lower ones hold above theirs.
+   priority they are shared evenly (max-min fair by whole size, GPU by GPU to the job that
+   holds the fewest, ties to the job that holds more now), so that equal jobs converge to
+   equal shares and a higher-priority job grows past its min into what lower ones hold above
+   theirs.
 5. Placement prefers fewer hosts per job, away from inference: a job that shrinks gives
    back GPUs on the hosts where it has the fewest; a job that grows takes all it needs at
    once, first on hosts it is on, then on the host that fits the rest most tightly among
@@ -116,16 +120,17 @@ class _Work:
     """One job while deciding."""
 
     job: Job
-    order: int  # its place in the serving order of rule 3
+    order: int = 0  # its place in the serving order of rule 3
     held: Held = field(default_factory=dict)
     kept: int = 0  # GPUs on lingering hosts: held, never moved
-    had: int = 0  # its size after rule 1
+    running: bool = False  # it trains on GPUs it still holds after rule 1
     facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
     frozen: bool = False  # resized less than the interval ago (rule 2)
     floor: int = 0  # what the allocator may not take from it (rule 2)
     admitted: bool = False  # its min (rule 3)
     target: int = 0  # its size after this decision
     waiting: str = ""  # why it lacks its min, if it does
+    hopeless: bool = False  # its min exceeds what could ever be freed for it now
 
     @property
     def id(self) -> str:
@@ -134,10 +139,6 @@ class _Work:
     @property
     def spec(self) -> JobSpec:
         return self.job.spec
-
-    @property
-    def running(self) -> bool:
-        return self.job.status.phase is Phase.RUNNING
 
     @property
     def size(self) -> int:
@@ -174,14 +175,21 @@ def allocate(
     ``lingering``: hosts whose record went less than ``policy.host_grace_s`` ago."""
     usable = {h.host_id: set(h.usable()) for h in hosts}
     staying = set(lingering) - set(usable)
-    work = _serving_order([j for j in jobs if not j.status.phase.final])
+    work = [
+        _Work(j)
+        for j in sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.submitted, j.spec.job_id))
+        if not j.status.phase.final
+    ]
     free = {h: set(ix) for h, ix in usable.items()}
-    for w in work:  # rule 1
-        if w.running:
-            _still_held(w, free, usable, staying)
+    kept: set[tuple[str, int]] = set()
+    for w in work:  # rule 1 (the first claim, by priority, wins)
+        if w.job.status.phase is Phase.RUNNING:
+            _still_held(w, free, usable, staying, kept)
+        w.running = w.size > 0
         w.frozen = w.running and now - w.job.status.changed < policy.resize_interval_s
-    for w in work:
-        w.had = w.size
+    work.sort(key=lambda w: _serving_key(w, now, policy))
+    for n, w in enumerate(work):
+        w.order = n
     pool = _count(free) + sum(w.movable for w in work)  # what the allocator may move
     _admit(work, pool, now, policy)  # rules 2-3
     _share(work, pool)  # rule 4
@@ -190,27 +198,34 @@ def allocate(
     return _decision(work, changed, now)
 
 
-def _serving_order(jobs: list[Job]) -> list[_Work]:
-    def key(j: Job) -> tuple[float, ...]:
-        st = j.status
-        if st.phase is Phase.RUNNING:  # the largest first, then the oldest
-            return (-j.spec.priority, 0, -st.size, j.spec.submitted)
-        return (-j.spec.priority, 1, j.spec.max_workers, j.spec.submitted)
+def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...]:
+    """Rule 3's order: by priority; running jobs, the largest min first; then waiting jobs,
+    those that waited past max_wait_s first, then the smallest (by max), then the oldest.
+    Nothing in it changes by the decision itself (a fixed point)."""
+    spec = w.spec
+    if w.running:
+        return (-spec.priority, 0, 0, -spec.min_workers, spec.submitted, spec.job_id)
+    starved = _may_start(w, now, policy) and _waited(w, now) >= policy.max_wait_s
+    return (-spec.priority, 1, 0 if starved else 1, spec.max_workers, spec.submitted, spec.job_id)
 
-    ordered = sorted(jobs, key=lambda j: (*key(j), j.spec.job_id))
-    return [_Work(j, n) for n, j in enumerate(ordered)]
 
-
-def _still_held(w: _Work, free: Held, usable: dict[str, set[int]], staying: set[str]) -> None:
-    """Rule 1: what a running job still holds (the first claim, in serving order, wins)."""
+def _still_held(
+    w: _Work,
+    free: Held,
+    usable: dict[str, set[int]],
+    staying: set[str],
+    kept: set[tuple[str, int]],
+) -> None:
+    """Rule 1: what a running job still holds (``free`` and ``kept``: what no job before it
+    claimed, on usable and on lingering hosts)."""
     lost: list[str] = []
     for host, indices in w.job.status.gpus:
-        if host in staying:  # kept, and placed nowhere else: the host is not usable
-            w.held.setdefault(host, set()).update(indices)
-            w.kept += len(indices)
-            continue
         for i in indices:
-            if i in free.get(host, ()):
+            if host in staying and (host, i) not in kept:  # kept, placed nowhere else
+                kept.add((host, i))
+                w.held.setdefault(host, set()).add(i)
+                w.kept += 1
+            elif i in free.get(host, ()):
                 free[host].discard(i)
                 w.held.setdefault(host, set()).add(i)
             else:
@@ -219,56 +234,50 @@ def _still_held(w: _Work, free: Held, usable: dict[str, set[int]], staying: set[
         named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
         w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
     if w.size > w.spec.max_workers:  # a record from before a change of its spec
+        before = w.size
         _give_back(w, free, w.size - w.spec.max_workers, staying)
-        w.facts.append(f"shrunk to its max of {w.spec.max_workers}")
+        if w.size < before:
+            w.facts.append(f"shrunk by {_gpus_word(before - w.size)} toward its max")
 
 
 # ---------------------------------------------------------------- rules 2-3: mins
 
 
 def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
-    """Rules 2-3: whose min is admitted. A pinned job (frozen, or without a cache) that
-    cannot reach its min but could be suspended is unpinned and the pass runs again, so that
-    the GPUs its suspension frees serve every job, of any priority, in the same decision."""
-    unpinned: set[str] = set()
-    for _ in range(len(work) + 1):
-        for w in work:
-            if not w.running or w.id in unpinned:
-                w.floor = 0
-            elif w.frozen:
-                w.floor = w.movable
-            elif not w.spec.cache_url:
-                w.floor = min(w.movable, w.low)
-            else:
-                w.floor = 0
-        left = pool - sum(w.floor for w in work)
-        blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
-        again = False
-        for w in work:
-            need = w.base - w.floor
-            blocked = blocked_below is not None and w.spec.priority <= blocked_below
-            if need <= left and not (blocked and not w.running) and _may_start(w, now, policy):
-                w.admitted, w.waiting = True, ""
-                left -= need
-                continue
-            w.admitted = False
-            if w.running and w.floor and w.spec.cache_url:
-                unpinned.add(w.id)  # it will be suspended: its GPUs serve the others
-                again = True
-                break
-            if w.running and w.spec.cache_url:
-                continue  # suspended (rule 3); its GPUs were never counted as kept
-            if w.running:
-                w.waiting = (
-                    f"runs below its min of {w.spec.min_workers} (no cache to suspend to); "
-                    "waits for GPUs"
-                )
-                continue
+    """Rules 2-3: whose min is admitted, in one pass in serving order. Only what can never
+    be suspended is reserved ahead (a frozen job at its min or above, the min of a job
+    without a cache), so no job's turn depends on a job after it; a frozen job below its
+    min competes for it in its turn like any other."""
+    for w in work:
+        if not w.running:
+            w.floor = 0
+        elif w.frozen and (w.movable >= w.low or not w.spec.cache_url):
+            w.floor = w.movable
+        elif not w.spec.cache_url:
+            w.floor = min(w.movable, w.low)
+        else:
+            w.floor = 0
+    reserved = sum(w.floor for w in work)
+    left = pool - reserved
+    blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
+    for w in work:
+        need = w.base - w.floor
+        w.hopeless = need > pool - reserved
+        blocked = not w.running and blocked_below is not None
+        if need <= left and not blocked and _may_start(w, now, policy):
+            w.admitted = True
+            left -= need
+        elif w.running and not w.spec.cache_url:
+            w.waiting = (
+                f"runs below its min of {w.spec.min_workers} (no cache to suspend to); "
+                "waits for GPUs"
+            )
+        elif not w.running:
             w.waiting = _why_waiting(w, need, left, blocked, now, policy)
-            if _waited(w, now) >= policy.max_wait_s and blocked_below is None:
-                blocked_below = w.spec.priority
-        if not again:
-            return
+            starved = _waited(w, now) >= policy.max_wait_s and _may_start(w, now, policy)
+            if starved and w.low <= pool and blocked_below is None:  # (one that could fit)
+                blocked_below = w.spec.priority  # (waiting jobs of lower priority come later)
+        # else: running with a cache, its min not admitted: suspended (rule 3)
 
 
 def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
@@ -308,22 +317,26 @@ def _share(work: list[_Work], pool: int) -> None:
     by_priority: dict[int, list[_Work]] = {}
     for w in work:
         # (a job without a cache that runs below its min grows back toward it too)
-        if _phase(w) is Phase.RUNNING and not w.frozen and w.target < w.high:
+        grows = w.admitted or (w.running and not w.spec.cache_url)
+        if grows and not w.frozen and w.target < w.high:
             by_priority.setdefault(w.spec.priority, []).append(w)
     for priority in sorted(by_priority, reverse=True):
         if left <= 0:
             return
-        heap = [(w.target, -w.size, w.order, w) for w in by_priority[priority]]
+        # by whole size (a job's GPUs on lingering hosts count), ties to who holds more now
+        heap = [(w.kept + w.target, -w.movable, w.order, w) for w in by_priority[priority]]
         heapq.heapify(heap)
         while heap and left > 0:
-            _, _, _, w = heapq.heappop(heap)
-            # the lowest gets as many as make it equal to the next one (at least one)
-            ceiling = heap[0][0] if heap else w.high
-            step = max(1, min(ceiling - w.target, w.high - w.target, left))
+            total, _, _, w = heapq.heappop(heap)
+            # the smallest gets as many as make it equal to the next one (at least one)
+            step = w.high - w.target
+            if heap:
+                step = min(step, heap[0][0] - total)
+            step = max(1, min(step, left))
             w.target += step
             left -= step
             if w.target < w.high:
-                heapq.heappush(heap, (w.target, -w.size, w.order, w))
+                heapq.heappush(heap, (w.kept + w.target, -w.movable, w.order, w))
 
 
 # ---------------------------------------------------------------- rule 5: placement
@@ -405,27 +418,29 @@ def _take(w: _Work, index: _FreeIndex, n: int) -> None:
     """Give ``w`` ``n`` free GPUs: on its own hosts first (most free first), then on the
     host that fits the rest most tightly, else on the hosts with the most free."""
     free = index.free
-    while n > 0:
-        own = [h for h in w.held if free.get(h)]
-        if own:
-            host: str | None = min(own, key=lambda h: (-len(free[h]), h))
-        else:
-            host = index.tightest(n) or index.fullest()
-        if host is None:
-            return  # (cannot happen: targets never exceed the pool)
+    own = sorted((h for h in w.held if free.get(h)), key=lambda h: (-len(free[h]), h))
+    for host in own:
+        if n <= 0:
+            return
         chosen = index.take(host, n)
-        w.held.setdefault(host, set()).update(chosen)
+        w.held[host].update(chosen)
+        n -= len(chosen)
+    while n > 0:
+        found = index.tightest(n) or index.fullest()
+        if found is None:
+            return  # (cannot happen: targets never exceed the pool)
+        chosen = index.take(found, n)
+        w.held.setdefault(found, set()).update(chosen)
         n -= len(chosen)
 
 
 def _give_back(w: _Work, free: Held, n: int, staying: set[str]) -> None:
     """Take ``n`` GPUs from ``w``, from the hosts where it has the fewest (highest indices
     first), back to ``free``; never those on a lingering host."""
-    while n > 0:
-        hosts = [h for h in w.held if h not in staying and w.held[h]]
-        if not hosts:
+    hosts = sorted((h for h in w.held if h not in staying), key=lambda h: (len(w.held[h]), h))
+    for host in hosts:
+        if n <= 0:
             return
-        host = min(hosts, key=lambda h: (len(w.held[h]), h))
         for i in sorted(w.held[host], reverse=True)[:n]:
             w.held[host].discard(i)
             free.setdefault(host, set()).add(i)
@@ -481,13 +496,13 @@ def _notes(w: _Work, phase: Phase, delta: int, gained: list[_Work]) -> list[str]
     if phase is not Phase.RUNNING:
         if was is not Phase.RUNNING:
             return []
-        if w.had < w.spec.min_workers and not _for(w, gained):
+        if w.hopeless or not _for(w, gained):
             return [f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up"]
         return [f"suspended to make room for {_for(w, gained) or 'higher-priority jobs'}"]
     if was is not Phase.RUNNING:
         return ["resumed" if was is Phase.SUSPENDED else "started"]
     if delta > 0:
-        return [f"grew by {_gpus_word(delta)} onto free GPUs"]
+        return [f"grew by {_gpus_word(delta)}"]
     if delta < 0:
         by = _for(w, gained)
         return [f"shrunk by {_gpus_word(-delta)}" + (f" for {by}" if by else "")]

@@ -218,7 +218,7 @@ def test_a_job_grows_on_hosts_it_already_uses_first() -> None:
     job = running(spec("j", 2, 4), (("b", (0, 1)),))
     d = allocate(hosts, [job], NOW)
     assert d.statuses["j"].gpus == (("b", (0, 1, 2, 3)),)
-    assert "grew by 2 GPUs onto free GPUs" in d.statuses["j"].reason
+    assert "grew by 2 GPUs" in d.statuses["j"].reason
 
 
 def test_a_shrink_gives_back_the_gpus_on_the_hosts_where_the_job_has_fewest() -> None:
@@ -297,6 +297,87 @@ def test_a_job_suspended_for_want_of_gpus_runs_again_when_a_later_suspension_fre
     assert set(again) <= {"j0"}
 
 
+def test_a_frozen_job_below_its_min_never_costs_a_higher_priority_one_its_place() -> None:
+    """Both resized lately, both lost a GPU to inference, room for one: the higher priority
+    gets its min back and the lower one is suspended (found by a helper: the reverse)."""
+    hosts = [host("a", 3, foreign={0}), host("b", 3, foreign={0})]
+    jobs = [
+        running(spec("hi", 3, 3, 5), (("a", (0, 1, 2)),), NOW - 10),
+        running(spec("lo", 3, 3, 0), (("b", (0, 1, 2)),), NOW - 10),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert d.statuses["hi"].phase is Phase.RUNNING and size(d, "hi") == 3
+    assert d.statuses["lo"].phase is Phase.SUSPENDED
+
+
+def test_a_job_without_a_cache_that_grows_back_does_not_change_the_next_decision() -> None:
+    """A fixed point: the serving order does not follow what a decision just gave."""
+    hosts = [host("a", 4)]
+    jobs = [
+        running(spec("cached", 2, 2, 0, cache=True, at=2), (("a", (0, 1)),)),
+        running(spec("bare", 4, 4, 0, cache=False, at=1), (("a", (2,)),)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    final = after(d, jobs)
+    again = allocate(hosts, final, NOW).statuses
+    assert {k: (v.phase, v.gpus) for k, v in again.items()} == {
+        j.spec.job_id: (j.status.phase, j.status.gpus) for j in final if j.spec.job_id in again
+    }
+
+
+def test_a_job_waiting_past_max_wait_is_passed_by_no_smaller_job_of_its_priority() -> None:
+    hosts = [host("a", 8)]
+    jobs = [
+        running(spec("old-small", 1, 1, 0, at=1), (("a", (0,)),)),
+        queued(spec("big", 8, 8, 0, at=NOW - 5 * 3600)),
+        queued(spec("new-small", 1, 1, 0, at=NOW - 1)),
+        queued(spec("lower", 1, 1, -5, at=NOW - 1)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert d.statuses["new-small"].phase is Phase.QUEUED
+    assert d.statuses["lower"].phase is Phase.QUEUED
+    assert "waited longer and goes first" in d.statuses["new-small"].reason
+    # one that could never fit blocks nobody
+    jobs[1] = queued(spec("huge", 16, 16, 0, at=NOW - 5 * 3600))
+    d = allocate(hosts, jobs, NOW)
+    assert d.statuses["new-small"].phase is Phase.RUNNING
+
+
+def test_a_job_without_a_cache_that_holds_nothing_waits_its_turn() -> None:
+    """Recorded running but holding no GPU (its workers are gone): it is served as a waiting
+    job, not grown ahead of the queue."""
+    hosts = [host("a", 8)]
+    jobs = [
+        running(spec("bare", 4, 4, 0, cache=False, at=1), (("a", (0, 1, 2, 3)),)),
+        running(spec("high", 2, 2, 5, at=1), (("a", (4, 5)),)),
+        queued(spec("starved", 4, 4, 0, at=NOW - 5 * 3600)),  # 2 free: it waits, and blocks
+        running(spec("zero", 2, 2, 0, cache=False, at=NOW - 1), ()),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    assert d.statuses["starved"].phase is Phase.QUEUED
+    assert d.statuses["zero"].gpus == ()  # not grown past the starved job
+    assert "waited longer and goes first" in d.statuses["zero"].reason
+
+
+def test_a_gpu_on_a_lingering_host_is_kept_by_one_job_only() -> None:
+    jobs = [
+        running(spec("x", 1, 2, 1), (("gone", (0,)),)),
+        running(spec("y", 1, 2, 0), (("gone", (0,)),)),
+    ]
+    d = allocate([host("a", 1)], jobs, NOW, lingering={"gone"})
+    final = after(d, jobs)
+    held = [g for j in final for h, ix in j.status.gpus for g in ((h, i) for i in ix)]
+    assert len(held) == len(set(held))
+    assert final[0].status.gpus == (("gone", (0,)),)  # the higher priority's claim
+
+
+def test_a_job_that_can_never_make_its_min_is_suspended_for_that_not_for_another() -> None:
+    hosts = [host("a", 2), host("b", 1)]
+    jobs = [running(spec("j", 4, 4), (("a", (0, 1)), ("gone", (0, 1)))), queued(spec("x", 1, 1))]
+    d = allocate(hosts, jobs, NOW)
+    assert "below its min of 4 and no GPUs to make it up" in d.statuses["j"].reason
+
+
 # ---------------------------------------------------------------- invariants
 
 
@@ -366,7 +447,8 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
     if free:
         before = {j.spec.job_id: j.status for j in jobs}
         for j in final:
-            if j.status.phase is Phase.RUNNING and j.status.size < j.spec.max_workers:
+            if j.status.phase is Phase.RUNNING and 0 < j.status.size < j.spec.max_workers:
+                # (one that holds nothing waits for its min as a queued job does)
                 old = before[j.spec.job_id]
                 assert old.phase is Phase.RUNNING and now - old.changed < 60, j
     # a job waits for its min only when nothing could make it: free GPUs, what unfrozen
@@ -392,8 +474,8 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
             if u is not w
             and u.status.phase is not Phase.RUNNING
             and starved(u)
-            and (-u.spec.priority, u.spec.max_workers, u.spec.submitted)
-            < (-w.spec.priority, w.spec.max_workers, w.spec.submitted)
+            and u.spec.priority >= w.spec.priority  # (a starved job goes first in its
+            # priority, and nobody waiting of its priority or lower starts past it)
         ]
         if ahead:
             continue  # a job that waited longer goes first
