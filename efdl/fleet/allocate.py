@@ -205,7 +205,7 @@ def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...
     spec = w.spec
     if w.running:
         return (-spec.priority, 0, 0, -spec.min_workers, spec.submitted, spec.job_id)
-    starved = _may_start(w, now, policy) and _waited(w, now) >= policy.max_wait_s
+    starved = _starved(w, now, policy)
     return (-spec.priority, 1, 0 if starved else 1, spec.max_workers, spec.submitted, spec.job_id)
 
 
@@ -274,9 +274,9 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
             )
         elif not w.running:
             w.waiting = _why_waiting(w, need, left, blocked, now, policy)
-            starved = _waited(w, now) >= policy.max_wait_s and _may_start(w, now, policy)
-            if starved and w.low <= pool and blocked_below is None:  # (one that could fit)
-                blocked_below = w.spec.priority  # (waiting jobs of lower priority come later)
+            if _starved(w, now, policy) and w.low <= pool and blocked_below is None:
+                blocked_below = w.spec.priority  # (one whose min could fit; waiting jobs of
+                # lower priority come later)
         # else: running with a cache, its min not admitted: suspended (rule 3)
 
 
@@ -285,9 +285,14 @@ def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
     return not (st.phase is Phase.SUSPENDED and now - st.changed < policy.resume_after_s)
 
 
-def _waited(w: _Work, now: float) -> float:
+def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
+    """Queued, or suspended and free to resume, for longer than ``max_wait_s`` (a job
+    recorded running that holds no GPU is not: it is suspended now, or waits as it is)."""
     st = w.job.status
-    return now - (st.changed if st.phase is Phase.SUSPENDED else w.spec.submitted)
+    if st.phase is Phase.QUEUED:
+        return now - w.spec.submitted >= policy.max_wait_s
+    since = now - st.changed
+    return st.phase is Phase.SUSPENDED and since >= max(policy.max_wait_s, policy.resume_after_s)
 
 
 def _why_waiting(
