@@ -21,7 +21,7 @@ import yaml
 
 from efdl.errors import ConfigError
 from efdl.output import STDERR, STDOUT, LogSpec, parse_filters, parse_ranks, parse_streams
-from efdl.protocol.env import JOB_TOKEN_ENV, JOB_TOKEN_USER, PASSWORD_ENV
+from efdl.protocol.env import JOB_TOKEN_ENV, JOB_TOKEN_USER, MIN_STRAGGLER_WINDOW, PASSWORD_ENV
 from efdl.rendezvous.api import EtcdSettings
 
 C = TypeVar("C")
@@ -384,6 +384,11 @@ class LaunchConfig(EtcdClientConfig):
         cache_keep: complete snapshots kept in the cache.
         new_run: start a new run of a job that has ended (finished, stopped or failed); without
             it efdl-run refuses such a job. The new run keeps the job's remote cache.
+        straggler_ratio: a node whose own work per step (efdl.worker.pace) takes this many
+            times the other nodes' is slow: an event and a metric.
+        straggler_window: steps per judgment of the nodes' pace (the median over them).
+        evict_stragglers: a slow node leaves the job in place (held out for a while, its
+            place taken by a spare if one waits), if the job keeps its min without it.
     """
 
     standalone: bool = False
@@ -426,6 +431,9 @@ class LaunchConfig(EtcdClientConfig):
     cache_every_s: float = 60.0
     cache_keep: int = 2
     new_run: bool = False
+    straggler_ratio: float = 1.5
+    straggler_window: int = 20
+    evict_stragglers: bool = False
 
     def __post_init__(self) -> None:
         word = self.nproc_per_node.strip().lower()
@@ -466,6 +474,16 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(
                 f"--hang-timeout ({self.hang_timeout_s} s) must be positive (leave it out for "
                 "the default: 90% of the collective timeout)."
+            )
+        if not self.straggler_ratio > 1:
+            raise ConfigError(
+                f"--straggler-ratio ({self.straggler_ratio:g}) must be greater than 1: a node "
+                "this many times slower than the others is slow."
+            )
+        if self.straggler_window < MIN_STRAGGLER_WINDOW:
+            raise ConfigError(
+                f"--straggler-window ({self.straggler_window}) must be at least "
+                f"{MIN_STRAGGLER_WINDOW} steps."
             )
         if self.fence_timeout_s is not None and self.fence_timeout_s <= 2 * self.lease_ttl_s:
             raise ConfigError(

@@ -253,6 +253,24 @@ from efdl.rendezvous.served import (
     default=None,
     help="Start a new run of a job that finished, was stopped or failed (keeps its cache).",
 )
+@click.option(
+    "--straggler-ratio",
+    type=float,
+    help="A node whose own work per step takes this many times the other nodes' is slow: "
+    "an event and a metric (default 1.5; efdl.elastic_state jobs with state.ddp).",
+)
+@click.option(
+    "--straggler-window",
+    type=int,
+    help="Steps per judgment of the nodes' pace, the median over them (default 20).",
+)
+@click.option(
+    "--evict-stragglers",
+    is_flag=True,
+    default=None,
+    help="A slow node leaves in place (held out for the quarantine time, a spare taking its "
+    "place), if the job keeps its --min without it.",
+)
 @click.option("-m", "--module", "module", is_flag=True, help="Run SCRIPT as a module (python -m).")
 @click.option(
     "--no-python",

@@ -48,10 +48,11 @@ from efdl.launcher.node_workers import NodeWorkers
 from efdl.launcher.pauses import PauseClock
 from efdl.launcher.react import AgentPhase, AgentView, Limits, Reaction
 from efdl.launcher.restarts import RestartBudget
+from efdl.launcher.stragglers import PaceJudge
 from efdl.launcher.tcpstore import TCPStoreServer, preload
 from efdl.launcher.warm import RefillTimer, WarmPool, warm_pool
 from efdl.launcher.workers import WorkerExit
-from efdl.protocol.messages import Hello, PeerFailed, Persisted, StateLost, Stepped
+from efdl.protocol.messages import Hello, Paced, PeerFailed, Persisted, StateLost, Stepped
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
@@ -102,6 +103,7 @@ class NodeAgent:
         self._store = store
         self._policy = policy
         self._job = job_id
+        self._pace = PaceJudge(cfg.straggler_ratio, cfg.evict_stragglers)
         self._events: queue.Queue[object] = queue.Queue()
         url = cfg.cache_for(job_id)
         self._cache = (
@@ -398,6 +400,8 @@ class NodeAgent:
             self._note(event)
         elif isinstance(event, Stepped):
             self._stepped(event)
+        elif isinstance(event, Paced):
+            self._paced(event)
         elif isinstance(event, PeerFailed) and self._rdzv is not None:
             self._rdzv.report_failure(event.generation)
 
@@ -498,6 +502,21 @@ class NodeAgent:
             self._record(
                 EventKind.RESCALE, r.generation, text, world_size=r.world_size, seconds=still
             )
+
+    def _paced(self, ev: Paced) -> None:
+        """Local rank 0 told how this node's own work per step compares with the other
+        nodes' (efdl.worker.pace): a metric, and once per generation a verdict."""
+        r = self._workers.round
+        mine = r.member if r is not None else None
+        if r is None or mine is None or ev.generation != r.generation:
+            return  # a report of a generation that is gone
+        others = r.world_size - mine.workers
+        slow = self._pace.judge(ev, mine.workers, others, r.spares, self._policy.min_workers)
+        self._metrics.pace_ratio.set(self._pace.last_ratio)
+        if slow is None:
+            return
+        log.warning("%s: %s.", self._tag(), slow.text)
+        self._record(EventKind.SLOW, ev.generation, slow.text)
 
     def _record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
         self._note(self._history.event(kind, generation, text, **fields))

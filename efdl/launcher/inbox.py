@@ -21,6 +21,7 @@ from efdl.launcher.workers import WorkerExit
 from efdl.protocol.messages import (
     Agreed,
     Hello,
+    Paced,
     PeerFailed,
     Persisted,
     Rescaled,
@@ -96,6 +97,7 @@ AgentEvent = (
     | Persisted
     | Stepped
     | PeerFailed
+    | Paced
     | StateLost
     | Event  # one for the job's history, made on a channel thread
 )
@@ -135,7 +137,7 @@ class WorkerReports:
         self.trained_at = 0.0  # when (wall clock)
 
     def __call__(self, msg: ToAgent) -> None:
-        if isinstance(msg, Hello | Persisted | Stepped | PeerFailed | StateLost):
+        if isinstance(msg, Hello | Persisted | Stepped | PeerFailed | Paced | StateLost):
             self._post(msg)
         elif isinstance(msg, Agreed):
             self.trained, self.trained_at = msg.step, time.time()

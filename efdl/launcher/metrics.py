@@ -91,6 +91,12 @@ class Metrics:
         self.persisted_bytes = Counter(
             "efdl_persisted_bytes", "Bytes of snapshots written to the cache.", registry=r
         )
+        self.pace_ratio = Gauge(
+            "efdl_node_pace_ratio",
+            "This node's own work per step over the other nodes' (medians over the straggler "
+            "window; 1: as fast as the rest).",
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._progress: tuple[int, float] | None = None  # the last (step, time) reported
         self._server: Any = None

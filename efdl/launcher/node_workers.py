@@ -35,6 +35,7 @@ from efdl.protocol.env import (
     PLACEMENT_TIMEOUT_ENV,
     SOCKET_ENV,
     STANDBY_ENV,
+    STRAGGLER_WINDOW_ENV,
 )
 from efdl.protocol.messages import Leave, Placed, Placement, Waiting
 from efdl.rendezvous.outputs import Position
@@ -219,6 +220,7 @@ class NodeWorkers:
             env[JOB_STEP_ENV] = str(progress[1])
             if cfg.hang_timeout_s is not None:
                 env[HANG_TIMEOUT_ENV] = f"{cfg.hang_timeout_s:g}"
+            env[STRAGGLER_WINDOW_ENV] = str(cfg.straggler_window)
             if self._cache is not None:
                 env.update(self._cache.to_env())
             if standby:

@@ -45,6 +45,8 @@ GRACE_ENV = "EFDL_GRACE_PERIOD"  # how long a worker that was asked to leave may
 # noticed within the lease TTL), and how long the job may wait below --min or for all ranks.
 PLACEMENT_TIMEOUT_ENV = "EFDL_PLACEMENT_TIMEOUT"
 JOIN_TIMEOUT_ENV = "EFDL_JOIN_TIMEOUT"
+STRAGGLER_WINDOW_ENV = "EFDL_STRAGGLER_WINDOW"  # steps per pace judgment (efdl.worker.pace)
+MIN_STRAGGLER_WINDOW = 5  # fewer steps and one slow step would sway the median
 HANG_TIMEOUT_ENV = "EFDL_HANG_TIMEOUT"  # --hang-timeout, for the worker's hang watch
 COLLECTIVE_TIMEOUT_ENV = "EFDL_COLLECTIVE_TIMEOUT"  # the process groups' timeout (seconds)
 

@@ -118,6 +118,18 @@ class ResumedFromCache:
 
 
 @dataclass(frozen=True, slots=True)
+class Paced:
+    """Local rank 0's node took ``node_s`` seconds of its own per step (median over ``steps``
+    steps of ``generation``) while the other nodes took ``others_s`` (efdl.worker.pace)."""
+
+    KIND: ClassVar[str] = "pace"
+    generation: int
+    node_s: float
+    others_s: float
+    steps: int
+
+
+@dataclass(frozen=True, slots=True)
 class StateLost:
     """No rank holds the job's state and nothing can bring it back: the error's text."""
 
@@ -153,7 +165,15 @@ class Waiting:
 
 
 ToAgent = (
-    Hello | Stepped | Agreed | Rescaled | PeerFailed | Persisted | ResumedFromCache | StateLost
+    Hello
+    | Stepped
+    | Agreed
+    | Rescaled
+    | PeerFailed
+    | Persisted
+    | ResumedFromCache
+    | Paced
+    | StateLost
 )
 ToWorker = Placed | Leave | Waiting
 Message = ToAgent | ToWorker
@@ -161,7 +181,7 @@ Message = ToAgent | ToWorker
 _KINDS: dict[str, type[Any]] = {
     cls.KIND: cls
     for cls in (
-        Hello, Stepped, Agreed, Rescaled, PeerFailed, Persisted, ResumedFromCache, StateLost,
+        Hello, Stepped, Agreed, Rescaled, PeerFailed, Persisted, ResumedFromCache, Paced, StateLost,
         Placed, Leave, Waiting,
     )
 }  # fmt: skip

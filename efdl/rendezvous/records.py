@@ -484,6 +484,7 @@ class EventKind(StrEnum):
     PERSIST = "persist"  # rank 0 wrote a snapshot to the remote cache
     RESUME = "resume"  # the job resumed from the remote cache
     RESCALE = "rescale"  # training went on at a new size; ``seconds``: how long it stood still
+    SLOW = "slow"  # this node's own work per step was slower than the others' (efdl.worker.pace)
 
 
 @dataclass(frozen=True, slots=True)

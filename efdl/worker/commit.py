@@ -62,26 +62,31 @@ class Flag(enum.IntEnum):
 class Agreement:
     """The all-reduce of the ranks' flags started at one commit and read at the next.
 
-    Cost: seven integers on the CPU gloo group per commit, overlapping the step."""
+    Cost: seven integers on the CPU gloo group per commit, and one per node of the
+    generation (efdl.worker.pace: each node's busy time in the step), overlapping the step."""
 
     def __init__(self) -> None:
-        self._flags = torch.zeros(len(Flag), dtype=torch.int64)
+        self._words = torch.zeros(len(Flag), dtype=torch.int64)
         self._work: Any = None
 
     def read(self) -> list[int] | None:
-        """The agreed flags (indexed by :class:`Flag`) of the all-reduce started at the
-        commit before, waiting for it; None if none was started (the first commit of a
-        generation, or not elastic)."""
+        """The agreed words of the all-reduce started at the commit before, waiting for it:
+        the flags (indexed by :class:`Flag`), then the nodes' pace slots; None if none was
+        started (the first commit of a generation, or not elastic)."""
         if self._work is None:
             return None
         self._work.wait()
         self._work = None
-        return [int(x) for x in self._flags.tolist()]
+        return [int(x) for x in self._words.tolist()]
 
-    def start(self, flags: Sequence[int], group: Any) -> None:
-        """All-reduce ``flags`` (this rank's) on ``group`` with MAX, without waiting."""
-        self._flags.copy_(torch.tensor(flags))
-        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    def start(self, flags: Sequence[int], group: Any, slots: Sequence[int] = ()) -> None:
+        """All-reduce ``flags`` and ``slots`` (this rank's) on ``group`` with MAX, without
+        waiting (every rank of the group gives as many slots)."""
+        words = [*flags, *slots]
+        if self._words.numel() != len(words):
+            self._words = torch.zeros(len(words), dtype=torch.int64)
+        self._words.copy_(torch.tensor(words, dtype=torch.int64))
+        self._work = dist.all_reduce(self._words, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def drop(self) -> None:
         """Forget the all-reduce in flight: its group is gone (a new generation)."""

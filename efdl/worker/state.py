@@ -21,14 +21,14 @@ import copy
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from efdl.protocol.messages import Persisted
+from efdl.protocol.messages import Paced, Persisted
 from efdl.worker import sync
 from efdl.worker.cache import CacheSettings, Manifest
 from efdl.worker.commit import (
@@ -42,9 +42,10 @@ from efdl.worker.commit import (
     wait_fenced,
 )
 from efdl.worker.fence import fence
+from efdl.worker.pace import Pace, StepClock, pace_window, slots
 from efdl.worker.persist import Persister
 from efdl.worker.rng import rng_state
-from efdl.worker.runtime import get_runtime
+from efdl.worker.runtime import Runtime, get_runtime
 from efdl.worker.sampler import Position
 from efdl.worker.transaction import Recovery, Standing, StepPhase, recovery
 from efdl.worker.transfer import Moved
@@ -133,6 +134,11 @@ class ElasticState:
         self._phase = StepPhase.COMMITTED
         self._copy: dict[str, Any] | None = None  # the rollback copy (snapshot_every)
         self._agreement = Agreement()
+        self._clock = StepClock()  # this rank's busy time per step (efdl.worker.pace)
+        self._pace = Pace(pace_window())
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._clock.grad_ready)  # type: ignore[no-untyped-call]
         self._last_sync: Moved | None = None  # what the last sync moved here
         rt = get_runtime()
         self._verdicts = Verdicts(rt.errored, rt.step_event)
@@ -224,6 +230,7 @@ class ElasticState:
     # ---------------------------------------------------------------- the step transaction
 
     def _on_step_start(self, *_: Any) -> None:
+        self._clock.step_started()
         if self._persister is not None:
             self._persister.fence()  # the snapshot being persisted has copied the tensors
         self._phase = StepPhase.STEPPING
@@ -240,6 +247,7 @@ class ElasticState:
         and no GPU synchronisation.
         """
         tree, rt = self._tree, get_runtime()
+        busy = self._clock.committed()
         # Values changed in place (a list appended to) are checked here, before they spread.
         tree.values.check()
         tree.count_step()
@@ -256,6 +264,7 @@ class ElasticState:
             if self._snapshot_every:  # a failure rolls back to the copies
                 floor -= floor % self._snapshot_every
             rt.agreed(tree.step, floor)
+            self._paced(agreed[len(Flag) :], rt)
             if agreed[Flag.FAILED]:
                 raise StepFailed(
                     f"A rank's training group reported a communication error by step "
@@ -272,7 +281,19 @@ class ElasticState:
         if not (rt.elastic or self._persister is not None) or rt.side is None:
             return
         flags = own_flags(rt, self._verdicts.failed, self._persister, tree.step)
-        self._agreement.start(flags, rt.side)
+        p = rt.placement
+        own = slots(p.group_world_size, p.group_rank, busy) if p is not None else []
+        self._agreement.start(flags, rt.side, own)
+
+    def _paced(self, agreed_slots: Sequence[int], rt: Runtime) -> None:
+        """One more step of every node's busy time; at each whole window, local rank 0
+        tells its agent how its node stands (efdl.worker.pace)."""
+        p = rt.placement
+        if p is None or not self._pace.add(agreed_slots) or p.local_rank != 0:
+            return
+        pace = self._pace.of_node(p.group_rank)
+        if pace is not None and rt.channel is not None:
+            rt.channel.notify(Paced(p.generation, pace.node_s, pace.others_s, pace.steps))
 
     def recover(self) -> Recovery:
         """After a failure inside a step or a sync: make this rank's state a committed one
@@ -370,6 +391,8 @@ class ElasticState:
         self._rewrap(world > 1 or rt.elastic)
         self._generation = rt.placement.generation if rt.placement else 0
         self._agreement.drop()
+        self._clock.restart()
+        self._pace.reset()
 
     def hand_over(self, new_rank: int | None) -> None:
         """Sharded, at a pause, before the old group goes: the rows of the ranks that leave

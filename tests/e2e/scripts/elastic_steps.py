@@ -44,6 +44,9 @@ worker processes (default 0).
 COMM_HOOK=bf16: DDP options and a communication hook through elastic_state (bucket_cap_mb=1,
 gradient_as_bucket_view, torch's bf16_compress_hook, counted); each row says how many times
 the hook ran in its step ("hooked") and the wrapper's options ("ddp").
+SLOW="node:seconds" makes that node's ranks sleep that much more in each step's forward pass
+(a straggler: its peers wait for it in the gradient all-reduce); SLOW_FILE=path: only while
+that file exists.
 BACKEND=nccl (default gloo); DEVICE=cuda trains on efdl.device() (the GPU suite); each entry
 row names the worker's GPU as the agent gave it ("gpu": its entry in CUDA_VISIBLE_DEVICES).
 """
@@ -281,6 +284,12 @@ def train(state: efdl.ElasticState) -> None:
             if skip_step == str(state.step) and skip_rank != str(rank) and spawned == "1":
                 dist.barrier()  # the user's own collective, which one rank never enters
             hooked[0] = 0
+            slow_node, _, slow_s = os.environ.get("SLOW", "").partition(":")
+            slow_file = os.environ.get("SLOW_FILE")
+            if slow_node == os.environ["EFDL_NODE_ID"] and (
+                not slow_file or os.path.exists(slow_file)
+            ):
+                time.sleep(float(slow_s))
             loss = state.ddp(x.to(dev)).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()
