@@ -6,13 +6,14 @@ One JSON line per step to $OUT_DIR/events.jsonl as mlp_torchrun.py writes it (pl
 generation); one line per entry into the training function (``"entry": true``) with what the
 rebuild's sync sent and received here, and one (``"boot": true``) with when this process
 started and when it reached ``efdl.init_process_group()``. Knobs: WIDTH, LAYERS, BATCH (per
-worker), STEPS.
+worker), STEPS, SLOW_FILE (see slow()).
 """
 
 import time
 
 started = time.time()
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
@@ -27,6 +28,17 @@ import efdl  # noqa: E402
 out = Path(os.environ["OUT_DIR"])
 width, layers = int(os.environ["WIDTH"]), int(os.environ["LAYERS"])
 batch, steps = int(os.environ.get("BATCH", "16")), int(os.environ.get("STEPS", "1000000"))
+
+slow_file = os.environ.get("SLOW_FILE")
+
+
+def slow() -> None:
+    """While SLOW_FILE exists, sleep the seconds it holds before each forward pass (a node
+    that became slow: benchmarks.stragglers)."""
+    if slow_file and os.path.exists(slow_file):
+        with contextlib.suppress(OSError, ValueError):  # being written: next step
+            time.sleep(float(Path(slow_file).read_text() or 0))
+
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(
@@ -63,6 +75,7 @@ def train(state: efdl.ElasticState) -> None:
     log({"boot": True, "step": state.step, "started": started, "ready": ready})
     for state.epoch in range(state.epoch, 1_000_000):
         for (x,) in loader:
+            slow()
             loss = state.ddp(x).pow(2).mean()
             optimizer.zero_grad()
             loss.backward()

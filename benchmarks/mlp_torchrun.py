@@ -3,9 +3,11 @@ linear layers of WIDTH x WIDTH (with ReLUs) trained with SGD + momentum on synth
 mlp_efdl.py is this script with the efdl change.
 
 One JSON line per step to $OUT_DIR/events.jsonl: time, step, world, rank, pid, node, and this
-process's peak resident memory so far. Knobs: WIDTH, LAYERS, BATCH (per worker), STEPS.
+process's peak resident memory so far. Knobs: WIDTH, LAYERS, BATCH (per worker), STEPS,
+SLOW_FILE (see slow()).
 """
 
+import contextlib
 import json
 import os
 import resource
@@ -21,6 +23,17 @@ out = Path(os.environ["OUT_DIR"])
 width, layers = int(os.environ["WIDTH"]), int(os.environ["LAYERS"])
 batch, steps = int(os.environ.get("BATCH", "16")), int(os.environ.get("STEPS", "1000000"))
 
+slow_file = os.environ.get("SLOW_FILE")
+
+
+def slow() -> None:
+    """While SLOW_FILE exists, sleep the seconds it holds before each forward pass (a node
+    that became slow: benchmarks.stragglers)."""
+    if slow_file and os.path.exists(slow_file):
+        with contextlib.suppress(OSError, ValueError):  # being written: next step
+            time.sleep(float(Path(slow_file).read_text() or 0))
+
+
 torch.manual_seed(0)
 model = torch.nn.Sequential(
     *[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
@@ -35,6 +48,7 @@ step, epoch = 0, 0
 while step < steps:
     sampler.set_epoch(epoch)
     for (x,) in loader:
+        slow()
         loss = ddp(x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
