@@ -6,7 +6,8 @@ One JSON line per step to $OUT_DIR/events.jsonl as mlp_torchrun.py writes it (pl
 generation); one line per entry into the training function (``"entry": true``) with what the
 rebuild's sync sent and received here, and one (``"boot": true``) with when this process
 started and when it reached ``efdl.init_process_group()``. Knobs: WIDTH, LAYERS, BATCH (per
-worker), STEPS, SLOW_FILE (see slow()).
+worker), STEPS, SLOW_FILE (see slow()), EVAL_EVERY, EVAL_S, SAVE_AT, SAVE_S, FIRST_S
+(see irregular()).
 """
 
 import time
@@ -38,6 +39,25 @@ def slow() -> None:
     if slow_file and os.path.exists(slow_file):
         with contextlib.suppress(OSError, ValueError):  # being written: next step
             time.sleep(float(Path(slow_file).read_text() or 0))
+
+
+# Ordinary irregularities that must name nobody slow (benchmarks.stragglers, "noise"): rank 0
+# evaluates alone every EVAL_EVERY steps for EVAL_S seconds while the others wait; it saves a
+# checkpoint for SAVE_S seconds once, at step SAVE_AT; each process's first step takes
+# FIRST_S seconds more.
+eval_every, eval_s = int(os.environ.get("EVAL_EVERY", "0")), float(os.environ.get("EVAL_S", "0"))
+save_at, save_s = int(os.environ.get("SAVE_AT", "-1")), float(os.environ.get("SAVE_S", "0"))
+first_s = [float(os.environ.get("FIRST_S", "0"))]
+
+
+def irregular(step: int, rank: int) -> None:
+    if first_s[0]:
+        time.sleep(first_s[0])
+        first_s[0] = 0.0
+    if rank == 0 and eval_every and step % eval_every == 0:
+        time.sleep(eval_s)
+    if rank == 0 and step == save_at:
+        time.sleep(save_s)
 
 
 torch.manual_seed(0)
@@ -82,6 +102,7 @@ def train(state: efdl.ElasticState) -> None:
             optimizer.step()
             log({"step": state.step + 1})
             state.commit()
+            irregular(state.step, dist.get_rank())
             if state.step >= steps:
                 return
 

@@ -24,7 +24,11 @@ from pathlib import Path
 
 from benchmarks.recovery import Launcher, Rows, Run, efdl_launcher, torchrun_launcher
 from efdl._process import free_port
+from efdl.history import read_events
+from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
+from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.records import EventKind
 
 ROOT = Path(__file__).resolve().parents[1]
 EFDL = ROOT / "benchmarks" / "mlp_efdl.py"
@@ -146,6 +150,47 @@ def two_nodes(etcd: str, env: dict[str, str]) -> float:
             run.stop()
 
 
+@dataclass
+class Noise:
+    seconds: float
+    steps: int
+    slow_events: int
+    worlds: list[int]  # the world sizes rank 0 trained at, in order
+
+
+def noise(etcd: str, env: dict[str, str], window: int, seconds: float) -> Noise:
+    """Three healthy nodes with --evict-stragglers, for ``seconds``, under what must name
+    nobody: this machine's own noise (other work runs beside), rank 0 evaluating alone every
+    10 steps for about one step's time (1 s), a 10 s checkpoint save on rank 0 at step 30,
+    and every process's first step 10 s longer (about ten steps)."""
+    irregular = {
+        "EVAL_EVERY": "10",
+        "EVAL_S": "1",
+        "SAVE_AT": "30",
+        "SAVE_S": "10",
+        "FIRST_S": "10",
+    }
+    with tempfile.TemporaryDirectory(prefix="efdl-straggler-") as tmp:
+        job = f"noise-{uuid.uuid4().hex[:8]}"
+        run = Run(launcher_for("evict", etcd, job, window), Path(tmp), {**env, **irregular})
+        try:
+            for node in NODES:
+                run.start(node)
+            wait_world(run, 3, 10)
+            time.sleep(seconds)
+            rows = run.rows()
+        finally:
+            run.stop()
+        with EtcdStore(EtcdSettings((Endpoint.parse(etcd),))) as store:
+            events = read_events(store, job)[0]
+        worlds: list[int] = []
+        for r in rank0(rows):
+            if not worlds or worlds[-1] != r["world"]:
+                worlds.append(int(r["world"]))  # type: ignore[call-overload]
+        slow = sum(1 for e in events if e.kind is EventKind.SLOW)
+        return Noise(seconds, len(rank0(rows)), slow, worlds)
+
+
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -181,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window", type=int, default=10, help="--straggler-window for efdl")
     ap.add_argument("--follow", type=float, default=60.0)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--noise", type=float, default=300.0, help="seconds of the noise run (0: none)")
     args = ap.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     env = {"WIDTH": str(args.width), "LAYERS": str(args.layers), "BATCH": "32"}
@@ -196,8 +242,17 @@ def main(argv: list[str] | None = None) -> None:
                 o = one(kind, target, env, args.window, args.follow, two[-1])
                 results[kind].append(o)
                 print(f"repeat {i + 1} {KINDS[kind]}: {o}", flush=True)
+        quiet = noise(target, env, args.window, args.noise) if args.noise else None
     print()
     print(table(results, two))
+    if quiet is not None:
+        print()
+        print(
+            f"Noise: {quiet.seconds:.0f} s, {quiet.steps} steps of three healthy nodes with "
+            f"--evict-stragglers (window {args.window}), rank 0 evaluating alone every 10 "
+            "steps, a 10 s save at step 30, every first step 10 s long: "
+            f"{quiet.slow_events} slow event(s); worlds trained at: {quiet.worlds}."
+        )
 
 
 if __name__ == "__main__":
