@@ -1,0 +1,588 @@
+"""The fleet's controller on Kubernetes, its pure part: the cluster read as the allocator's
+records, and the allocator's statuses as pods. No I/O (efdl.fleet.kube.controller reads the
+API server and etcd, and runs what this returns).
+
+**A job is a set of pods the controller owns, one GPU each**, pinned to the node the allocator
+chose (a required node affinity on the node's name: the kube-scheduler still
+checks that the GPU is free and waits while a leaving pod holds it). Not a StatefulSet: its
+pods share one template, so they cannot be pinned one by one to the allocator's hosts, and
+its scale-down removes the highest ordinal wherever it runs, not the pod on the host the
+allocator gives back. What that costs: nothing restarts a pod that dies but this controller
+(it does, at its next interval), and ``kubectl scale`` is not the way to resize (the
+allocator is).
+
+- **Hosts** (:func:`cluster_hosts`): each Ready GPU node is a host whose GPUs are slots
+  ``0..allocatable-1`` (the device plugin, not efdl, picks the physical GPU). As many slots as
+  pods that are not this fleet's hold (inference), or are nominated to take, are marked
+  ``foreign``: first slots no job holds, then slots a job holds but has no pod on any more
+  (inference preempted it), then the lowest-priority job's. A cordoned node takes nothing
+  new: its slots that no job holds are foreign too.
+- **Endings** (:func:`endings`): a pod of a running job that ended by itself ends the job, as
+  an agent does on a host: exit 0 finished, else failed (the status names the pod). A pod the
+  kubelet ended for its own reasons (evicted, out of GPUs at admission, its node lost) does
+  not: it is deleted and made again.
+- **Pods** (:func:`plan`): a running job gets one pod per GPU on each host of its status; a
+  job that holds nothing (queued, suspended) or has ended has none (its pods get SIGTERM: a
+  graceful leave, persisting with a cache; ``restartPolicy: Never``, so an ended job's pods
+  never crash-loop on its GPUs). A job's min comes as a gang: the allocator gives a job its
+  min or nothing, and its pods are made in the decision that gives it. Its first ``min``
+  pods are of the *core* priority class, the others *growth*, lower: both preempt nothing
+  (``preemptionPolicy: Never``: only the controller shrinks jobs), and inference preempts a
+  job's growth pods before its core. A shrink deletes, on each host that gives GPUs back,
+  pending pods first, then growth pods, then the newest. Deletes come before creates; a plan
+  made again from the cluster it made is empty (no writes).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from efdl import __version__
+from efdl.fleet.allocate import Job
+from efdl.fleet.launch import split_command
+from efdl.fleet.records import FleetGpu, Host, JobStatus, Phase
+from efdl.rendezvous.records import HOST_RE, ID_RE
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+CONTROLLER = "efdl-fleet"
+FLEET_LABEL = "efdl.dev/fleet"
+JOB_LABEL = "efdl.dev/job"
+# Annotations: the exact values (a label is 63 characters at most).
+JOB_NOTE = "efdl.dev/job-id"
+HOST_NOTE = "efdl.dev/host"
+SUBMITTED_NOTE = "efdl.dev/submitted"  # the job's submission: a resubmitted job's pods are new
+CONTAINER = "efdl"
+# Why a kubelet ends a pod that is not the job's doing (PodStatus.reason).
+_KUBELET_REASONS = frozenset(
+    {"Evicted", "NodeLost", "Shutdown", "Terminated", "NodeShutdown", "UnexpectedAdmissionError"}
+)
+_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True, slots=True)
+class KubeSettings:
+    """How the controller maps the fleet onto a cluster.
+
+    Attributes:
+        namespace: where the jobs' pods and their template live.
+        fleet: the fleet's name (its records: ``/efdl-fleet/<fleet>/``).
+        gpu_resource: the device plugin's extended resource.
+        pod_template: the ``PodTemplate`` the jobs' pods are made from (image, the etcd
+            settings as ``EFDL_ETCD*`` variables, volumes, grace period).
+        core_class / growth_class: the priority classes of a job's first ``min`` pods and of
+            the others (both ``preemptionPolicy: Never``; growth below core).
+        keep_ended_s: how long the pods of an ended job are kept, ended (``kubectl logs``).
+    """
+
+    namespace: str = "efdl"
+    fleet: str = "default"
+    gpu_resource: str = "nvidia.com/gpu"
+    pod_template: str = "efdl-fleet-job"
+    core_class: str = "efdl-fleet-core"
+    growth_class: str = "efdl-fleet-growth"
+    keep_ended_s: float = 3600.0
+
+    @property
+    def selector(self) -> dict[str, str]:
+        """The labels of every pod of this fleet's jobs."""
+        return {MANAGED_BY: CONTROLLER, FLEET_LABEL: label_value(self.fleet)}
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value: itself where it is one, else a digest of it."""
+    if _LABEL_RE.match(text):
+        return text
+    return "h-" + hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _dns_part(text: str) -> str:
+    """A lower-case DNS label's worth of ``text`` (at most 40 characters)."""
+    part = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:40].strip("-")
+    return part or "job"
+
+
+def pod_base(job_id: str) -> str:
+    """The prefix of a job's pod names: readable, and distinct for ids that read alike."""
+    return f"{_dns_part(job_id)}-{hashlib.sha256(job_id.encode()).hexdigest()[:6]}"
+
+
+# ---------------------------------------------------------------- the pods read
+
+
+class PodState(StrEnum):
+    PENDING = "pending"  # not running yet (unscheduled, or starting): holds its slot
+    RUNNING = "running"
+    TERMINATING = "terminating"  # deleted, leaving within its grace period
+    SUCCEEDED = "succeeded"  # ended by itself, exit 0
+    FAILED = "failed"  # ended by itself, with an error
+    LOST = "lost"  # ended by the kubelet (evicted, node lost...): not the job's doing
+
+    @property
+    def alive(self) -> bool:
+        return self in (PodState.PENDING, PodState.RUNNING)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetPod:
+    """One pod of a fleet job, as read.
+
+    Attributes:
+        name / uid / resource_version: the object (a delete names the version it read).
+        job_id / host / submitted: its job, the node it is pinned to, its job's submission.
+        core: of the core priority class (a job's first ``min`` pods).
+        state: where it stands (:class:`PodState`).
+        ordinal: the number that ends its name.
+        why: how it ended (an exit code and reason), when it did.
+    """
+
+    name: str
+    uid: str
+    resource_version: str
+    job_id: str
+    host: str
+    submitted: str
+    core: bool
+    state: PodState
+    ordinal: int
+    why: str = ""
+
+
+def fleet_pod(pod: Any, settings: KubeSettings) -> FleetPod | None:
+    """``pod`` (a ``V1Pod`` labelled as this fleet's) read, or None where it does not carry
+    the controller's annotations (not made by it)."""
+    meta = pod.metadata
+    notes = meta.annotations or {}
+    job_id, host = notes.get(JOB_NOTE, ""), notes.get(HOST_NOTE, "")
+    if not job_id or not host:
+        return None
+    tail = meta.name.rsplit("-", 1)[-1]
+    status = pod.status
+    phase = (status.phase if status else None) or "Pending"
+    why = ""
+    if meta.deletion_timestamp is not None:
+        state = PodState.TERMINATING
+    elif phase in ("Succeeded", "Failed") and status.reason in _KUBELET_REASONS:
+        state, why = PodState.LOST, f"{status.reason}: {status.message or ''}".rstrip(": ")
+    elif phase == "Succeeded":
+        state, why = PodState.SUCCEEDED, "exit 0"
+    elif phase == "Failed":
+        state, why = PodState.FAILED, _exit(status) or (status.reason or "failed")
+    elif phase == "Unknown":
+        state = PodState.LOST
+    else:
+        state = PodState.RUNNING if phase == "Running" else PodState.PENDING
+    return FleetPod(
+        name=meta.name,
+        uid=meta.uid or "",
+        resource_version=meta.resource_version or "",
+        job_id=job_id,
+        host=host,
+        submitted=notes.get(SUBMITTED_NOTE, ""),
+        core=(pod.spec.priority_class_name == settings.core_class),
+        state=state,
+        ordinal=int(tail) if tail.isdigit() else 0,
+        why=why,
+    )
+
+
+def _exit(status: Any) -> str:
+    for c in status.container_statuses or ():
+        term = c.state.terminated if c.state else None
+        if c.name == CONTAINER and term is not None:
+            text = f"exit code {term.exit_code}"
+            return f"{text} ({term.reason})" if term.reason else text
+    return ""
+
+
+# ---------------------------------------------------------------- hosts
+
+
+def gpus_of(pod: Any, resource: str) -> int:
+    """The GPUs ``pod`` holds: its containers' together, or its largest init container's."""
+
+    def one(c: Any) -> int:
+        res = c.resources
+        if res is None:
+            return 0
+        value = (res.limits or {}).get(resource) or (res.requests or {}).get(resource) or 0
+        try:
+            return int(float(str(value)))
+        except ValueError:
+            return 0
+
+    spec = pod.spec
+    main = sum(one(c) for c in spec.containers or ())
+    init = max((one(c) for c in spec.init_containers or ()), default=0)
+    return max(main, init)
+
+
+def _ready(node: Any) -> bool:
+    conditions = node.status.conditions if node.status else None
+    return any(c.type == "Ready" and c.status == "True" for c in conditions or ())
+
+
+def _address(node: Any) -> str:
+    for a in (node.status.addresses if node.status else None) or ():
+        if a.type == "InternalIP" and HOST_RE.match(a.address):
+            return str(a.address)
+    return str(node.metadata.name)
+
+
+def cluster_hosts(
+    nodes: Sequence[Any],
+    pods: Sequence[FleetPod],
+    others: Sequence[Any],
+    jobs: Sequence[Job],
+    resource: str,
+) -> tuple[list[Host], list[str]]:
+    """The fleet's hosts: each Ready node with GPUs (``resource``), its slots marked
+    ``foreign`` as this module's docstring says; and a sentence per node left out (a name
+    that is no host id).
+
+    Args:
+        nodes: every node (``V1Node``).
+        pods: the fleet's pods (:func:`fleet_pod`).
+        others: every pod that is not the fleet's and not ended (``V1Pod``).
+        jobs: the fleet's jobs as etcd holds them now.
+        resource: the GPUs' extended resource.
+    """
+    foreign: dict[str, int] = {}
+    for p in others:
+        node = p.spec.node_name or (p.status.nominated_node_name if p.status else None)
+        if node:
+            foreign[node] = foreign.get(node, 0) + gpus_of(p, resource)
+    alive: dict[tuple[str, str], int] = {}
+    for fp in pods:
+        if fp.state.alive:
+            alive[(fp.job_id, fp.host)] = alive.get((fp.job_id, fp.host), 0) + 1
+    hosts: list[Host] = []
+    problems: list[str] = []
+    for node in sorted(nodes, key=lambda n: n.metadata.name):
+        name = node.metadata.name
+        count = gpus_of_node(node, resource)
+        if count == 0 or not _ready(node):
+            continue
+        if not ID_RE.match(name) or ".." in name:
+            problems.append(f"Node {name[:64]!r}: its name is not a host id; left out.")
+            continue
+        taken = _foreign_slots(name, count, foreign.get(name, 0), alive, jobs)
+        if node.spec is not None and node.spec.unschedulable:  # cordoned: nothing new
+            held = {i for j in jobs for h, ix in j.status.gpus if h == name for i in ix}
+            taken |= set(range(count)) - held
+        gpus = tuple(FleetGpu(i, "", i in taken) for i in range(count))
+        hosts.append(Host(name, _address(node), gpus, __version__))
+    return hosts, problems
+
+
+def gpus_of_node(node: Any, resource: str) -> int:
+    value = ((node.status.allocatable if node.status else None) or {}).get(resource, 0)
+    try:
+        return max(0, int(float(str(value))))
+    except ValueError:
+        return 0
+
+
+def _foreign_slots(
+    host: str, count: int, k: int, alive: Mapping[tuple[str, str], int], jobs: Sequence[Job]
+) -> set[int]:
+    """Which ``k`` of ``host``'s slots the pods that are not the fleet's hold: slots no job
+    holds first, then slots a job holds without a pod, then the lowest-priority job's."""
+    order: list[int] = []
+    held: dict[int, Job] = {}
+    for j in jobs:
+        if j.status.phase is Phase.RUNNING:
+            for h, ix in j.status.gpus:
+                if h == host:
+                    held.update((i, j) for i in ix if i < count)
+    order += [i for i in range(count - 1, -1, -1) if i not in held]
+    rest: list[tuple[int, float, int]] = []
+    for j in sorted(
+        {j.spec.job_id: j for j in held.values()}.values(), key=lambda j: j.spec.job_id
+    ):
+        mine = sorted((i for i, o in held.items() if o.spec.job_id == j.spec.job_id), reverse=True)
+        missing = max(0, len(mine) - alive.get((j.spec.job_id, host), 0))
+        order += mine[:missing]
+        rest += [(j.spec.priority, -j.spec.submitted, i) for i in mine[missing:]]
+    order += [i for _, _, i in sorted(rest, key=lambda r: (r[0], r[1], -r[2]))]
+    return set(order[:k])
+
+
+# ---------------------------------------------------------------- endings
+
+
+def endings(jobs: Sequence[Job], pods: Sequence[FleetPod], now: float) -> dict[str, JobStatus]:
+    """The running jobs that a pod of theirs ended (by itself, not the kubelet): failed if
+    one failed, else finished."""
+    out: dict[str, JobStatus] = {}
+    for j in jobs:
+        if j.status.phase is not Phase.RUNNING:
+            continue
+        mine = sorted(
+            (
+                p
+                for p in pods
+                if p.job_id == j.spec.job_id and p.submitted == _submitted(j)
+                and p.state in (PodState.SUCCEEDED, PodState.FAILED)
+            ),
+            key=lambda p: (p.state is not PodState.FAILED, p.name),
+        )  # fmt: skip
+        if not mine:
+            continue
+        p = mine[0]
+        if p.state is PodState.FAILED:
+            out[j.spec.job_id] = JobStatus(
+                Phase.FAILED, (), now, f"its pod {p.name} on {p.host} ended: {p.why} "
+                f"(kubectl logs {p.name})"
+            )  # fmt: skip
+        else:
+            out[j.spec.job_id] = JobStatus(
+                Phase.FINISHED, (), now, f"its pod {p.name} on {p.host} finished (exit 0)"
+            )
+    return out
+
+
+def _submitted(job: Job) -> str:
+    return repr(job.spec.submitted)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, slots=True)
+class CreatePod:
+    """Create ``pod`` (a ``V1Pod``) for ``job_id`` on ``host``."""
+
+    job_id: str
+    host: str
+    name: str
+    core: bool
+    pod: Any
+
+
+@dataclass(frozen=True, slots=True)
+class DeletePod:
+    """Delete pod ``name`` (if still ``uid`` at ``resource_version``), because ``why``."""
+
+    job_id: str
+    name: str
+    uid: str
+    resource_version: str
+    why: str
+
+
+Action = CreatePod | DeletePod
+
+
+def plan(
+    jobs: Sequence[Job],
+    pods: Sequence[FleetPod],
+    hosts: Iterable[str],
+    template: Any,
+    settings: KubeSettings,
+    now: float,
+) -> list[Action]:
+    """The deletes, then the creates, that bring the fleet's pods to the jobs' statuses.
+
+    Args:
+        jobs: the jobs as etcd holds them after the decision.
+        pods: the fleet's pods (:func:`fleet_pod`).
+        hosts: the nodes present (no pod is made on a node that is gone).
+        template: the ``V1PodTemplate`` the pods are made from (None: none is made).
+        settings: the mapping.
+        now: wall-clock seconds.
+    """
+    present = set(hosts)
+    by_job = {j.spec.job_id: j for j in jobs}
+    deletes: list[DeletePod] = []
+    creates: list[CreatePod] = []
+    for p in pods:  # ended pods, and pods of no job
+        j = by_job.get(p.job_id)
+        why = _doomed(p, j, settings, now)
+        if why:
+            deletes.append(DeletePod(p.job_id, p.name, p.uid, p.resource_version, why))
+    for j in jobs:
+        mine = [
+            p for p in pods
+            if p.job_id == j.spec.job_id and p.submitted == _submitted(j) and p.state.alive
+        ]  # fmt: skip
+        want = dict(j.status.gpus) if j.status.phase is Phase.RUNNING else {}
+        keep: list[FleetPod] = []
+        for host in sorted({p.host for p in mine} | set(want)):
+            here = [p for p in mine if p.host == host]
+            n = len(want.get(host, ()))
+            if host not in present and host in want:
+                keep += here  # a node gone: its pods go with it (no pod made there)
+                continue
+            # pending first ("pending" < "running"), then growth, then the newest
+            order = sorted(here, key=lambda p: (p.state.value, p.core, -p.ordinal))
+            for p in order[: max(0, len(here) - n)]:
+                why = _why_fewer(j, host, n)
+                deletes.append(DeletePod(p.job_id, p.name, p.uid, p.resource_version, why))
+            keep += order[max(0, len(here) - n) :]
+        if template is None:
+            continue
+        core = sum(p.core for p in keep)
+        used = {p.ordinal for p in pods if p.job_id == j.spec.job_id}
+        ordinal = 0
+        for host in sorted(want, key=lambda h: (-len(want[h]), h)):
+            if host not in present:
+                continue
+            for _ in range(len(want[host]) - sum(p.host == host for p in keep)):
+                while ordinal in used:
+                    ordinal += 1
+                used.add(ordinal)
+                is_core = core < j.spec.min_workers
+                core += is_core
+                name = f"{pod_base(j.spec.job_id)}-{ordinal}"
+                pod = job_pod(j, host, name, is_core, template, settings)
+                creates.append(CreatePod(j.spec.job_id, host, name, is_core, pod))
+    return [*deletes, *creates]
+
+
+def _doomed(p: FleetPod, j: Job | None, settings: KubeSettings, now: float) -> str:
+    """Why ``p`` goes regardless of its job's size ('' if it does not)."""
+    if p.state is PodState.TERMINATING:
+        return ""
+    if j is None:
+        return "the fleet has no such job"
+    if p.submitted != _submitted(j):
+        return "a pod of an earlier submission of the job"
+    if p.state is PodState.LOST:
+        return f"the kubelet ended it ({p.why}); made again where the job still holds the GPU"
+    if p.state.alive:
+        return ""
+    if j.status.phase.final:
+        if now - j.status.changed >= settings.keep_ended_s:
+            return f"the job {j.status.phase.value} more than {settings.keep_ended_s:.0f} s ago"
+        return ""
+    if j.status.phase is Phase.RUNNING:
+        return ""  # its ending is this pod's to tell (endings): kept until it is written
+    return f"ended, and the job is {j.status.phase.value}"
+
+
+def _why_fewer(j: Job, host: str, n: int) -> str:
+    st = j.status
+    if st.phase.final:
+        return f"the job {st.phase.value}"
+    if st.phase is not Phase.RUNNING:
+        return f"the job is {st.phase.value} ({st.reason})"
+    return f"the job holds {n} GPU(s) on {host} now ({st.reason})"
+
+
+# ---------------------------------------------------------------- a pod
+
+
+def _escaped(text: str) -> str:
+    """``text`` as Kubernetes passes it on: ``$(NAME)`` in a command or an environment value
+    is expanded, and ``$$`` is a ``$``."""
+    return text.replace("$", "$$")
+
+
+def agent_command(job: Job) -> list[str]:
+    """efdl-run's command line in a job's pod: one agent, one worker on the pod's one GPU;
+    etcd's endpoints and credentials come from the template's ``EFDL_ETCD*`` variables. The
+    job's command follows ``--`` (nothing in it is one of efdl-run's options)."""
+    spec = job.spec
+    flags, command = split_command(spec.job_id, spec.argv)
+    out = [
+        "efdl-run",
+        "--job-id", spec.job_id,
+        "--node-id", "$(POD_NAME)",
+        "--host", "$(POD_IP)",
+        "--min", str(spec.min_workers),
+        "--max", str(spec.max_workers),
+        "--nproc-per-node", "1",
+    ]  # fmt: skip
+    if spec.cache_url:
+        out += ["--cache-url", _escaped(spec.cache_url)]
+    return [*out, *flags, "--", *(_escaped(a) for a in command)]
+
+
+def job_pod(
+    job: Job, host: str, name: str, core: bool, template: Any, settings: KubeSettings
+) -> Any:
+    """A pod of ``job`` on ``host`` (a ``V1Pod``), made from ``template`` (a
+    ``V1PodTemplate``): its container ``efdl`` (else its first) runs :func:`agent_command`
+    in the job's working directory with the job's environment, on one GPU; the pod is pinned
+    to ``host``, of the core or growth priority class, and never restarted."""
+    from kubernetes import client as k
+
+    spec = job.spec
+    body = copy.deepcopy(template.template) if template.template else k.V1PodTemplateSpec()
+    meta = body.metadata or k.V1ObjectMeta()
+    pod_spec = body.spec or k.V1PodSpec(containers=[k.V1Container(name=CONTAINER)])
+    labels = {**(meta.labels or {}), **settings.selector, JOB_LABEL: label_value(spec.job_id)}
+    notes = {
+        **(meta.annotations or {}),
+        JOB_NOTE: spec.job_id,
+        HOST_NOTE: host,
+        SUBMITTED_NOTE: _submitted(job),
+    }
+    containers = pod_spec.containers or [k.V1Container(name=CONTAINER)]
+    c = next((c for c in containers if c.name == CONTAINER), containers[0])
+    c.command = agent_command(job)
+    c.args = None
+    c.working_dir = spec.workdir
+    env = [e for e in c.env or () if e.name not in ("POD_NAME", "POD_IP")]
+    env += [
+        k.V1EnvVar(
+            name="POD_NAME",
+            value_from=k.V1EnvVarSource(
+                field_ref=k.V1ObjectFieldSelector(field_path="metadata.name")
+            ),
+        ),
+        k.V1EnvVar(
+            name="POD_IP",
+            value_from=k.V1EnvVarSource(
+                field_ref=k.V1ObjectFieldSelector(field_path="status.podIP")
+            ),
+        ),
+    ]
+    names = {n for n, _ in spec.env}
+    c.env = [e for e in env if e.name not in names]
+    c.env += [k.V1EnvVar(name=n, value=_escaped(v)) for n, v in spec.env]
+    res = c.resources or k.V1ResourceRequirements()
+    res.limits = {**(res.limits or {}), settings.gpu_resource: "1"}
+    if res.requests and settings.gpu_resource in res.requests:
+        res.requests = {**res.requests, settings.gpu_resource: "1"}
+    c.resources = res
+    pod_spec.containers = containers
+    pod_spec.restart_policy = "Never"
+    pod_spec.priority_class_name = settings.core_class if core else settings.growth_class
+    pod_spec.priority = None
+    pod_spec.preemption_policy = None  # the class's: Never
+    pod_spec.node_name = None
+    pod_spec.affinity = _pinned(pod_spec.affinity, host)
+    return k.V1Pod(
+        api_version="v1",
+        kind="Pod",
+        metadata=k.V1ObjectMeta(
+            name=name, namespace=settings.namespace, labels=labels, annotations=notes
+        ),
+        spec=pod_spec,
+    )
+
+
+def _pinned(affinity: Any, host: str) -> Any:
+    """``affinity`` with its node affinity replaced: the node named ``host`` (by its name, as
+    the DaemonSet controller pins its pods: a node's hostname label may differ)."""
+    from kubernetes import client as k
+
+    term = k.V1NodeSelectorTerm(
+        match_fields=[
+            k.V1NodeSelectorRequirement(key="metadata.name", operator="In", values=[host])
+        ]
+    )
+    out = affinity or k.V1Affinity()
+    out.node_affinity = k.V1NodeAffinity(
+        required_during_scheduling_ignored_during_execution=k.V1NodeSelector(
+            node_selector_terms=[term]
+        )
+    )
+    return out
