@@ -194,7 +194,8 @@ class FakeKube:
             (req,) = term.match_fields
             assert req.key == "metadata.name" and req.operator == "In"
             (target,) = req.values
-            if target in self.nodes and self.free_gpus(target) >= 1:
+            there = self.nodes.get(target)
+            if there is not None and not there.spec.unschedulable and self.free_gpus(target) >= 1:
                 p.spec.node_name = target
                 p.status.phase = "Running"
                 self._bump(p)
@@ -226,6 +227,14 @@ class FakeKube:
         p = self.pod(name, namespace)
         p.status.phase, p.status.reason, p.status.message = "Failed", "Evicted", "low memory"
         self._bump(p)
+
+    def drain(self, node_name: str) -> None:
+        """``kubectl drain``: the node cordoned, its pods evicted (deleted gracefully)."""
+        self.nodes[node_name].spec = k.V1NodeSpec(unschedulable=True)
+        for p in self.pods.values():
+            if p.spec.node_name == node_name and p.metadata.deletion_timestamp is None:
+                p.metadata.deletion_timestamp = datetime.datetime.now(datetime.UTC)
+                self._bump(p)
 
     def preempt(self, name: str, by: Any, namespace: str = "efdl") -> None:
         """The kube-scheduler preempted the pod for ``by`` (a pending pod, nominated to the

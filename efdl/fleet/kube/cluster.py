@@ -16,7 +16,8 @@ allocator is).
   pods that are not this fleet's hold (inference), or are nominated to take, are marked
   ``foreign``: first slots no job holds, then slots a job holds but has no pod on any more
   (inference preempted it), then the lowest-priority job's. A cordoned node takes nothing
-  new: its slots that no job holds are foreign too.
+  new: its slots that no pod of a job holds are foreign too (a drain's evictions take a
+  job's GPUs there, and the allocator places it elsewhere).
 - **Endings** (:func:`endings`): a pod of a running job that ended by itself ends the job, as
   an agent does on a host: exit 0 finished, else failed (the status names the pod). A pod the
   kubelet ended for its own reasons (evicted, out of GPUs at admission, its node lost) does
@@ -273,8 +274,7 @@ def cluster_hosts(
             continue
         taken = _foreign_slots(name, count, foreign.get(name, 0), alive, jobs)
         if node.spec is not None and node.spec.unschedulable:  # cordoned: nothing new
-            held = {i for j in jobs for h, ix in j.status.gpus if h == name for i in ix}
-            taken |= set(range(count)) - held
+            taken |= set(range(count)) - _kept_slots(name, alive, jobs)
         gpus = tuple(FleetGpu(i, "", i in taken) for i in range(count))
         hosts.append(Host(name, _address(node), gpus, __version__))
     return hosts, problems
@@ -286,6 +286,17 @@ def gpus_of_node(node: Any, resource: str) -> int:
         return max(0, int(float(str(value))))
     except ValueError:
         return 0
+
+
+def _kept_slots(host: str, alive: Mapping[tuple[str, str], int], jobs: Sequence[Job]) -> set[int]:
+    """The slots of ``host`` that a running job holds and still has a pod on (as many of its
+    slots there as it has pods alive)."""
+    kept: set[int] = set()
+    for j in jobs:
+        if j.status.phase is Phase.RUNNING:
+            mine = sorted(i for h, ix in j.status.gpus if h == host for i in ix)
+            kept.update(mine[: alive.get((j.spec.job_id, host), 0)])
+    return kept
 
 
 def _foreign_slots(
