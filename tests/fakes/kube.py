@@ -26,7 +26,9 @@ _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 _LABEL_RE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")
 
 
-class _Response:
+class Response:
+    """A body for ``ApiClient.deserialize``."""
+
     def __init__(self, doc: Any) -> None:
         self.data = json.dumps(doc)
 
@@ -34,7 +36,7 @@ class _Response:
 def round_trip(obj: Any, model: str) -> Any:
     """``obj`` serialized and parsed back as ``model``: what the API server would store."""
     api = k.ApiClient()
-    return api.deserialize(_Response(api.sanitize_for_serialization(obj)), model)
+    return api.deserialize(Response(api.sanitize_for_serialization(obj)), model)
 
 
 def node(name: str, gpus: int, ready: bool = True, unschedulable: bool = False) -> Any:

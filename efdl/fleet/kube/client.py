@@ -29,8 +29,10 @@ class ClientApi:
     """:class:`~efdl.fleet.kube.api.KubeApi` on ``kubernetes.client.CoreV1Api``.
 
     Args:
-        core: the client (None: from the pod's service account, else ``~/.kube/config``).
-        timeout_s: the most any one call may take (connect and read).
+        core: the client (None: from the pod's service account, else ``~/.kube/config``,
+            with no retries of its own: the controller's next tick is its retry).
+        timeout_s: the most any one call may take to connect, and to read (a client with
+            retries takes it once per try).
     """
 
     def __init__(self, core: Any = None, timeout_s: float = 10.0) -> None:
@@ -41,7 +43,9 @@ class ClientApi:
                 config.load_incluster_config()
             except config.ConfigException:
                 config.load_kube_config()
-            core = client.CoreV1Api()
+            conf = client.Configuration.get_default_copy()
+            conf.retries = 0  # a call takes its timeout at most; the next tick is the retry
+            core = client.CoreV1Api(client.ApiClient(conf))
         self._core = core
         self._timeout_s = timeout_s
 
@@ -50,7 +54,8 @@ class ClientApi:
         from urllib3.exceptions import HTTPError
 
         try:
-            return fn(*args, _request_timeout=self._timeout_s, **kw)
+            # (connect, read): the client ignores a float timeout (it takes an int or a pair)
+            return fn(*args, _request_timeout=(self._timeout_s, self._timeout_s), **kw)
         except ApiException as exc:
             text = f"Kubernetes: {what} failed: {exc.status} {exc.reason}"
             body = (exc.body or "")[:300] if isinstance(exc.body, str) else ""
@@ -67,7 +72,7 @@ class ClientApi:
         except (HTTPError, OSError) as exc:
             raise KubeError(
                 f"Kubernetes: {what} failed: the API server did not answer within "
-                f"{self._timeout_s:.0f} s or the connection failed ({exc})."
+                f"{self._timeout_s:g} s, or the connection failed ({exc})."
             ) from exc
 
     def list_nodes(self) -> list[Any]:
