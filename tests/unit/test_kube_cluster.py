@@ -152,8 +152,9 @@ def test_a_jobs_min_is_a_gang_of_core_pods_then_growth_pods_pinned_never_restart
 
 
 def test_a_pod_runs_one_efdl_run_agent_on_one_gpu_and_the_jobs_command_after_dashes() -> None:
+    mine = (("LR", "$(X)"), ("EFDL_ETCD", "elsewhere:2379"), ("POD_NAME", "x"))
     s = JobSpec("j", ("-m", "pkg.train", "--etcd", "$(HOME)", "a$b"), "/w", 2, 4,
-                cache_url="s3://c/j", env=(("LR", "$(X)"),), submitted=1.0)  # fmt: skip
+                cache_url="s3://c/j", env=mine, submitted=1.0)  # fmt: skip
     cmd = agent_command(Job(s, JobStatus()))
     # Kubernetes expands $(NAME) and makes $$ a $: the job's text arrives as it was given
     assert cmd[0] == "efdl-run"
@@ -172,7 +173,8 @@ def test_a_pod_runs_one_efdl_run_agent_on_one_gpu_and_the_jobs_command_after_das
     env = {e.name: e for e in made.pod.spec.containers[0].env}
     assert env["LR"].value == "$$(X)"
     assert env["POD_NAME"].value_from.field_ref.field_path == "metadata.name"
-    assert env["EFDL_ETCD"].value == "etcd-client.efdl.svc:2379"
+    assert env["EFDL_ETCD"].value == "etcd-client.efdl.svc:2379"  # the template's, not the job's
+    assert len(made.pod.spec.containers[0].env) == 4  # the template's, LR, POD_NAME, POD_IP
 
 
 def test_pod_names_and_labels_are_valid_for_any_job_id() -> None:

@@ -120,6 +120,19 @@ def test_a_submitted_job_is_placed_as_one_pod_per_gpu_and_a_tick_after_writes_no
     assert rig.store.get_prefix(KEYS.prefix).revision == revision and rig.fake.writes == writes
 
 
+def test_a_node_that_inference_fills_gets_no_pod(rig: Rig) -> None:
+    rig.fake.add_pod(serving_pod("llm-0", "gpu-1", 3))
+    rig.submit("a", 2, 8)
+    rig.settle()
+    assert rig.status("a").size == 5
+    assert sorted(p.host for p in rig.alive("a")) == ["gpu-1"] + ["gpu-2"] * 4
+    host = next(h for h in read_fleet(rig.store, KEYS).hosts if h.host_id == "gpu-1")
+    assert sum(g.foreign for g in host.gpus) == 3
+    rig.fake.add_pod(serving_pod("llm-1", "gpu-1", 1))  # bound past the fleet's pod
+    rig.settle()
+    assert rig.status("a").size == 4 and {p.host for p in rig.alive("a")} == {"gpu-2"}
+
+
 def test_two_jobs_whose_mins_do_not_both_fit_one_waits_with_no_pod(rig: Rig) -> None:
     rig.submit("a", 5, 5)
     rig.submit("b", 5, 5)

@@ -46,7 +46,7 @@ from typing import Any
 
 from efdl import __version__
 from efdl.fleet.allocate import Job
-from efdl.fleet.launch import split_command
+from efdl.fleet.launch import daemon_only, split_command
 from efdl.fleet.records import FleetGpu, Host, JobStatus, Phase
 from efdl.rendezvous.records import HOST_RE, ID_RE
 
@@ -515,12 +515,20 @@ def agent_command(job: Job) -> list[str]:
     return [*out, *flags, "--", *(_escaped(a) for a in command)]
 
 
+def _template_only(name: str) -> bool:
+    """Whether the job's environment may not set ``name``: how its agent reaches etcd and its
+    credentials are the template's (as a host daemon's flags override a job's
+    ``EFDL_ETCD*``), and the pod's own name and address are the controller's."""
+    return daemon_only(name) or name in ("POD_NAME", "POD_IP")
+
+
 def job_pod(
     job: Job, host: str, name: str, core: bool, template: Any, settings: KubeSettings
 ) -> Any:
     """A pod of ``job`` on ``host`` (a ``V1Pod``), made from ``template`` (a
     ``V1PodTemplate``): its container ``efdl`` (else its first) runs :func:`agent_command`
-    in the job's working directory with the job's environment, on one GPU; the pod is pinned
+    in the job's working directory with the job's environment (less :func:`_template_only`),
+    on one GPU; the pod is pinned
     to ``host``, of the core or growth priority class, and never restarted."""
     from kubernetes import client as k
 
@@ -555,9 +563,10 @@ def job_pod(
             ),
         ),
     ]
-    names = {n for n, _ in spec.env}
+    job_env = [(n, v) for n, v in spec.env if not _template_only(n)]
+    names = {n for n, _ in job_env}
     c.env = [e for e in env if e.name not in names]
-    c.env += [k.V1EnvVar(name=n, value=_escaped(v)) for n, v in spec.env]
+    c.env += [k.V1EnvVar(name=n, value=_escaped(v)) for n, v in job_env]
     res = c.resources or k.V1ResourceRequirements()
     res.limits = {**(res.limits or {}), settings.gpu_resource: "1"}
     if res.requests and settings.gpu_resource in res.requests:
