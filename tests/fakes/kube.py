@@ -224,6 +224,21 @@ class FakeKube:
         ]
         self._bump(p)
 
+    def unschedulable(self, name: str, since: float, message: str, namespace: str = "efdl") -> None:
+        """The kube-scheduler found no room for the pending pod since ``since`` (seconds)."""
+        p = self.pod(name, namespace)
+        assert p.status.phase == "Pending" and not p.spec.node_name
+        p.status.conditions = [
+            k.V1PodCondition(
+                type="PodScheduled",
+                status="False",
+                reason="Unschedulable",
+                message=message,
+                last_transition_time=datetime.datetime.fromtimestamp(since, datetime.UTC),
+            )
+        ]
+        self._bump(p)
+
     def evict(self, name: str, namespace: str = "efdl") -> None:
         """The kubelet evicted the pod (node pressure): Failed, reason Evicted."""
         p = self.pod(name, namespace)

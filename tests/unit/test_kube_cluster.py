@@ -21,6 +21,7 @@ from efdl.fleet.kube.cluster import (
     cluster_hosts,
     endings,
     fleet_pod,
+    hold_out,
     plan,
 )
 from efdl.fleet.records import Gpus, JobSpec, JobStatus, Phase
@@ -279,3 +280,25 @@ def test_the_pods_of_an_earlier_submission_end_nothing_and_go() -> None:
     actions = plan([again], pods, ["gpu-1"], template(), S, NOW)
     assert sum(isinstance(a, DeletePod) for a in actions) == 2
     assert sum(isinstance(a, CreatePod) for a in actions) == 2
+
+
+def test_a_pod_stuck_on_its_node_gives_its_slot_up_and_the_node_is_held_out_a_while() -> None:
+    job = running(spec("a", 1, 2), (("gpu-1", (0, 1)),))
+    fake = FakeKube()
+    fake.add_node("gpu-1", 1)  # the second pod is not bound
+    pods = pods_of(plan([job], [], ["gpu-1"], template(), S, NOW), fake)
+    stuck = next(p for p in pods if p.state is PodState.PENDING)
+    fake.unschedulable(stuck.name, NOW - 100, "0/1 nodes are available: Insufficient cpu")
+    read = [p for p in (fleet_pod(r, S) for r in fake.list_pods("efdl")) if p]
+    assert hold_out({}, read, NOW, S) == {}  # 100 s: not yet
+    held = hold_out({}, read, NOW + 20, S)
+    assert held["gpu-1"].gpus == 1 and held["gpu-1"].pods == {stuck.name}
+    assert "Insufficient cpu" in held["gpu-1"].why
+    hosts, _ = cluster_hosts([node("gpu-1", 4)], read, [], [job], GPU, held)
+    assert [g.index for g in hosts[0].gpus if g.foreign] == [1]  # the stuck pod's slot
+    later = hold_out(held, [], NOW + 20 + S.hold_out_s - 1, S)  # the pod went; still held
+    assert later["gpu-1"].gpus == 1 and later["gpu-1"].pods == frozenset()
+    assert hold_out(later, [], NOW + 20 + S.hold_out_s, S) == {}
+    fewer = running(job.spec, (("gpu-1", (0,)),))
+    (gone,) = plan([fewer], read, ["gpu-1"], template(), S, NOW)
+    assert isinstance(gone, DeletePod) and gone.name == stuck.name  # the stuck one leaves

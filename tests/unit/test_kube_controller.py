@@ -250,6 +250,34 @@ def test_a_node_that_is_drained_gives_its_gpus_back_and_the_job_is_placed_elsewh
     assert rig.status("a").phase is Phase.RUNNING
 
 
+def test_a_pod_that_finds_no_room_gives_its_gpu_up_there_and_the_node_is_held_out(
+    rig: Rig,
+) -> None:
+    rig.fake.add_node("gpu-3", 4)
+    rig.submit("a", 4, 4)
+    rig.tick()
+    pods = rig.alive("a")
+    (host,) = {p.host for p in pods}
+    for p in pods:  # another tenant's pods took the node's memory meanwhile
+        rig.fake.unschedulable(
+            p.name, rig.clock.now, "0/3 nodes are available: Insufficient memory"
+        )
+    rig.tick()
+    assert {p.host for p in rig.alive("a")} == {host}  # not yet: 120 s
+    rig.clock.now += 120
+    report = rig.tick()
+    assert {a.name for a in report.actions if isinstance(a, DeletePod)} == {p.name for p in pods}
+    moved = {p.host for p in rig.alive("a")}
+    assert moved and host not in moved and rig.status("a").size == 4
+    held = next(h for h in read_fleet(rig.store, KEYS).hosts if h.host_id == host)
+    assert all(g.foreign for g in held.gpus)  # nothing placed there again at once
+    rig.settle()
+    rig.clock.now += 600
+    rig.tick()
+    held = next(h for h in read_fleet(rig.store, KEYS).hosts if h.host_id == host)
+    assert not any(g.foreign for g in held.gpus)
+
+
 def test_two_controllers_one_leads_and_the_other_takes_over(
     store: MemoryStore, fake: FakeKube
 ) -> None:

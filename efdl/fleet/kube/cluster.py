@@ -15,9 +15,14 @@ allocator is).
   ``0..allocatable-1`` (the device plugin, not efdl, picks the physical GPU). As many slots as
   pods that are not this fleet's hold (inference), or are nominated to take, are marked
   ``foreign``: first slots no job holds, then slots a job holds but has no pod on any more
-  (inference preempted it), then the lowest-priority job's. A cordoned node takes nothing
+  (inference preempted it), then the lowest-priority job's (and, before all of them, the
+  slots of pods stuck there: below). A cordoned node takes nothing
   new: its slots that no pod of a job holds are foreign too (a drain's evictions take a
   job's GPUs there, and the allocator places it elsewhere).
+- **Stuck pods** (:func:`hold_out`): a job's pod that the kube-scheduler finds no room for on
+  its node (CPU, memory, a taint) for ``stuck_s`` gives its GPU up there, and the node is
+  held out for ``hold_out_s`` on as many GPUs (foreign), so that the allocator places the job
+  elsewhere and not there again at once.
 - **Endings** (:func:`endings`): a pod of a running job that ended by itself ends the job, as
   an agent does on a host: exit 0 finished, else failed (the status names the pod). A pod the
   kubelet ended for its own reasons (evicted, out of GPUs at admission, its node lost) does
@@ -30,7 +35,8 @@ allocator is).
   pods are of the *core* priority class, the others *growth*, lower: both preempt nothing
   (``preemptionPolicy: Never``: only the controller shrinks jobs), and inference preempts a
   job's growth pods before its core. A shrink deletes, on each host that gives GPUs back,
-  pending pods first, then growth pods, then the newest. Deletes come before creates; a plan
+  pods the kube-scheduler found no room for first, then pending pods, then growth pods, then
+  the newest. Deletes come before creates; a plan
   made again from the cluster it made is empty (no writes).
 """
 
@@ -79,6 +85,10 @@ class KubeSettings:
         core_class / growth_class: the priority classes of a job's first ``min`` pods and of
             the others (both ``preemptionPolicy: Never``; growth below core).
         keep_ended_s: how long the pods of an ended job are kept, ended (``kubectl logs``).
+        stuck_s: how long a job's pod may find no room on its node (CPU, memory, a taint)
+            before its GPU is given up there.
+        hold_out_s: how long a node where a pod was stuck is given no new job's pod on as
+            many GPUs (so that the allocator does not place it there again at once).
     """
 
     namespace: str = "efdl"
@@ -88,6 +98,8 @@ class KubeSettings:
     core_class: str = "efdl-fleet-core"
     growth_class: str = "efdl-fleet-growth"
     keep_ended_s: float = 3600.0
+    stuck_s: float = 120.0
+    hold_out_s: float = 600.0
 
     @property
     def selector(self) -> dict[str, str]:
@@ -139,7 +151,10 @@ class FleetPod:
         core: of the core priority class (a job's first ``min`` pods).
         state: where it stands (:class:`PodState`).
         ordinal: the number that ends its name.
-        why: how it ended (an exit code and reason), when it did.
+        why: how it ended (an exit code and reason), when it did; why it is not scheduled,
+            while it is not.
+        unschedulable_since: wall-clock seconds since the kube-scheduler found no room for
+            it on its node (None: it did not, or it is bound).
     """
 
     name: str
@@ -152,6 +167,12 @@ class FleetPod:
     state: PodState
     ordinal: int
     why: str = ""
+    unschedulable_since: float | None = None
+
+    def stuck(self, now: float, after_s: float) -> bool:
+        """Pending, and found no room on its node for ``after_s`` or longer."""
+        since = self.unschedulable_since
+        return self.state is PodState.PENDING and since is not None and now - since >= after_s
 
 
 def fleet_pod(pod: Any, settings: KubeSettings) -> FleetPod | None:
@@ -178,6 +199,16 @@ def fleet_pod(pod: Any, settings: KubeSettings) -> FleetPod | None:
         state = PodState.LOST
     else:
         state = PodState.RUNNING if phase == "Running" else PodState.PENDING
+    since = None
+    for cond in (status.conditions if status else None) or ():
+        if (
+            cond.type == "PodScheduled"
+            and cond.status == "False"
+            and cond.reason == "Unschedulable"
+        ):
+            when = cond.last_transition_time
+            since = when.timestamp() if when is not None else None
+            why = why or (cond.message or "Unschedulable")
     return FleetPod(
         name=meta.name,
         uid=meta.uid or "",
@@ -189,6 +220,7 @@ def fleet_pod(pod: Any, settings: KubeSettings) -> FleetPod | None:
         state=state,
         ordinal=int(tail) if tail.isdigit() else 0,
         why=why,
+        unschedulable_since=since if state is PodState.PENDING else None,
     )
 
 
@@ -241,6 +273,7 @@ def cluster_hosts(
     others: Sequence[Any],
     jobs: Sequence[Job],
     resource: str,
+    held_out: Mapping[str, HeldOut] | None = None,
 ) -> tuple[list[Host], list[str]]:
     """The fleet's hosts: each Ready node with GPUs (``resource``), its slots marked
     ``foreign`` as this module's docstring says; and a sentence per node left out (a name
@@ -252,16 +285,22 @@ def cluster_hosts(
         others: every pod that is not the fleet's and not ended (``V1Pod``).
         jobs: the fleet's jobs as etcd holds them now.
         resource: the GPUs' extended resource.
+        held_out: nodes where a job's pod found no room (:func:`hold_out`): as many of
+            their GPUs are foreign too, and a pod stuck there holds no slot.
     """
-    foreign: dict[str, int] = {}
+    held_out = held_out or {}
+    foreign = {host: h.gpus for host, h in held_out.items()}
+    stuck = {name for h in held_out.values() for name in h.pods}
     for p in others:
         node = p.spec.node_name or (p.status.nominated_node_name if p.status else None)
         if node:
             foreign[node] = foreign.get(node, 0) + gpus_of(p, resource)
     alive: dict[tuple[str, str], int] = {}
+    stuck_of: dict[tuple[str, str], int] = {}
     for fp in pods:
         if fp.state.alive:
-            alive[(fp.job_id, fp.host)] = alive.get((fp.job_id, fp.host), 0) + 1
+            into = stuck_of if fp.name in stuck else alive
+            into[(fp.job_id, fp.host)] = into.get((fp.job_id, fp.host), 0) + 1
     hosts: list[Host] = []
     problems: list[str] = []
     for node in sorted(nodes, key=lambda n: n.metadata.name):
@@ -272,12 +311,47 @@ def cluster_hosts(
         if not ID_RE.match(name) or ".." in name:
             problems.append(f"Node {name[:64]!r}: its name is not a host id; left out.")
             continue
-        taken = _foreign_slots(name, count, foreign.get(name, 0), alive, jobs)
+        taken = _foreign_slots(name, count, foreign.get(name, 0), alive, stuck_of, jobs)
         if node.spec is not None and node.spec.unschedulable:  # cordoned: nothing new
             taken |= set(range(count)) - _kept_slots(name, alive, jobs)
         gpus = tuple(FleetGpu(i, "", i in taken) for i in range(count))
         hosts.append(Host(name, _address(node), gpus, __version__))
     return hosts, problems
+
+
+@dataclass(frozen=True, slots=True)
+class HeldOut:
+    """A node where a job's pods found no room: ``gpus`` of its GPUs are given no job's pod
+    until ``until`` (wall-clock seconds); ``pods``: the pods stuck there now."""
+
+    gpus: int
+    until: float
+    pods: frozenset[str] = frozenset()
+    why: str = ""
+
+
+def hold_out(
+    before: Mapping[str, HeldOut], pods: Sequence[FleetPod], now: float, settings: KubeSettings
+) -> dict[str, HeldOut]:
+    """The nodes held out now: where a pod has been unschedulable for ``settings.stuck_s``
+    (held out ``settings.hold_out_s`` from now, for as many GPUs as pods stuck there, or as
+    were before), and those held out ``before`` whose time has not run out."""
+    stuck: dict[str, list[FleetPod]] = {}
+    for p in pods:
+        if p.stuck(now, settings.stuck_s):
+            stuck.setdefault(p.host, []).append(p)
+    out = {
+        h: HeldOut(v.gpus, v.until, frozenset(), v.why) for h, v in before.items() if v.until > now
+    }
+    for host, mine in stuck.items():
+        old = out.get(host)
+        out[host] = HeldOut(
+            max(len(mine), old.gpus if old else 0),
+            now + settings.hold_out_s,
+            frozenset(p.name for p in mine),
+            mine[0].why,
+        )
+    return out
 
 
 def gpus_of_node(node: Any, resource: str) -> int:
@@ -300,26 +374,38 @@ def _kept_slots(host: str, alive: Mapping[tuple[str, str], int], jobs: Sequence[
 
 
 def _foreign_slots(
-    host: str, count: int, k: int, alive: Mapping[tuple[str, str], int], jobs: Sequence[Job]
+    host: str,
+    count: int,
+    k: int,
+    alive: Mapping[tuple[str, str], int],
+    stuck: Mapping[tuple[str, str], int],
+    jobs: Sequence[Job],
 ) -> set[int]:
-    """Which ``k`` of ``host``'s slots the pods that are not the fleet's hold: slots no job
-    holds first, then slots a job holds without a pod, then the lowest-priority job's."""
-    order: list[int] = []
-    held: dict[int, Job] = {}
-    for j in jobs:
+    """Which ``k`` of ``host``'s slots the pods that are not the fleet's hold, or are held out:
+    first the slots of a job's pods stuck there, then slots no job holds, then slots a job
+    holds without a pod (inference preempted it), then the lowest-priority job's."""
+    held: dict[str, list[int]] = {}
+    taken: set[int] = set()
+    for j in sorted(jobs, key=lambda j: j.spec.job_id):
         if j.status.phase is Phase.RUNNING:
-            for h, ix in j.status.gpus:
-                if h == host:
-                    held.update((i, j) for i in ix if i < count)
-    order += [i for i in range(count - 1, -1, -1) if i not in held]
+            mine = sorted((i for h, ix in j.status.gpus if h == host for i in ix if i < count),
+                          reverse=True)  # fmt: skip
+            if mine:
+                held[j.spec.job_id] = mine
+                taken.update(mine)
+    by_id = {j.spec.job_id: j for j in jobs}
+    first: list[int] = []
+    missing: list[int] = []
     rest: list[tuple[int, float, int]] = []
-    for j in sorted(
-        {j.spec.job_id: j for j in held.values()}.values(), key=lambda j: j.spec.job_id
-    ):
-        mine = sorted((i for i, o in held.items() if o.spec.job_id == j.spec.job_id), reverse=True)
-        missing = max(0, len(mine) - alive.get((j.spec.job_id, host), 0))
-        order += mine[:missing]
-        rest += [(j.spec.priority, -j.spec.submitted, i) for i in mine[missing:]]
+    for job_id, mine in held.items():
+        n_stuck = min(len(mine), stuck.get((job_id, host), 0))
+        n_missing = max(0, len(mine) - alive.get((job_id, host), 0) - n_stuck)
+        first += mine[:n_stuck]
+        missing += mine[n_stuck : n_stuck + n_missing]
+        spec = by_id[job_id].spec
+        rest += [(spec.priority, -spec.submitted, i) for i in mine[n_stuck + n_missing :]]
+    free = [i for i in range(count - 1, -1, -1) if i not in taken]
+    order = first + free + missing
     order += [i for _, _, i in sorted(rest, key=lambda r: (r[0], r[1], -r[2]))]
     return set(order[:k])
 
@@ -430,8 +516,11 @@ def plan(
             if host not in present and host in want:
                 keep += here  # a node gone: its pods go with it (no pod made there)
                 continue
-            # pending first ("pending" < "running"), then growth, then the newest
-            order = sorted(here, key=lambda p: (p.state.value, p.core, -p.ordinal))
+            # one found no room first, pending ("pending" < "running"), growth, the newest
+            order = sorted(
+                here,
+                key=lambda p: (p.unschedulable_since is None, p.state.value, p.core, -p.ordinal),
+            )
             for p in order[: max(0, len(here) - n)]:
                 why = _why_fewer(j, host, n)
                 deletes.append(DeletePod(p.job_id, p.name, p.uid, p.resource_version, why))

@@ -6,7 +6,9 @@ interval, one :meth:`KubeController.tick`:
    template (a read that fails skips the tick: a decision from half a cluster could place a
    job on inference's GPUs);
 2. publish each GPU node as the fleet's host record (efdl.fleet.kube.cluster.cluster_hosts),
-   bound to the controller's lease, only where it changed;
+   bound to the controller's lease, only where it changed; a node where a job's pod found no
+   room is held out a while (efdl.fleet.kube.cluster.hold_out: kept in this controller's
+   memory; a new leader learns it again);
 3. end the jobs whose pods ended by themselves (their statuses, with compare-and-swap);
 4. decide: the fleet's allocator (efdl.fleet.leader.Allocator.decide: ``allocate()`` on the
    records, written with compare-and-swap while this controller leads);
@@ -36,10 +38,12 @@ from efdl.fleet.kube.cluster import (
     CreatePod,
     DeletePod,
     FleetPod,
+    HeldOut,
     KubeSettings,
     cluster_hosts,
     endings,
     fleet_pod,
+    hold_out,
     plan,
 )
 from efdl.fleet.leader import Allocator
@@ -153,6 +157,7 @@ class KubeController:
         self._election = Election(store, keys.leader, f"Fleet {keys.fleet}")
         self._allocator = Allocator(store, keys, candidate_id, lease, policy, clock=clock)
         self._mine: set[str] = set()  # the host records put under this lease
+        self._held_out: dict[str, HeldOut] = {}  # nodes where a pod found no room
         self.leading = threading.Event()
 
     # ---------------------------------------------------------------- the election
@@ -221,8 +226,14 @@ class KubeController:
                 self._keys.fleet, self._settings.namespace, self._settings.pod_template,
             )  # fmt: skip
         view = read_fleet(self._store, self._keys)
+        self._hold_out(cluster.pods)
         hosts, problems = cluster_hosts(
-            cluster.nodes, cluster.pods, cluster.others, view.jobs, self._settings.gpu_resource
+            cluster.nodes,
+            cluster.pods,
+            cluster.others,
+            view.jobs,
+            self._settings.gpu_resource,
+            self._held_out,
         )
         for problem in problems:
             log.warning("Fleet %s: %s", self._keys.fleet, problem)
@@ -246,6 +257,19 @@ class KubeController:
         for action in report.actions:
             self._apply(action, report)
         return report
+
+    def _hold_out(self, pods: Sequence[FleetPod]) -> None:
+        now = self._clock()
+        held = hold_out(self._held_out, pods, now, self._settings)
+        for host, h in held.items():
+            if h.pods and not self._held_out.get(host, HeldOut(0, 0.0)).pods >= h.pods:
+                log.warning(
+                    "Fleet %s: pod(s) %s found no room on node %s for %.0f s (%s); giving "
+                    "their GPUs up there, and holding %d GPU(s) of it out for %.0f s.",
+                    self._keys.fleet, ", ".join(sorted(h.pods)), host, self._settings.stuck_s,
+                    h.why, h.gpus, self._settings.hold_out_s,
+                )  # fmt: skip
+        self._held_out = held
 
     def _publish(
         self, before: Sequence[Host], hosts: Sequence[Host], leading: Compare, report: TickReport
