@@ -301,6 +301,11 @@ def cluster_hosts(
         if fp.state.alive:
             into = stuck_of if fp.name in stuck else alive
             into[(fp.job_id, fp.host)] = into.get((fp.job_id, fp.host), 0) + 1
+    on_host: dict[str, list[Job]] = {}  # the running jobs on each host
+    for j in jobs:
+        if j.status.phase is Phase.RUNNING:
+            for h, _ in j.status.gpus:
+                on_host.setdefault(h, []).append(j)
     hosts: list[Host] = []
     problems: list[str] = []
     for node in sorted(nodes, key=lambda n: n.metadata.name):
@@ -311,9 +316,10 @@ def cluster_hosts(
         if not ID_RE.match(name) or ".." in name:
             problems.append(f"Node {name[:64]!r}: its name is not a host id; left out.")
             continue
-        taken = _foreign_slots(name, count, foreign.get(name, 0), alive, stuck_of, jobs)
+        here = on_host.get(name, [])
+        taken = _foreign_slots(name, count, foreign.get(name, 0), alive, stuck_of, here)
         if node.spec is not None and node.spec.unschedulable:  # cordoned: nothing new
-            taken |= set(range(count)) - _kept_slots(name, alive, jobs)
+            taken |= set(range(count)) - _kept_slots(name, alive, here)
         gpus = tuple(FleetGpu(i, "", i in taken) for i in range(count))
         hosts.append(Host(name, _address(node), gpus, __version__))
     return hosts, problems
@@ -417,18 +423,14 @@ def endings(jobs: Sequence[Job], pods: Sequence[FleetPod], now: float) -> dict[s
     """The running jobs that a pod of theirs ended (by itself, not the kubelet): failed if
     one failed, else finished."""
     out: dict[str, JobStatus] = {}
+    ended = _by_job(p for p in pods if p.state in (PodState.SUCCEEDED, PodState.FAILED))
     for j in jobs:
         if j.status.phase is not Phase.RUNNING:
             continue
         mine = sorted(
-            (
-                p
-                for p in pods
-                if p.job_id == j.spec.job_id and p.submitted == _submitted(j)
-                and p.state in (PodState.SUCCEEDED, PodState.FAILED)
-            ),
+            (p for p in ended.get(j.spec.job_id, ()) if p.submitted == _submitted(j)),
             key=lambda p: (p.state is not PodState.FAILED, p.name),
-        )  # fmt: skip
+        )
         if not mine:
             continue
         p = mine[0]
@@ -496,6 +498,7 @@ def plan(
     """
     present = set(hosts)
     by_job = {j.spec.job_id: j for j in jobs}
+    pods_of = _by_job(pods)
     deletes: list[DeletePod] = []
     creates: list[CreatePod] = []
     for p in pods:  # ended pods, and pods of no job
@@ -504,10 +507,8 @@ def plan(
         if why:
             deletes.append(DeletePod(p.job_id, p.name, p.uid, p.resource_version, why))
     for j in jobs:
-        mine = [
-            p for p in pods
-            if p.job_id == j.spec.job_id and p.submitted == _submitted(j) and p.state.alive
-        ]  # fmt: skip
+        all_mine = pods_of.get(j.spec.job_id, [])
+        mine = [p for p in all_mine if p.submitted == _submitted(j) and p.state.alive]
         want = dict(j.status.gpus) if j.status.phase is Phase.RUNNING else {}
         keep: list[FleetPod] = []
         for host in sorted({p.host for p in mine} | set(want)):
@@ -528,7 +529,7 @@ def plan(
         if template is None:
             continue
         core = sum(p.core for p in keep)
-        used = {p.ordinal for p in pods if p.job_id == j.spec.job_id}
+        used = {p.ordinal for p in all_mine}
         ordinal = 0
         for host in sorted(want, key=lambda h: (-len(want[h]), h)):
             if host not in present:
@@ -543,6 +544,13 @@ def plan(
                 pod = job_pod(j, host, name, is_core, template, settings)
                 creates.append(CreatePod(j.spec.job_id, host, name, is_core, pod))
     return [*deletes, *creates]
+
+
+def _by_job(pods: Iterable[FleetPod]) -> dict[str, list[FleetPod]]:
+    out: dict[str, list[FleetPod]] = {}
+    for p in pods:
+        out.setdefault(p.job_id, []).append(p)
+    return out
 
 
 def _doomed(p: FleetPod, j: Job | None, settings: KubeSettings, now: float) -> str:
