@@ -5,11 +5,14 @@ in memory)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
+from click.testing import CliRunner
 from kubernetes import client as k
 
-from efdl.cli import launch_config, run_main
+from efdl.cli import launch_config, main, run_main
 from efdl.fleet.allocate import Job
 from efdl.fleet.kube.cluster import (
     CreatePod,
@@ -302,3 +305,14 @@ def test_a_pod_stuck_on_its_node_gives_its_slot_up_and_the_node_is_held_out_a_wh
     fewer = running(job.spec, (("gpu-1", (0,)),))
     (gone,) = plan([fewer], read, ["gpu-1"], template(), S, NOW)
     assert isinstance(gone, DeletePod) and gone.name == stuck.name  # the stuck one leaves
+
+
+def test_the_controller_with_no_api_server_to_reach_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    result = CliRunner().invoke(main, ["kube-controller", "--etcd", "127.0.0.1:9"])
+    assert result.exit_code != 0 and "no API server to reach" in result.output, result.output
+    bad = CliRunner().invoke(main, ["kube-controller", "--etcd", "127.0.0.1:9", "--interval", "0"])
+    assert bad.exit_code != 0 and "--interval 0.0 is not a number of seconds > 0" in bad.output

@@ -42,7 +42,14 @@ class ClientApi:
             try:
                 config.load_incluster_config()
             except config.ConfigException:
-                config.load_kube_config()
+                try:
+                    config.load_kube_config()
+                except (config.ConfigException, OSError) as exc:
+                    raise KubeError(
+                        "Kubernetes: no API server to reach: not in a pod with a service "
+                        f"account, and no kubeconfig ({exc}); run the controller as "
+                        "deploy/kubernetes/fleet.yaml does, or set KUBECONFIG."
+                    ) from None
             conf = client.Configuration.get_default_copy()
             conf.retries = 0  # a call takes its timeout at most; the next tick is the retry
             core = client.CoreV1Api(client.ApiClient(conf))
