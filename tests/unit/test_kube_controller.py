@@ -209,6 +209,18 @@ def test_a_cancelled_job_leaves_gracefully(rig: Rig) -> None:
     assert {p.state.value for p in rig.pods("a")} == {"terminating"}
 
 
+def test_without_the_pod_template_no_pod_is_made_and_it_is_said_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    template = rig.fake.templates.pop(("efdl", "efdl-fleet-job"))
+    rig.submit("a", 2, 4)
+    assert rig.tick().actions == [] and rig.tick().actions == []
+    assert rig.status("a").phase is Phase.RUNNING and rig.pods("a") == []
+    assert caplog.text.count("pod template efdl/efdl-fleet-job not found") == 1
+    rig.fake.templates[("efdl", "efdl-fleet-job")] = template
+    assert len(rig.tick().actions) == 4
+
+
 def test_a_failed_read_decides_nothing_and_writes_nothing(rig: Rig) -> None:
     rig.submit("a", 2, 4)
     rig.fake.fail["list_pods"] = KubeError("Kubernetes: listing the pods failed: 503.")

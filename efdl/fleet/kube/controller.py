@@ -158,6 +158,7 @@ class KubeController:
         self._allocator = Allocator(store, keys, candidate_id, lease, policy, clock=clock)
         self._mine: set[str] = set()  # the host records put under this lease
         self._held_out: dict[str, HeldOut] = {}  # nodes where a pod found no room
+        self._warned: set[str] = set()  # what the last tick warned of (said once)
         self.leading = threading.Event()
 
     # ---------------------------------------------------------------- the election
@@ -219,12 +220,10 @@ class KubeController:
             log.warning("Fleet %s: %s; not deciding this time.", self._keys.fleet, exc)
             report.errors.append(str(exc))
             return report
-        if cluster.template is None:
-            log.warning(
-                "Fleet %s: pod template %s/%s not found: no job's pod can be made until it "
-                "exists (deploy/kubernetes/fleet.yaml).",
-                self._keys.fleet, self._settings.namespace, self._settings.pod_template,
-            )  # fmt: skip
+        warnings = [] if cluster.template is not None else [
+            f"pod template {self._settings.namespace}/{self._settings.pod_template} not "
+            "found: no job's pod can be made until it exists (deploy/kubernetes/fleet.yaml)."
+        ]  # fmt: skip
         view = read_fleet(self._store, self._keys)
         self._hold_out(cluster.pods)
         hosts, problems = cluster_hosts(
@@ -235,8 +234,9 @@ class KubeController:
             self._settings.gpu_resource,
             self._held_out,
         )
-        for problem in problems:
-            log.warning("Fleet %s: %s", self._keys.fleet, problem)
+        for warning in sorted(set(warnings + problems) - self._warned):  # once, not per tick
+            log.warning("Fleet %s: %s", self._keys.fleet, warning)
+        self._warned = set(warnings + problems)
         if not self._publish(view.hosts, hosts, leading, report):
             report.leading = False
             return report
