@@ -1,4 +1,4 @@
-"""The fleet controller's pure part (efdl.fleet.kube.cluster): the cluster read as host
+"""The fleet controller's pure part (efdl.fleet.kube.cluster and .pods): the cluster read as host
 records, a job's pods that ended as its end, and the allocator's statuses as pods to create
 and delete, on the official client's model objects (no API server: tests/fakes/kube.py is one
 in memory)."""
@@ -15,18 +15,15 @@ from kubernetes import client as k
 from efdl.cli import launch_config, main, run_main
 from efdl.fleet.allocate import Job
 from efdl.fleet.kube.cluster import (
-    CreatePod,
-    DeletePod,
     FleetPod,
     KubeSettings,
     PodState,
-    agent_command,
     cluster_hosts,
     endings,
     fleet_pod,
     hold_out,
-    plan,
 )
+from efdl.fleet.kube.pods import CreatePod, DeletePod, agent_command, plan
 from efdl.fleet.records import Gpus, JobSpec, JobStatus, Phase
 from tests.fakes.kube import FakeKube, node, round_trip, serving_pod
 

@@ -16,7 +16,8 @@ from efdl.cli import launch_config, main, run_main
 from efdl.cli.fleet import kube_controller
 from efdl.fleet.allocate import Job
 from efdl.fleet.kube.client import RBAC
-from efdl.fleet.kube.cluster import KubeSettings, job_pod
+from efdl.fleet.kube.cluster import KubeSettings
+from efdl.fleet.kube.pods import job_pod
 from efdl.fleet.records import JobSpec, JobStatus, Phase
 
 ROOT = Path(__file__).parents[2] / "deploy" / "kubernetes"

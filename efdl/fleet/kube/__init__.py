@@ -5,7 +5,8 @@ node's ``efdl node`` at once:
 
 - :mod:`.api`: the few calls it makes to the API server (an interface), its errors;
 - :mod:`.cluster`: pure: the cluster read as the allocator's host records, a job's pods that
-  ended as its end, the allocator's statuses as pods to create and delete;
+  ended as its end;
+- :mod:`.pods`: pure: the allocator's statuses as pods to create and delete;
 - :mod:`.client`: that interface on the official ``kubernetes`` client (a timeout on every
   call, errors that name the object);
 - :mod:`.controller`: the elected loop: read, decide, act, once per interval.

@@ -12,7 +12,7 @@ interval, one :meth:`KubeController.tick`:
 3. end the jobs whose pods ended by themselves (their statuses, with compare-and-swap);
 4. decide: the fleet's allocator (efdl.fleet.leader.Allocator.decide: ``allocate()`` on the
    records, written with compare-and-swap while this controller leads);
-5. make the pods match the statuses (efdl.fleet.kube.cluster.plan): deletes, then creates.
+5. make the pods match the statuses (efdl.fleet.kube.pods.plan): deletes, then creates.
 
 Every write is one that changes something: a tick on a cluster and fleet that already match
 writes nothing, to etcd or to the API server. A write that fails (a pod that changed since it
@@ -34,9 +34,6 @@ from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.kube.api import KubeApi, KubeConflict, KubeError, KubeNotFound
 from efdl.fleet.kube.cluster import (
     MANAGED_BY,
-    Action,
-    CreatePod,
-    DeletePod,
     FleetPod,
     HeldOut,
     KubeSettings,
@@ -44,8 +41,8 @@ from efdl.fleet.kube.cluster import (
     endings,
     fleet_pod,
     hold_out,
-    plan,
 )
+from efdl.fleet.kube.pods import Action, CreatePod, DeletePod, plan
 from efdl.fleet.leader import Allocator
 from efdl.fleet.records import FleetKeys, Host
 from efdl.fleet.registry import FleetView, read_fleet, status_writes
