@@ -2,7 +2,7 @@
 agent, :func:`run_main`).
 
 One module per command group: :mod:`efdl.cli.job` (check, status, events, stop, timeline),
-:mod:`efdl.cli.fleet` (submit, jobs, cancel, allocator, node), :mod:`efdl.cli.run`
+:mod:`efdl.cli.fleet` (submit, jobs, cancel, allocator, node, kube-controller), :mod:`efdl.cli.run`
 (efdl-run), with torchrun's flags translated in :mod:`efdl.cli.torchrun_flags`. Only this
 package configures logging handlers and turns :class:`~efdl.errors.EfdlError` into a
 one-line message and a non-zero exit (:mod:`efdl.cli.common`).
@@ -39,5 +39,6 @@ for _command in (
     fleet.cancel,
     fleet.allocator,
     fleet.node,
+    fleet.kube_controller,
 ):
     main.add_command(_command)

@@ -1,5 +1,6 @@
-"""The fleet's commands: efdl submit, jobs, cancel, allocator, node (docs/fleet.md). The
-fleet's modules are imported by these commands alone."""
+"""The fleet's commands: efdl submit, jobs, cancel, allocator, node, kube-controller
+(docs/fleet.md, docs/kubernetes.md). The fleet's modules are imported by these commands
+alone."""
 
 from __future__ import annotations
 
@@ -349,3 +350,127 @@ def node(
                 err=True,
             )
             sys.exit(130)
+
+
+_SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+@click.command("kube-controller")
+@etcd_options
+@_fleet_option
+@click.option("--id", "candidate_id", help="This candidate's id (default: POD_NAME, or host name).")
+@click.option(
+    "--namespace",
+    help="Where the jobs' pods and their template live (default: this pod's namespace, or 'efdl').",
+)
+@click.option(
+    "--pod-template",
+    default="efdl-fleet-job",
+    show_default=True,
+    help="The PodTemplate the jobs' pods are made from (image, EFDL_ETCD* variables, volumes).",
+)
+@click.option(
+    "--gpu-resource", default="nvidia.com/gpu", show_default=True, help="The GPUs' resource."
+)
+@click.option(
+    "--interval",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Seconds between two reads of the cluster and decisions.",
+)
+@click.option(
+    "--api-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds any one call to the API server may take.",
+)
+@click.option(
+    "--keep-ended",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds an ended job's pods are kept, ended (kubectl logs).",
+)
+@click.option(
+    "--resize-interval",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Least seconds between two resizes of one job.",
+)
+@_history_option
+@_resume_option
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Seconds until a dead controller is replaced.",
+)
+@handle_errors
+def kube_controller(
+    fleet: str | None,
+    candidate_id: str | None,
+    namespace: str | None,
+    pod_template: str,
+    gpu_resource: str,
+    interval: float,
+    api_timeout: float,
+    keep_ended: float,
+    resize_interval: float,
+    history_days: float,
+    resume_after: float,
+    lease_ttl_s: int,
+    config_file: Path | None,
+    **flags: Any,
+) -> None:
+    """Run the fleet on Kubernetes: its allocator, and its jobs as pods, one GPU each
+    (docs/kubernetes.md; deploy/kubernetes/fleet.yaml). Stands for election; acts while
+    leading (until SIGTERM/Ctrl-C)."""
+    import contextlib
+    import os
+    import socket
+
+    from efdl.fleet.commands import fleet_keys
+    from efdl.fleet.kube.client import ClientApi
+    from efdl.fleet.kube.cluster import KubeSettings
+    from efdl.fleet.kube.controller import KubeController
+
+    policy = _fleet_policy(resize_interval, history_days, resume_after)
+    for flag, value in (("--interval", interval), ("--api-timeout", api_timeout)):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value} is not a number of seconds > 0.")
+    keys = fleet_keys(fleet)
+    default_id = os.environ.get("POD_NAME") or socket.gethostname().split(".")[0]
+    name = check_id(candidate_id or default_id or "controller", "candidate id")
+    if namespace is None:
+        try:
+            namespace = _SA_NAMESPACE.read_text().strip() or "efdl"
+        except OSError:
+            namespace = "efdl"
+    settings = KubeSettings(namespace, keys.fleet, gpu_resource, pod_template,
+                            keep_ended_s=keep_ended)  # fmt: skip
+    api = ClientApi(timeout_s=api_timeout)
+    cfg = etcd_config(config_file, flags)
+    stop = stop_on_sigterm()
+    with (
+        EtcdStore(cfg.etcd_settings()) as store,
+        LeaseSession(store, lease_ttl_s, on_expired=lambda why: stop.set()) as session,
+    ):
+        click.echo(
+            f"kube-controller {name}: standing for fleet {keys.fleet} (pods in namespace "
+            f"{namespace}).",
+            err=True,
+        )
+        controller = KubeController(
+            store, keys, api, settings, name, session.lease_id, policy, interval_s=interval
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            controller.run(stop)
+    if session.expired:
+        raise EfdlError(
+            f"kube-controller {name}: its lease ended ({session.why_expired}); exiting."
+        )
