@@ -263,13 +263,16 @@ class GpuReader:
         nvml = self._nvml
         try:
             events = nvml.nvmlEventSetCreate()
-            for uuid in self._uuids:
-                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
-            return events
         except (nvml.NVMLError, AttributeError) as exc:
             log.info("Xid errors are not read here (%s).", exc)
             return None
+        for uuid in self._uuids:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+                nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+            except (nvml.NVMLError, AttributeError) as exc:  # a lost GPU: read() says so
+                log.info("Xid errors of GPU %s are not read (%s).", uuid, exc)
+        return events
 
     def read(self) -> list[GpuReading]:
         """A reading of each GPU; [] where NVML is not there (:attr:`note` says why)."""
