@@ -10,13 +10,34 @@ A crash loop is the same error again and again with steps trained in between: a 
 node whose disk or NIC fails the workers after a while. ``quarantine_after`` failures with
 the same exit code (or signal) and the same error line within ``window_s`` quarantine the
 node (efdl.rendezvous.holds) instead of restarting it again: the job loses a round to each
-of those failures, not one to every round for as long as the node is let back in.
+of those failures, not one to every round for as long as the node is let back in. Only
+failures that may be the node's own count: a plain script's workers all fail when one peer
+dies (their collectives break), so an error that says a collective or a connection failed
+(:func:`peer_caused`), and a SIGTERM or SIGKILL (someone else's doing), are not counted: the
+node whose worker died first is the one that loops. A node whose NIC breaks its collectives
+is not caught here; that is the health checks' and the straggler detector's.
 """
 
 from __future__ import annotations
 
 import enum
+import re
+import signal
 from dataclasses import dataclass, replace
+
+# Error lines of a worker whose collective failed because a peer went: not its node's fault.
+_PEER_CAUSED = re.compile(
+    r"connection (closed|reset|refused)|broken pipe|timed? ?out|nccl|gloo|processgroup|"
+    r"distbackenderror|distnetworkerror|peer",
+    re.IGNORECASE,
+)
+_OTHERS_SIGNALS = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT, -signal.SIGHUP)
+
+
+def peer_caused(code: int, line: str) -> bool:
+    """Whether a failure with exit ``code`` and error ``line`` is likely another's doing: a
+    collective or connection that failed, or a signal to stop sent from outside."""
+    return code in _OTHERS_SIGNALS or bool(_PEER_CAUSED.search(line))
 
 
 class Verdict(enum.Enum):
@@ -81,9 +102,11 @@ class RestartBudget:
         seen = _Seen(code, error.strip(), step)
         line = (error.strip().splitlines() or [""])[0]
         recent = tuple(f for f in self.failures if now - f.at < self.window_s)
-        failures = (*recent, Failure(code, line, now))
+        failures = recent if peer_caused(code, line) else (*recent, Failure(code, line, now))
         after = replace(self, last=seen, failures=failures)
         repeats = sum(1 for f in failures if (f.code, f.line) == (code, line))
+        if peer_caused(code, line):
+            repeats = 0
         if self.quarantine_after and repeats >= self.quarantine_after:
             # The hold consumes them: a node let back in starts its count again.
             return Judgement(Verdict.QUARANTINE, replace(after, failures=()), repeats)

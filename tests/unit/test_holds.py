@@ -269,6 +269,22 @@ def test_failures_outside_the_window_do_not_count_and_zero_never_quarantines() -
     assert never.used == 5
 
 
+def test_failures_a_dead_peer_causes_are_not_counted() -> None:
+    budget = RestartBudget(10, quarantine_after=2)
+    for i, (code, line) in enumerate(
+        [
+            (1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242"),
+            (1, "torch.distributed.DistBackendError: NCCL error in: ... remote process exited"),
+            (-15, ""),  # SIGTERM: stopped from outside
+            (1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:4242"),
+        ]
+    ):
+        judged = budget.judge(code, line, i, now=float(i))
+        budget = judged.budget
+        assert judged.verdict is Verdict.RESTART and judged.repeats == 0
+    assert budget.failures == ()
+
+
 def _view(**changes: object) -> AgentView:
     base = AgentView(
         Limits(slots=1, max_workers=8, grace_period_s=30.0, join_timeout_s=600.0),
