@@ -30,16 +30,7 @@ from efdl.launcher.ending import AgentExit, leave_code
 from efdl.launcher.env import JobContext
 from efdl.launcher.fencing import WorkerFence
 from efdl.launcher.hangs import HangJudge, hang_text
-from efdl.launcher.health import (
-    Finding,
-    HealthMonitor,
-    HealthSettings,
-    Severity,
-    faults,
-    local_cache_dir,
-    reason_of,
-)
-from efdl.launcher.holding import OwnHold
+from efdl.launcher.holding import Holding
 from efdl.launcher.inbox import (
     AgentEvent,
     EtcdSilent,
@@ -71,7 +62,7 @@ from efdl.rendezvous.event_log import EventLog
 from efdl.rendezvous.holds import Hold, HoldKind
 from efdl.rendezvous.participant import Participant
 from efdl.rendezvous.probe import ProbeListener
-from efdl.rendezvous.records import Event, EventKind, JobKeys, NodeRecord, Round
+from efdl.rendezvous.records import Event, EventKind, NodeRecord, Round
 from efdl.worker.cache import CacheSettings, SnapshotStorage
 from efdl.worker.channel import ChannelServer
 
@@ -88,9 +79,6 @@ RESTART_HOLD_S = 0.5
 # ``systemctl kill -s SIGUSR2 efdl@job``. SIGUSR1 is left to --signals-to-handle (SLURM's
 # warning before a job's time runs out: a leave).
 DRAIN_SIGNAL = signal.SIGUSR2
-# How long before a quarantine ends its node's health is checked again (at most a tenth of
-# what is left): a node still bad has its quarantine renewed before the leader places it.
-RECHECK_BEFORE_S = 30.0
 
 
 class NodeAgent:
@@ -225,31 +213,15 @@ class NodeAgent:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
         self._rdzv: Participant | None = None
-        # This node's hold (drained, quarantined), watched from before it joins.
-        self._own_hold = OwnHold(
+        # This node's hold (drained, quarantined), watched from before it joins, and the
+        # health checks that may write one.
+        self._holding = Holding(
+            cfg,
             store,
-            JobKeys(job_id),
-            node.node_id,
-            self._history,
-            lambda h: self._events.put(HoldChanged(h)),
-            self._tag,
-        )
-        self._hold_ends: float | None = None  # monotonic: when this node's quarantine ends
-        self._recheck_at: float | None = None  # monotonic: check health before it ends
-        self._was_held = False
-        self._snapshot_bytes = 0  # the last snapshot this node wrote (the disk check)
-        self._warned: frozenset[str] = frozenset()  # the health warnings said last
-        simulated = bool(os.environ.get("EFDL_SIMULATED_GPUS"))
-        self._health = HealthMonitor(
-            HealthSettings(
-                cfg.health_interval_s,
-                cfg.health_check,
-                cfg.health_check_timeout_s,
-                local_cache_dir(url),
-                cfg.health_min_free_mb << 20,
-            ),
-            [] if simulated else [g.uuid for g in node.gpus if g.uuid],
-            lambda: self._snapshot_bytes,
+            job_id,
+            node,
+            self._events.put,
+            lambda kind, text: self._record(kind, self._generation, text),
             self._tag,
         )
         # In-place workers' hangs, judged from outside them; the pids to judge, as a snapshot
@@ -290,8 +262,7 @@ class NodeAgent:
 
     def _held_text(self) -> str:
         """This node's hold in force, in words ("" if none); from any thread."""
-        h = self._own_hold.active()
-        return h.describe(time.time()) if h is not None else ""
+        return self._holding.text()
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._generation}"
@@ -305,13 +276,11 @@ class NodeAgent:
             handled.add(DRAIN_SIGNAL)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
-            self._own_hold.start()
-            self._check_health_first()
-            self._held_changed(self._own_hold.current)
+            self._holding.start()
             joining.await_warm(self._store, self._job, self._warm, self._node.slots, self._tag)
             self._join()
             self._phase = AgentPhase.FOLLOWING
-            self._health.start(lambda found: self._events.put(HealthFound(tuple(found))))
+            self._holding.start_checks()
             while True:
                 fence_at = self._fence.due()
                 due = [
@@ -321,8 +290,7 @@ class NodeAgent:
                         self._refills.due,
                         self._restart_at,
                         fence_at,
-                        self._hold_ends,
-                        self._recheck_at,
+                        self._holding.due(),
                     )
                     if t is not None
                 ]
@@ -339,8 +307,7 @@ class NodeAgent:
             return done.code
         finally:
             self._drain_news()
-            self._health.close()
-            self._own_hold.close()
+            self._holding.close()
             self._workers.kill()
             if self._rdzv is not None:
                 self._rdzv.leave()
@@ -363,11 +330,8 @@ class NodeAgent:
         now = time.monotonic()
         if fence_at is not None and now >= fence_at:
             self._fence.apply()
-        elif self._recheck_at is not None and now >= self._recheck_at:
-            self._recheck_at = None
-            self._health.check_soon()
-        elif self._hold_ends is not None and now >= self._hold_ends:
-            self._hold_ended()
+        elif self._holding.on_timer(now):
+            pass
         elif self._restart_at is not None and now >= self._restart_at:
             self._restart_at = None
             if self._rdzv is not None:
@@ -453,9 +417,9 @@ class NodeAgent:
         ):
             self._hold_out(HoldKind.DRAIN, f"{DRAIN_SIGNAL.name} to its agent (pid {os.getpid()})")
         elif isinstance(event, HoldChanged):
-            self._held_changed(event.hold)
+            self._holding.changed(event.hold)
         elif isinstance(event, HealthFound):
-            self._health_found(list(event.findings))
+            self._holding.found(list(event.findings))
         elif isinstance(event, WorkerExit):
             self._judge.forget(event.pid)
             self._react(react.on_exit(self._view(), self._workers.ended(event)))
@@ -618,7 +582,7 @@ class NodeAgent:
 
     def _publish_cache(self, ev: Persisted) -> None:
         assert self._cache is not None
-        self._snapshot_bytes = ev.bytes
+        self._holding.snapshot_bytes = ev.bytes
         self._progress.persisted(ev, self._cache.url)
         self._record(
             EventKind.PERSIST,
@@ -664,7 +628,7 @@ class NodeAgent:
         if self._rdzv is not None:
             self._rdzv.set_down(replacing)
 
-    # ---------------------------------------------------------------- holds and health
+    # ---------------------------------------------------------------- holds
 
     def _hold_out(self, kind: HoldKind, reason: str, ttl_s: float | None = None) -> Hold | None:
         """Hold this node out of the job (efdl.rendezvous.holds) with ``reason`` and leave in
@@ -675,78 +639,7 @@ class NodeAgent:
         call for whatever finds this node bad or slow (a health check, a crash loop, a
         straggler). Returns the hold in force, None if etcd did not take it (said). Call on
         the agent's loop: one etcd put."""
-        if kind is HoldKind.QUARANTINE and ttl_s is None:
-            ttl_s = self._cfg.quarantine_ttl_s
-        held = self._own_hold.hold_out(kind, reason, ttl_s, self._generation)
-        if held is not None:
-            self._held_changed(held)
-        return held
-
-    def _held_changed(self, h: Hold | None) -> None:
-        """This node's hold is ``h`` now (None: none): say what it waits for, and when a
-        quarantine ends."""
-        was = self._was_held
-        wall = time.time()
-        if h is not None and h.active(wall):
-            self._was_held = True
-            self._hold_ends = self._recheck_at = None
-            if h.until is not None:
-                left = max(0.0, h.until - wall)
-                self._hold_ends = time.monotonic() + left
-                # Checked again a little before it ends: still bad, it is renewed in time.
-                self._recheck_at = time.monotonic() + left - min(RECHECK_BEFORE_S, left / 10)
-            log.warning(
-                "%s: this node is held out of the job (%s); waiting, not placed, until %s.",
-                self._tag(),
-                h.describe(wall),
-                "it is released (efdl release)"
-                if h.until is None
-                else "the quarantine ends or it is released (efdl release)",
-            )
-            return
-        self._hold_ends = self._recheck_at = None
-        if was:
-            self._was_held = False
-            log.info(
-                "%s: this node's hold was released; it is offered to the job again.", self._tag()
-            )
-
-    def _hold_ended(self) -> None:
-        """This node's quarantine ended by its time to live: it is placed again (the leader
-        times the end too); the checks run first, and hold it out again if it is still bad."""
-        self._hold_ends = self._recheck_at = None
-        self._was_held = False
-        h = self._own_hold.current
-        text = f"the {h.kind.value} ended ({h.reason})" if h is not None else "the hold ended"
-        log.info("%s: %s; this node is offered to the job again.", self._tag(), text)
-        self._record(EventKind.RELEASE, self._generation, text)
-
-    def _check_health_first(self) -> None:
-        """The health checks before this node joins: a fault holds it out from the start
-        (the leader never places it; it waits as held)."""
-        try:
-            found = self._health.check()
-        except Exception as exc:  # a reader's bug must not keep the node out of the job
-            log.warning("%s: the health checks failed to run: %s", self._tag(), exc)
-            return
-        if found:
-            self._health_found(found)
-        else:
-            log.info("%s: the health checks passed.", self._tag())
-
-    def _health_found(self, found: list[Finding]) -> None:
-        """A fault quarantines this node (renewing a quarantine in force); warnings are said
-        and recorded when they change."""
-        bad = faults(found)
-        if bad:
-            self._hold_out(HoldKind.QUARANTINE, f"health check failed: {reason_of(bad)}")
-        warnings = [f for f in found if f.severity is Severity.WARNING]
-        texts = frozenset(f.reason for f in warnings)
-        if texts and texts != self._warned:
-            text = reason_of(warnings)
-            log.warning("%s: health warning: %s.", self._tag(), text)
-            self._record(EventKind.HEALTH, self._generation, text[:900])
-        self._warned = texts
+        return self._holding.hold_out(kind, reason, ttl_s)
 
     # ---------------------------------------------------------------- leaving
 

@@ -227,18 +227,19 @@ class _Changes:
     """How the members differ from the current active round's."""
 
     departed: list[str]
-    held: list[str]  # members held out (drained, quarantined): they leave in place
+    held: list[tuple[str, str]]  # members held out (drained, quarantined), and why
     lost: list[str]  # lost in-place workers, being replaced (higher incarnation, ``down``)
     restarted: list[str]  # restarted their workers (same record, higher incarnation)
     rejoined: list[str]  # a new record under the same id: new agent, new workers
     joined: list[str]
 
     def reason(self) -> str:
-        parts = [
+        parts = [f"{names(self.departed)} left"] if self.departed else []
+        parts += [f"{n} held out ({why})" for n, why in self.held[:3]]
+        parts += [f"{len(self.held) - 3} more held out"] if len(self.held) > 3 else []
+        parts += [
             f"{names(nodes)} {what}"
             for nodes, what in (
-                (self.departed, "left"),
-                (self.held, "held out"),
                 (self.lost, "lost workers being replaced"),
                 (self.restarted, "restarted its workers"),
                 (self.rejoined, "joined again"),
@@ -280,7 +281,7 @@ def _changes(view: JobView, assignment: Assignment) -> _Changes:
     return _Changes(
         departed=[m.node_id for m in view.members if m.node_id not in view.nodes],
         held=[
-            f"{m.node_id} ({view.held[m.node_id]})"
+            (m.node_id, view.held[m.node_id])
             for m in view.members
             if m.node_id in view.nodes and m.node_id in view.held
         ],

@@ -108,7 +108,7 @@ class Hold:
 
 
 def _duration(seconds: float) -> str:
-    if seconds >= 3600:
+    if seconds >= 5400:
         return f"{seconds / 3600:.1f} h"
     if seconds >= 60:
         return f"{seconds / 60:.0f} min"

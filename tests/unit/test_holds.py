@@ -119,7 +119,7 @@ def test_a_held_member_leaves_at_once_and_a_held_node_is_never_placed_nor_a_spar
     d = decide_now(held)
     assert d.round is not None, d.reason  # urgent: no settle window
     assert [m[0] for m in layout(d)] == ["a", "c"]
-    assert d.round.spares == 0 and "b (drain: fw) held out" in d.reason
+    assert d.round.spares == 0 and "b held out (drain: fw)" in d.reason
     # Held, it stays out round after round (its record stands: its agent waits).
     again = replace(view(node("a"), node("b"), node("c"), round=d), held={"b": "drain: fw"})
     assert decide_now(again).round is None
