@@ -170,7 +170,7 @@ def events_of(job: Job) -> list[dict[str, object]]:
 
 def held_and_trained(job: Job, rows: list[dict[str, object]]) -> bool:
     """c is held, and a generation without it made 3 steps on both a and b."""
-    if "held this node out of the job" not in job.agents["c"].output():
+    if "this node is held out of the job" not in job.agents["c"].output():
         return False
     g = latest_gen(rows)
     last = [r for r in rows if r["gen"] == g]
