@@ -26,6 +26,7 @@ from tests.e2e.harness import (
     restart_job,
     steps_at_world,
 )
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 FAKES = Path(__file__).parents[1] / "fakes"
@@ -91,6 +92,25 @@ def test_a_drained_node_leaves_in_place_and_stays_out_until_released(job: Job) -
     assert "hold" in events and "drain: firmware update" in events and "release" in events
     for agent in job.agents.values():
         assert agent.proc.poll() is None, agent.output()[-3000:]
+
+
+def test_a_node_drained_before_it_starts_waits_unplaced_until_released(job: Job) -> None:
+    job.start("a", script="elastic_steps.py")
+    rows = job.wait_for("a alone", steps_at_world(1))
+    g1 = latest_gen(rows)
+    said = efdl(job, "drain", "b")
+    assert "No node b runs in the job now: the drain holds it out when it starts" in said
+    b = job.start("b", script="elastic_steps.py")
+    wait_until(
+        "b to say that it waits, held",
+        lambda: "this node is held out of the job (drain: drained by efdl drain" in b.output(),
+        60,
+        context=lambda: b.output()[-3000:],
+    )
+    assert nodes(job)["b"]["state"] == "held"
+    assert latest_gen(job.events()) == g1  # registered, not placed: no round for it
+    efdl(job, "release", "b")
+    job.wait_for("a and b", steps_at_world(2, g1))
 
 
 def test_a_failing_health_check_quarantines_its_node_and_the_job_goes_on(job: Job) -> None:
