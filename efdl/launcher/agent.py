@@ -30,6 +30,7 @@ from efdl.launcher.ending import AgentExit, leave_code
 from efdl.launcher.env import JobContext
 from efdl.launcher.fencing import WorkerFence
 from efdl.launcher.hangs import HangJudge, hang_text
+from efdl.launcher.health import Finding, Severity
 from efdl.launcher.holding import Holding
 from efdl.launcher.inbox import (
     AgentEvent,
@@ -277,6 +278,9 @@ class NodeAgent:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
             self._holding.start()
+            # A fault found before joining holds the node out from the start: the leader
+            # never places it, and it waits as held.
+            self._health_found(self._holding.check_now())
             joining.await_warm(self._store, self._job, self._warm, self._node.slots, self._tag)
             self._join()
             self._phase = AgentPhase.FOLLOWING
@@ -377,6 +381,7 @@ class NodeAgent:
         )
         rdzv = self._rdzv
         self._metrics.lease_healthy.set_function(lambda: float(rdzv.lease_healthy))
+        self._metrics.held.set_function(lambda: float(self._holding.active() is not None))
         self._record(
             EventKind.JOIN,
             self._generation,
@@ -419,7 +424,7 @@ class NodeAgent:
         elif isinstance(event, HoldChanged):
             self._holding.changed(event.hold)
         elif isinstance(event, HealthFound):
-            self._holding.found(list(event.findings))
+            self._health_found(list(event.findings))
         elif isinstance(event, WorkerExit):
             self._judge.forget(event.pid)
             self._react(react.on_exit(self._view(), self._workers.ended(event)))
@@ -640,6 +645,12 @@ class NodeAgent:
         straggler). Returns the hold in force, None if etcd did not take it (said). Call on
         the agent's loop: one etcd put."""
         return self._holding.hold_out(kind, reason, ttl_s)
+
+    def _health_found(self, findings: list[Finding]) -> None:
+        for f in findings:
+            if f.severity is Severity.FAULT:
+                self._metrics.health_faults.labels(f.check).inc()
+        self._holding.found(findings)
 
     # ---------------------------------------------------------------- leaving
 

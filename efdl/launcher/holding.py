@@ -104,9 +104,8 @@ class Holding:
     # ---------------------------------------------------------------- before joining
 
     def start(self) -> None:
-        """Read this node's hold and watch it from there on, then run the health checks once
-        (a fault holds the node out from the start: the leader never places it, it waits as
-        held); says what it waits for if it is held.
+        """Read this node's hold and watch it from there on; says what it waits for if it is
+        held.
 
         A watch that cannot start is said and not retried: the leader, which watches every
         hold, still leaves the node out; only this agent's words about it are lost."""
@@ -121,16 +120,20 @@ class Holding:
             )
         except StoreError as exc:
             log.warning("%s: cannot read this node's hold (%s).", self._tag(), exc)
+        self.changed(self.current)
+
+    def check_now(self) -> list[Finding]:
+        """Run the health checks once, here (before joining); what they found ([]: they
+        passed, said; or they failed to run, said too: a reader's bug must not keep the node
+        out of the job)."""
         try:
             found = self._health.check()
-        except Exception as exc:  # a reader's bug must not keep the node out of the job
+        except Exception as exc:
             log.warning("%s: the health checks failed to run: %s", self._tag(), exc)
-            found = []
-        if found:
-            self.found(found)
-        else:
+            return []
+        if not found:
             log.info("%s: the health checks passed.", self._tag())
-        self.changed(self.current)
+        return found
 
     def start_checks(self) -> None:
         """Check every ``--health-interval`` from now on (the node has joined)."""

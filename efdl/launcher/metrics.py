@@ -91,6 +91,17 @@ class Metrics:
         self.persisted_bytes = Counter(
             "efdl_persisted_bytes", "Bytes of snapshots written to the cache.", registry=r
         )
+        self.held = Gauge(
+            "efdl_held",
+            "1 while this node is held out of its job (drained or quarantined), else 0.",
+            registry=r,
+        )
+        self.health_faults = Counter(
+            "efdl_health_faults",
+            "Health checks of this node that found a fault, by check.",
+            ["check"],
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._progress: tuple[int, float] | None = None  # the last (step, time) reported
         self._server: Any = None

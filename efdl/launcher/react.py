@@ -404,8 +404,9 @@ def on_round(view: AgentView, r: Round) -> Reaction:
     if r.status is RoundStatus.WAITING:
         # In-place workers wait for the next round with their state in memory, as long as
         # their wait for a placement may last.
+        # A held node's are told to leave instead: the wait is not for it.
         keep: Action = (
-            TellWaiting(view.limits.join_timeout_s)
+            (TellLeave() if view.held else TellWaiting(view.limits.join_timeout_s))
             if view.workers is WorkerMode.IN_PLACE
             else StopWorkers()
         )

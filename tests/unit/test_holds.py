@@ -317,6 +317,14 @@ def test_a_held_node_left_out_of_a_round_says_what_it_waits_for() -> None:
     assert "efdl release" in said.message
 
 
+def test_a_held_nodes_in_place_workers_leave_when_the_job_waits() -> None:
+    r = Round(5, RoundStatus.WAITING, reason="1 of the 2 workers needed are here")
+    held = _view(workers=WorkerMode.IN_PLACE, held="drain: fw")
+    assert react.TellLeave in [type(a) for a in react.on_round(held, r).actions]
+    kept = react.on_round(_view(workers=WorkerMode.IN_PLACE), r)
+    assert react.TellWaiting in [type(a) for a in kept.actions]
+
+
 # ---------------------------------------------------------------- flags
 
 
