@@ -514,8 +514,10 @@ class NodeAgent:
                 workers.report_crash(ev, error)
             case react.CountRestart(budget=budget):
                 self._restarts = budget
-            case react.HoldOut(kind=kind, reason=reason):
-                self._hold_out(kind, reason)
+            case react.HoldOut(kind=kind, reason=reason, otherwise=otherwise):
+                if self._hold_out(kind, reason) is None:
+                    for fallback in otherwise:
+                        self._run(fallback)
             case react.RefillSoon():
                 self._refills.soon()
             case react.HoldRestart():

@@ -33,7 +33,7 @@ from efdl.launcher.health import (
 from efdl.launcher.inbox import HealthFound, HoldChanged
 from efdl.protocol.env import SIMULATED_GPUS_ENV
 from efdl.rendezvous.api import EventType, KVStore, Watch, WatchBatch
-from efdl.rendezvous.holds import Hold, HoldKind, hold, parse_holds
+from efdl.rendezvous.holds import Hold, HoldKind, hold, normal_reason, parse_holds
 from efdl.rendezvous.records import EventKind, JobKeys, NodeRecord
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,10 @@ class Holding:
             )
             self._record(EventKind.HEALTH, f"while drained: {reason}"[:900])
             return existing
+        renewal = existing is not None and (existing.kind, existing.reason) == (
+            kind,
+            normal_reason(reason),
+        )
         try:
             written = hold(self._store, self._keys, self._node, kind, reason, ttl_s)
         except (StoreError, ConfigError) as exc:
@@ -195,7 +199,10 @@ class Holding:
             )
             return None
         self.current = written
-        self._record(EventKind.HOLD, f"{kind.value}: {written.reason}")
+        if renewal:  # the same finding again: a longer hold, no new event
+            log.info("%s: renewed this node's %s: %s.", self._tag(), kind.value, written.reason)
+        else:
+            self._record(EventKind.HOLD, f"{kind.value}: {written.reason}")
         self.changed(written)
         return written
 

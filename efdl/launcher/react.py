@@ -258,10 +258,12 @@ class CountRestart:
 class HoldOut:
     """Hold this node out of the job (efdl.rendezvous.holds) with ``reason``: the leader's
     next round leaves it out, its workers leave at a step boundary, and it waits (a
-    quarantine: for ``--quarantine-ttl``)."""
+    quarantine: for ``--quarantine-ttl``). If etcd does not take the hold, run ``otherwise``
+    (what the node would have done without it)."""
 
     kind: HoldKind
     reason: str
+    otherwise: tuple[Action, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,8 +507,14 @@ def judge_failure(view: AgentView, failure: JudgeFailure) -> Reaction:
             "(--quarantine-after): quarantining this node instead of restarting it again."
         )
         # In place, this node's other workers go on until the round that holds it out sends
-        # them away at a step boundary; restarted ones were stopped already.
-        hold = HoldOut(HoldKind.QUARANTINE, reason)
+        # them away at a step boundary; restarted ones were stopped already. If the hold
+        # cannot be written, the node restarts as it would have without it.
+        otherwise: tuple[Action, ...] = (
+            (StartReplacement(e.local_rank),)
+            if in_place
+            else (ReportFailure(view.generation), HoldRestart())
+        )
+        hold = HoldOut(HoldKind.QUARANTINE, reason, otherwise)
         return Reaction(view.phase, (CountRestart(judged.budget), Say(logging.ERROR, said), hold))
     if judged.verdict is Verdict.REPEATED:
         message = (

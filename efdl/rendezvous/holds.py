@@ -132,10 +132,13 @@ def make_hold(node: str, kind: HoldKind, reason: str, ttl_s: float | None, wall:
             f"A drain of node {node} lasts until released; got a time to live of {ttl_s!r} s "
             "(quarantine a node to hold it out for a while)."
         )
+    return Hold(node, kind, normal_reason(reason), wall, None if ttl_s is None else wall + ttl_s)
+
+
+def normal_reason(reason: str) -> str:
+    """A reason as a hold keeps it: one line, at most :data:`REASON_LIMIT` characters."""
     text = " ".join(reason.split()) or "no reason given"
-    if len(text) > REASON_LIMIT:
-        text = text[: REASON_LIMIT - 3] + "..."
-    return Hold(node, kind, text, wall, None if ttl_s is None else wall + ttl_s)
+    return text if len(text) <= REASON_LIMIT else text[: REASON_LIMIT - 3] + "..."
 
 
 def hold(

@@ -34,6 +34,7 @@ from efdl.rendezvous.holds import Hold, HoldKind, hold, make_hold, read_holds, r
 from efdl.rendezvous.memory_store import MemoryStore
 from efdl.rendezvous.records import JobKeys, RecordError, Round, RoundStatus
 from tests.unit.test_decide import T0, P, layout, node, settled, view
+from tests.wait import wait_until
 
 KEYS = JobKeys("job1")
 KEY = KEYS.hold("n1")
@@ -350,3 +351,43 @@ def test_the_drain_signal_is_not_a_leave_signal_by_default() -> None:
 
     assert DRAIN_SIGNAL is signal.SIGUSR2
     assert DRAIN_SIGNAL not in LaunchConfig().signals()
+
+
+# ---------------------------------------------------------------- the agent's part
+
+
+def test_the_agents_holding_renews_a_quarantine_quietly_and_keeps_a_drain() -> None:
+    from efdl.launcher.holding import Holding
+    from efdl.rendezvous.records import EventKind, NodeRecord
+
+    store = MemoryStore()
+    recorded: list[tuple[EventKind, str]] = []
+    posted: list[object] = []
+    holding = Holding(
+        LaunchConfig(quarantine_ttl_s=60.0, health_interval_s=0.0),
+        store,
+        "job1",
+        NodeRecord("n1", "127.0.0.1", 0, 1),
+        posted.append,
+        lambda kind, text: recorded.append((kind, text)),
+        lambda: "job job1 node n1 gen 0",
+    )
+    try:
+        holding.start()
+        assert holding.active() is None and holding.due() is None
+        first = holding.hold_out(HoldKind.QUARANTINE, "health check failed: disk")
+        again = holding.hold_out(HoldKind.QUARANTINE, "health  check failed: disk")
+        assert first is not None and again is not None
+        assert first.until is not None and again.until is not None and again.until >= first.until
+        assert recorded == [(EventKind.HOLD, "quarantine: health check failed: disk")]
+        assert holding.due() is not None  # the re-check before it ends, and its end
+        assert read_holds(store, KEYS)["n1"].kind is HoldKind.QUARANTINE
+        hold(store, KEYS, "n1", HoldKind.DRAIN, "kernel update", None)
+        wait_until("the watch to bring the drain", lambda: holding.text().startswith("drain"), 5)
+        kept = holding.hold_out(HoldKind.QUARANTINE, "health check failed: disk")
+        assert kept is not None and kept.kind is HoldKind.DRAIN
+        assert recorded[-1] == (EventKind.HEALTH, "while drained: health check failed: disk")
+        release(store, KEYS, "n1")
+        wait_until("the watch to bring the release", lambda: holding.text() == "", 5)
+    finally:
+        holding.close()

@@ -172,15 +172,15 @@ class Leadership:
         start = snap.revision + 1
         held = retried(
             "list the job's holds",
-            lambda: self._store.get_prefix(self._keys.holds, revision=snap.revision),
+            lambda: self._store.get_prefix(self._keys.holds),
             timeout_s=self._wait_s,
         )
         watches = [
-            self._store.watch(prefix, prefix=True, start_revision=start, sink=sink(kind))
-            for prefix, kind in (
-                (self._keys.nodes, WatchKind.NODES),
-                (self._keys.failures, WatchKind.FAILURES),
-                (self._keys.holds, WatchKind.HOLDS),
+            self._store.watch(prefix, prefix=True, start_revision=begin, sink=sink(kind))
+            for prefix, kind, begin in (
+                (self._keys.nodes, WatchKind.NODES, start),
+                (self._keys.failures, WatchKind.FAILURES, start),
+                (self._keys.holds, WatchKind.HOLDS, held.revision + 1),
             )
         ]
         self.nodes = parse_nodes(snap.kvs, self._keys)
