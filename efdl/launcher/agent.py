@@ -6,7 +6,8 @@ failed rendezvous, a worker's message. What the agent does on a round, a worker'
 a signal is decided by pure reactions (efdl.launcher.react) over a snapshot of its state;
 this loop runs the actions they return. Its parts: the workers' book
 (efdl.launcher.node_workers), the fence (efdl.launcher.fencing), the job's progress and cache
-records (efdl.launcher.job_progress).
+records (efdl.launcher.job_progress), this node's hold and health checks
+(efdl.launcher.holding: SIGUSR2 drains the node; :meth:`NodeAgent._hold_out` holds it out).
 """
 
 from __future__ import annotations
