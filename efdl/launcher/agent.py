@@ -273,9 +273,7 @@ class NodeAgent:
 
     def run(self) -> int:
         """Join, follow rounds, run workers; returns the exit code. Call from the main thread."""
-        handled = set(self._cfg.signals())
-        if DRAIN_SIGNAL not in handled:
-            handled.add(DRAIN_SIGNAL)
+        handled = {*self._cfg.signals(), DRAIN_SIGNAL}
         previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
             self._holding.start()
@@ -378,7 +376,7 @@ class NodeAgent:
             self._events,
             lambda signum, what: self._left(signum, what, False),
             self._tag,
-            keep=lambda signum: signum == DRAIN_SIGNAL and DRAIN_SIGNAL not in self._cfg.signals(),
+            keep=self._drains,
         )
         rdzv = self._rdzv
         self._metrics.lease_healthy.set_function(lambda: float(rdzv.lease_healthy))
@@ -416,11 +414,7 @@ class NodeAgent:
     def _handle(self, event: object) -> None:
         if isinstance(event, RoundSeen):
             self._react(react.on_round(self._view(), event.round))
-        elif (
-            isinstance(event, SignalReceived)
-            and event.signum == DRAIN_SIGNAL
-            and (DRAIN_SIGNAL not in self._cfg.signals())
-        ):
+        elif isinstance(event, SignalReceived) and self._drains(event.signum):
             self._hold_out(HoldKind.DRAIN, f"{DRAIN_SIGNAL.name} to its agent (pid {os.getpid()})")
         elif isinstance(event, HoldChanged):
             self._holding.changed(event.hold)
@@ -649,7 +643,14 @@ class NodeAgent:
         the agent's loop: one etcd put."""
         return self._holding.hold_out(kind, reason, ttl_s)
 
+    def _drains(self, signum: int) -> bool:
+        """Whether signal ``signum`` drains this node (SIGUSR2, unless --signals-to-handle
+        makes it a leave)."""
+        return signum == DRAIN_SIGNAL and DRAIN_SIGNAL not in self._cfg.signals()
+
     def _health_found(self, findings: list[Finding]) -> None:
+        """What the health checks found: faults counted in the metrics, then held out
+        (efdl.launcher.holding)."""
         for f in findings:
             if f.severity is Severity.FAULT:
                 self._metrics.health_faults.labels(f.check).inc()
