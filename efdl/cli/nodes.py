@@ -123,6 +123,8 @@ def node_rows(st: StatusReport, now: float) -> list[dict[str, Any]]:
             "ranks": f"{m.first_rank}-{m.first_rank + m.workers - 1}" if m else "",
             "hold": {**asdict(h), "kind": h.kind.value} if h is not None else None,
             "detail": h.describe(now) if h is not None else "",
+            "agent": live.describe(now) if (live := st.live.get(node_id)) is not None else "",
+            "workers": (live.said or {}).get("workers") if live is not None else None,
         }
         if h is not None and m is not None:
             row["detail"] += " (leaving: a member of the current round still)"
@@ -137,10 +139,11 @@ def node_rows(st: StatusReport, now: float) -> list[dict[str, Any]]:
 @handle_errors
 def nodes(job_id: str | None, as_json: bool, config_file: Path | None, **flags: Any) -> None:
     """List a job's nodes: members (their ranks), spares, and nodes held out (drained or
-    quarantined: the kind, the reason, since when and until when)."""
+    quarantined: the kind, the reason, since when and until when, and how many workers their
+    agent still runs: 0 once a drained node's GPUs are free)."""
     job_id, cfg = job_config(job_id, config_file, flags)
     with EtcdStore(cfg.etcd_settings()) as store:
-        st = read_status(store, job_id, probe=False)
+        st = read_status(store, job_id)  # each agent asked: what it runs now
         if not st.known and not st.holds:
             raise EfdlError(unknown_job(store, job_id) or f"No job {job_id!r}.")
     rows = node_rows(st, time.time())
@@ -157,3 +160,5 @@ def nodes(job_id: str | None, as_json: bool, config_file: Path | None, **flags: 
         click.echo(f"  {r['node']:<24} {r['state']:<16} {where}{ranks}")
         if r["detail"]:
             click.echo(f"    {r['detail']}")
+        if r["agent"] and r["state"] != "member":
+            click.echo(f"    agent: {r['agent']}")

@@ -188,7 +188,8 @@ class Holding:
             normal_reason(reason),
         )
         try:
-            written = hold(self._store, self._keys, self._node, kind, reason, ttl_s)
+            since = existing.since if renewal and existing is not None else None
+            written = hold(self._store, self._keys, self._node, kind, reason, ttl_s, since=since)
         except (StoreError, ConfigError) as exc:
             log.error(
                 "%s: could not hold this node out (%s: %s): %s",

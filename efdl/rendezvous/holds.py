@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 
 from efdl.errors import ConfigError
@@ -149,16 +149,20 @@ def hold(
     reason: str,
     ttl_s: float | None,
     wall: float | None = None,
+    since: float | None = None,
 ) -> Hold:
     """Hold ``node`` out of job ``keys`` (one put; a hold already there is replaced): the
     leader's next round leaves it out, and its agent waits until the hold is released or,
-    for a quarantine, ``ttl_s`` has passed. Returns the hold written.
+    for a quarantine, ``ttl_s`` has passed. ``since``: when it began, if earlier than now
+    (a quarantine renewed). Returns the hold written.
 
     Raises:
         ConfigError: see :func:`make_hold`.
         StoreError: etcd failed (the hold may or may not have been written).
     """
     h = make_hold(node, kind, reason, ttl_s, time.time() if wall is None else wall)
+    if since is not None:
+        h = replace(h, since=min(since, h.since))
     store.put(keys.hold(node), h.to_json())
     return h
 

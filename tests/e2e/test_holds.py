@@ -70,6 +70,7 @@ def test_a_drained_node_leaves_in_place_and_stays_out_until_released(job: Job) -
     g2 = latest_gen(rows)
     assert job.agents["c"].proc.poll() is None  # its agent stays, waiting
     assert pids_of(rows, "a") | pids_of(rows, "b") == survivors  # in place: no restart
+    wait_until("c's agent to say its workers left", lambda: nodes(job)["c"]["workers"] == 0, 60)
     listed = nodes(job)
     assert listed["c"]["state"] == "held"
     assert "drain: firmware update" in str(listed["c"]["detail"])

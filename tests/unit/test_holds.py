@@ -318,6 +318,16 @@ def test_a_held_node_left_out_of_a_round_says_what_it_waits_for() -> None:
     assert "efdl release" in said.message
 
 
+def test_a_crash_loop_hold_etcd_refuses_falls_back_to_the_restart() -> None:
+    e = WorkerExit(3, local_rank=0, rank=2, pid=9, code=1)
+    plain = react.judge_failure(_view(), react.JudgeFailure(e, "E: x", False)).actions[-1]
+    assert isinstance(plain, react.HoldOut)
+    assert [type(a) for a in plain.otherwise] == [react.ReportFailure, react.HoldRestart]
+    placed = react.judge_failure(_view(), react.JudgeFailure(e, "E: x", True)).actions[-1]
+    assert isinstance(placed, react.HoldOut)
+    assert placed.otherwise == (react.StartReplacement(0),)
+
+
 def test_a_held_nodes_in_place_workers_leave_when_the_job_waits() -> None:
     r = Round(5, RoundStatus.WAITING, reason="1 of the 2 workers needed are here")
     held = _view(workers=WorkerMode.IN_PLACE, held="drain: fw")
@@ -379,6 +389,7 @@ def test_the_agents_holding_renews_a_quarantine_quietly_and_keeps_a_drain() -> N
         again = holding.hold_out(HoldKind.QUARANTINE, "health  check failed: disk")
         assert first is not None and again is not None
         assert first.until is not None and again.until is not None and again.until >= first.until
+        assert again.since == first.since  # renewed: since when it has been bad
         assert recorded == [(EventKind.HOLD, "quarantine: health check failed: disk")]
         assert holding.due() is not None  # the re-check before it ends, and its end
         assert read_holds(store, KEYS)["n1"].kind is HoldKind.QUARANTINE
