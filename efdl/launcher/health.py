@@ -233,12 +233,14 @@ def local_cache_dir(url: str | None) -> Path | None:
 
 
 class GpuReader:
-    """Reads the GPUs of ``uuids`` through NVML (``nvml``: the ``pynvml`` module; default:
-    import it). NVML stays initialised while the reader lives (:meth:`close`), so that its
-    Xid event set keeps what happens between reads."""
+    """Reads the GPUs ``gpus`` (NVML index, UUID) through NVML (``nvml``: the ``pynvml``
+    module; default: import it). A MIG instance is read as its parent GPU (ECC, rows, Xids
+    and throttling are the whole GPU's), once however many of its instances the node offers.
+    NVML stays initialised while the reader lives (:meth:`close`), so that its Xid event set
+    keeps what happens between reads."""
 
-    def __init__(self, uuids: Sequence[str], nvml: Any = None) -> None:
-        self._uuids = list(uuids)
+    def __init__(self, gpus: Sequence[tuple[int, str]], nvml: Any = None) -> None:
+        self._uuids = [uuid for _, uuid in gpus]
         self._nvml = nvml
         self._events: Any = None
         self.note = ""  # why GPUs are not read ("": they are)
@@ -257,7 +259,24 @@ class GpuReader:
             self.note = f"NVML is not available ({exc})"
             self._nvml = None
             return
+        self._uuids = self._parents(gpus)
         self._events = self._register_xids()
+
+    def _parents(self, gpus: Sequence[tuple[int, str]]) -> list[str]:
+        """The UUIDs to read: each GPU's, a MIG instance's parent's, each once."""
+        nvml = self._nvml
+        out: list[str] = []
+        for index, uuid in gpus:
+            if uuid.startswith("MIG-"):
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                    parent = nvml.nvmlDeviceGetUUID(handle)
+                    uuid = parent.decode() if isinstance(parent, bytes) else str(parent)
+                except nvml.NVMLError as exc:
+                    log.info("The parent of MIG instance %s is not found (%s).", uuid, exc)
+            if uuid not in out:
+                out.append(uuid)
+        return out
 
     def _register_xids(self) -> Any:
         nvml = self._nvml
@@ -385,7 +404,7 @@ class HealthMonitor:
     def __init__(
         self,
         settings: HealthSettings,
-        gpu_uuids: Sequence[str],
+        gpus: Sequence[tuple[int, str]],
         snapshot_bytes: Callable[[], int],
         tag: Callable[[], str],
         nvml: Any = None,
@@ -393,7 +412,7 @@ class HealthMonitor:
         self._settings = settings
         self._snapshot_bytes = snapshot_bytes
         self._tag = tag
-        self._gpus = GpuReader(gpu_uuids, nvml)
+        self._gpus = GpuReader(gpus, nvml)
         if self._gpus.note:
             log.info("%s: the GPU health checks are skipped: %s.", tag(), self._gpus.note)
         self._stop = threading.Event()

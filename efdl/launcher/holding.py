@@ -96,7 +96,7 @@ class Holding:
                 local_cache_dir(cfg.cache_for(job_id)),
                 cfg.health_min_free_mb << 20,
             ),
-            [] if simulated else [g.uuid for g in node.gpus if g.uuid],
+            [] if simulated else [(g.index, g.uuid) for g in node.gpus if g.uuid],
             lambda: self.snapshot_bytes,
             tag,
         )

@@ -206,7 +206,9 @@ def test_the_gpu_reader_through_the_nvml_stand_in(monkeypatch: pytest.MonkeyPatc
     ]
     monkeypatch.setenv("EFDL_FAKE_NVML", json.dumps(gpus))
     monkeypatch.delenv("EFDL_FAKE_NVML_FILE", raising=False)
-    reader = GpuReader(["GPU-0", "GPU-1", "GPU-2", "GPU-9"], nvml=pynvml)
+    offered = [(0, "GPU-0"), (1, "GPU-1"), (2, "GPU-2"), (9, "GPU-9")]
+    offered += [(1, "MIG-1a"), (1, "MIG-1b")]  # read as their parent, GPU-1, once
+    reader = GpuReader(offered, nvml=pynvml)
     try:
         readings = reader.read()
         assert [
@@ -231,7 +233,7 @@ def test_without_nvml_the_gpu_checks_are_skipped_and_say_why(
     monkeypatch.delenv("EFDL_FAKE_NVML_FILE", raising=False)
     settings = HealthSettings(0, None, 5, None, 0)
     with caplog.at_level(logging.INFO):
-        monitor = HealthMonitor(settings, ["GPU-0"], lambda: 0, lambda: "job j node n", pynvml)
+        monitor = HealthMonitor(settings, [(0, "GPU-0")], lambda: 0, lambda: "job j node n", pynvml)
     assert "GPU health checks are skipped: NVML is not available" in caplog.text
     assert monitor.check() == []
     monitor.close()
