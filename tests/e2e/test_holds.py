@@ -76,18 +76,18 @@ def test_a_drained_node_leaves_in_place_and_stays_out_until_released(job: Job) -
     assert "drain: firmware update" in str(listed["c"]["detail"])
     assert "held out" in efdl(job, "status")
 
-    # b drains itself (SIGUSR2, as systemctl kill -s SIGUSR2 would): a round without b comes,
-    # and it does not bring c back.
-    job.agents["b"].signal(signal.SIGUSR2)
-    rows = job.wait_for("a alone", steps_at_world(1, g2))
+    # a, which leads the job and runs rank 0, drains itself (SIGUSR2, as systemctl kill -s
+    # SIGUSR2 would): a round without it comes, b goes on alone, and c does not come back.
+    job.agents["a"].signal(signal.SIGUSR2)
+    rows = job.wait_for("b alone", steps_at_world(1, g2))
     g1 = latest_gen(rows)
-    assert {r["node"] for r in rows if int(r["gen"]) >= g1} == {"a"}  # type: ignore[call-overload]
-    assert nodes(job)["b"]["state"] == "held"
-    assert "SIGUSR2 to its agent" in str(nodes(job)["b"]["detail"])
+    assert {r["node"] for r in rows if int(r["gen"]) >= g1} == {"b"}  # type: ignore[call-overload]
+    assert nodes(job)["a"]["state"] == "held"
+    assert "SIGUSR2 to its agent" in str(nodes(job)["a"]["detail"])
 
     assert "node c is released" in efdl(job, "release", "c")
-    rows = job.wait_for("a and c", steps_at_world(2, g1))
-    assert {r["node"] for r in rows if int(r["gen"]) > g1} == {"a", "c"}  # type: ignore[call-overload]
+    rows = job.wait_for("b and c", steps_at_world(2, g1))
+    assert {r["node"] for r in rows if int(r["gen"]) > g1} == {"b", "c"}  # type: ignore[call-overload]
     check_consistent(rows)  # every committed step kept: nothing lost across the drains
     events = efdl(job, "events")
     assert "hold" in events and "drain: firmware update" in events and "release" in events
@@ -110,6 +110,7 @@ def test_a_node_drained_before_it_starts_waits_unplaced_until_released(job: Job)
     )
     assert nodes(job)["b"]["state"] == "held"
     assert latest_gen(job.events()) == g1  # registered, not placed: no round for it
+    assert b.worker_pids() == []
     efdl(job, "release", "b")
     job.wait_for("a and b", steps_at_world(2, g1))
 
