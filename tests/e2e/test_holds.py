@@ -140,6 +140,32 @@ def test_a_failing_health_check_quarantines_its_node_and_the_job_goes_on(job: Jo
     check_consistent(rows)
 
 
+def test_a_node_sick_at_its_start_is_held_renewed_while_sick_and_placed_once_well(
+    job: Job,
+) -> None:
+    sick = job.out / "sick-b"
+    sick.write_text("")
+    job.start("a", script="elastic_steps.py")
+    rows = job.wait_for("a alone", steps_at_world(1))
+    g1 = latest_gen(rows)
+    check = f"test ! -e {sick}"
+    b = ["--health-check", check, "--health-interval", "60", "--quarantine-ttl", "4"]
+    job.start("b", *b, script="elastic_steps.py")
+
+    def until() -> float:
+        hold = nodes(job).get("b", {}).get("hold")
+        return float(hold["until"]) if isinstance(hold, dict) else 0.0
+
+    wait_until("b quarantined before it joins", lambda: until() > 0, 60)
+    first = until()
+    # Checked again shortly before it ends, still sick: renewed, never placed meanwhile.
+    wait_until("the quarantine renewed", lambda: until() > first, 30)
+    assert job.agents["b"].worker_pids() == []
+    sick.unlink()
+    job.wait_for("a and b", steps_at_world(2, g1), timeout_s=60)
+    assert "renewed this node's quarantine" in job.agents["b"].output()
+
+
 def test_an_uncorrectable_ecc_error_quarantines_its_node(job: Job, tmp_path: Path) -> None:
     nvml = tmp_path / "nvml.json"
     gpu = {"uuid": "GPU-00000000-1111-2222-3333-000000000007", "ecc_uncorrected": 0}
