@@ -18,14 +18,16 @@ from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.holds import Hold, HoldKind, hold
 from efdl.rendezvous.holds import release as release_hold
+from efdl.rendezvous.reading import parse_round
 from efdl.rendezvous.records import Event, EventKind, JobKeys, check_id
 from efdl.rendezvous.status import StatusReport, read_status, unknown_job
 
 
 def _record(store: KVStore, keys: JobKeys, kind: EventKind, node: str, text: str) -> None:
-    """One event in the job's history, written now (the tools have no event writer)."""
-    generation = 0
-    event = Event(time.time(), kind, node, generation, text)
+    """One event in the job's history, written now, in the job's current generation (the
+    tools have no event writer)."""
+    current = parse_round(store.get(keys.round), keys)
+    event = Event(time.time(), kind, node, current.generation if current else 0, text)
     store.put(event.key(keys), event.to_json())
 
 

@@ -640,7 +640,8 @@ class NodeAgent:
         ``ttl_s`` (default ``--quarantine-ttl``) has passed; then it is placed again. The one
         call for whatever finds this node bad or slow (a health check, a crash loop, a
         straggler). Returns the hold in force, None if etcd did not take it (said). Call on
-        the agent's loop: one etcd put."""
+        the agent's loop: one etcd put, which waits for etcd at most its request timeout
+        (``--etcd-timeout``) per member tried."""
         return self._holding.hold_out(kind, reason, ttl_s)
 
     def _drains(self, signum: int) -> bool:
