@@ -509,8 +509,8 @@ class NodeAgent:
                 workers.report_crash(ev, error)
             case react.CountRestart(budget=budget):
                 self._restarts = budget
-            case react.HoldOut(kind=kind, reason=reason, otherwise=otherwise):
-                if self._hold_out(kind, reason) is None:
+            case react.HoldOut(kind=kind, reason=reason, otherwise=otherwise, ttl_s=ttl_s):
+                if self._hold_out(kind, reason, ttl_s) is None:
                     for fallback in otherwise:
                         self._run(fallback)
             case react.RefillSoon():

@@ -258,12 +258,13 @@ class CountRestart:
 class HoldOut:
     """Hold this node out of the job (efdl.rendezvous.holds) with ``reason``: the leader's
     next round leaves it out, its workers leave at a step boundary, and it waits (a
-    quarantine: for ``--quarantine-ttl``). If etcd does not take the hold, run ``otherwise``
-    (what the node would have done without it)."""
+    quarantine: for ``ttl_s``, default ``--quarantine-ttl``). If etcd does not take the hold,
+    run ``otherwise`` (what the node would have done without it)."""
 
     kind: HoldKind
     reason: str
     otherwise: tuple[Action, ...] = ()
+    ttl_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
