@@ -241,6 +241,7 @@ class GpuReader:
 
     def __init__(self, gpus: Sequence[tuple[int, str]], nvml: Any = None) -> None:
         self._uuids = [uuid for _, uuid in gpus]
+        self._index = {uuid: index for index, uuid in gpus}  # as the node offered them
         self._nvml = nvml
         self._events: Any = None
         self.note = ""  # why GPUs are not read ("": they are)
@@ -276,6 +277,7 @@ class GpuReader:
                     log.info("The parent of MIG instance %s is not found (%s).", uuid, exc)
             if uuid not in out:
                 out.append(uuid)
+                self._index.setdefault(uuid, index)
         return out
 
     def _register_xids(self) -> Any:
@@ -306,7 +308,7 @@ class GpuReader:
                 index = int(nvml.nvmlDeviceGetIndex(handle))
             except nvml.NVMLError as exc:  # GPU_IS_LOST, NOT_FOUND: gone from the bus
                 log.debug("NVML cannot find GPU %s: %s", uuid, exc)
-                out.append(GpuReading(-1, uuid, lost=True))
+                out.append(GpuReading(self._index.get(uuid, -1), uuid, lost=True))
                 continue
             out.append(self._reading(handle, index, uuid, tuple(xids.get(uuid, ()))))
         return out

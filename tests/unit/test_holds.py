@@ -216,8 +216,8 @@ def test_the_gpu_reader_through_the_nvml_stand_in(monkeypatch: pytest.MonkeyPatc
         ] == [
             (0, False, 0, False, ()),
             (1, False, 3, True, (48,)),
-            (-1, True, None, None, ()),
-            (-1, True, None, None, ()),  # gone from the bus: NVML no longer finds it
+            (2, True, None, None, ()),
+            (9, True, None, None, ()),  # gone from the bus: NVML no longer finds it
         ]
         assert reader.read()[1].xids == ()  # an Xid is read once
     finally:
