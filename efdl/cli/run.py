@@ -222,7 +222,8 @@ from efdl.rendezvous.served import (
     "--signals-to-handle",
     "--signals_to_handle",
     "signals_to_handle",
-    help="Signals on which this node leaves the job gracefully (e.g. add SIGUSR1 for SLURM).",
+    help="Signals on which this node leaves the job gracefully (e.g. add SIGUSR1 for SLURM); "
+    "SIGUSR2, unless listed, drains it (it waits, held out, until efdl release).",
 )
 @click.option(
     "--virtual-local-rank",
