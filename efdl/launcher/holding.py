@@ -59,6 +59,8 @@ class Holding:
         post: puts an event on the agent's queue (from any thread).
         record: writes an event of this node into the job's history (on the loop).
         tag: says the job, node and generation, for the log.
+        environ: the environment (default ``os.environ``): with ``EFDL_SIMULATED_GPUS`` the
+            GPUs are not read.
     """
 
     def __init__(
