@@ -389,6 +389,23 @@ class LaunchConfig(EtcdClientConfig):
         straggler_window: steps per judgment of the nodes' pace (the median over them).
         evict_stragglers: a slow node leaves the job in place (held out for a while, its
             place taken by a spare if one waits), if the job keeps its min without it.
+        quarantine_ttl_s: how long a node that holds itself out as bad (a failed health
+            check, a crash loop) stays out of the job before it is offered again
+            (efdl.rendezvous.holds).
+        quarantine_after: this many failures of this node's workers with the same error
+            (exit code or signal, and last error line) within ``quarantine_window_s``
+            quarantine the node instead of restarting it again (0: never).
+        quarantine_window_s: the window of ``quarantine_after``.
+        health_interval_s: run the health checks (efdl.launcher.health) this often while the
+            node trains (they run before it joins too); 0: only before it joins.
+        health_check: a command of the user's, run (through the shell) before the node joins
+            and at each health interval; a non-zero exit quarantines the node, its output's
+            tail in the reason.
+        health_check_timeout_s: the longest ``health_check`` may run; past it, it is killed
+            and counts as failed.
+        health_min_free_mb: the node is unhealthy when its cache directory (a local
+            ``--cache-url``) has less free space than this, or than twice the last snapshot
+            it wrote, whichever is more.
     """
 
     standalone: bool = False
@@ -434,6 +451,13 @@ class LaunchConfig(EtcdClientConfig):
     straggler_ratio: float = 1.5
     straggler_window: int = 20
     evict_stragglers: bool = False
+    quarantine_ttl_s: float = 3600.0
+    quarantine_after: int = 3
+    quarantine_window_s: float = 1800.0
+    health_interval_s: float = 300.0
+    health_check: str | None = None
+    health_check_timeout_s: float = 60.0
+    health_min_free_mb: int = 1024
 
     def __post_init__(self) -> None:
         word = self.nproc_per_node.strip().lower()
@@ -520,6 +544,35 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(
                 f"--standalone starts an etcd of its own on 127.0.0.1, and --etcd (or "
                 f"EFDL_ETCD) names another, {self.etcd}: give one of them."
+            )
+        if not self.quarantine_ttl_s > 0:
+            raise ConfigError(
+                f"--quarantine-ttl ({self.quarantine_ttl_s:g} s) must be positive: how long a "
+                "node found bad stays out of the job (efdl release lets it back sooner)."
+            )
+        if self.quarantine_after < 0:
+            raise ConfigError(
+                f"--quarantine-after ({self.quarantine_after}) must be a number of failures "
+                "(0: never quarantine a node for its crashes)."
+            )
+        if not self.quarantine_window_s > 0:
+            raise ConfigError(
+                f"--quarantine-window ({self.quarantine_window_s:g} s) must be positive."
+            )
+        if self.health_interval_s < 0:
+            raise ConfigError(
+                f"--health-interval ({self.health_interval_s:g} s) must not be negative (0: "
+                "check only before joining)."
+            )
+        if self.health_check is not None and not self.health_check.strip():
+            raise ConfigError("--health-check is empty; expected a command to run.")
+        if not self.health_check_timeout_s > 0:
+            raise ConfigError(
+                f"--health-check-timeout ({self.health_check_timeout_s:g} s) must be positive."
+            )
+        if self.health_min_free_mb < 0:
+            raise ConfigError(
+                f"--health-min-free ({self.health_min_free_mb} MB) must not be negative."
             )
         if self.serve_etcd and self.standalone:
             raise ConfigError("--serve-etcd is for a job of several nodes; --standalone is one.")

@@ -26,6 +26,9 @@ _MARKS = {
     EventKind.RESTART: ("tab:orange", False),
     EventKind.RESUME: ("tab:cyan", True),
     EventKind.PERSIST: ("tab:gray", False),
+    EventKind.HOLD: ("black", True),
+    EventKind.RELEASE: ("tab:olive", True),
+    EventKind.HEALTH: ("gold", False),
 }
 
 

@@ -2,6 +2,7 @@
 agent, :func:`run_main`).
 
 One module per command group: :mod:`efdl.cli.job` (check, status, events, stop, timeline),
+:mod:`efdl.cli.nodes` (nodes, drain, release),
 :mod:`efdl.cli.fleet` (submit, jobs, cancel, allocator, node, kube-controller), :mod:`efdl.cli.run`
 (efdl-run), with torchrun's flags translated in :mod:`efdl.cli.torchrun_flags`. Only this
 package configures logging handlers and turns :class:`~efdl.errors.EfdlError` into a
@@ -13,7 +14,7 @@ from __future__ import annotations
 import click
 
 from efdl import __version__
-from efdl.cli import fleet, job
+from efdl.cli import fleet, job, nodes
 from efdl.cli.common import setup_logging
 from efdl.cli.run import launch, launch_config, run_main
 
@@ -34,6 +35,9 @@ for _command in (
     job.events,
     job.stop,
     job.timeline,
+    nodes.nodes,
+    nodes.drain,
+    nodes.release,
     fleet.submit,
     fleet.jobs,
     fleet.cancel,

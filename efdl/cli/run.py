@@ -222,7 +222,8 @@ from efdl.rendezvous.served import (
     "--signals-to-handle",
     "--signals_to_handle",
     "signals_to_handle",
-    help="Signals on which this node leaves the job gracefully (e.g. add SIGUSR1 for SLURM).",
+    help="Signals on which this node leaves the job gracefully (e.g. add SIGUSR1 for SLURM); "
+    "SIGUSR2, unless listed, drains it (it waits, held out, until efdl release).",
 )
 @click.option(
     "--virtual-local-rank",
@@ -270,6 +271,45 @@ from efdl.rendezvous.served import (
     default=None,
     help="A slow node leaves in place (held out for the quarantine time, a spare taking its "
     "place), if the job keeps its --min without it.",
+)
+@click.option(
+    "--quarantine-ttl",
+    "quarantine_ttl_s",
+    type=float,
+    help="Seconds a node found bad (health check, crash loop) stays out of the job.",
+)
+@click.option(
+    "--quarantine-after",
+    type=int,
+    help="Quarantine this node after this many worker failures with the same error (0: never).",
+)
+@click.option(
+    "--quarantine-window",
+    "quarantine_window_s",
+    type=float,
+    help="Seconds within which --quarantine-after failures count.",
+)
+@click.option(
+    "--health-interval",
+    "health_interval_s",
+    type=float,
+    help="Seconds between health checks while training (0: only before joining).",
+)
+@click.option(
+    "--health-check",
+    help="A command run before joining and at each health interval; non-zero: quarantined.",
+)
+@click.option(
+    "--health-check-timeout",
+    "health_check_timeout_s",
+    type=float,
+    help="Seconds --health-check may run before it is killed and counts as failed.",
+)
+@click.option(
+    "--health-min-free",
+    "health_min_free_mb",
+    type=int,
+    help="MB the cache directory must have free (and twice the last snapshot).",
 )
 @click.option("-m", "--module", "module", is_flag=True, help="Run SCRIPT as a module (python -m).")
 @click.option(

@@ -6,7 +6,8 @@ failed rendezvous, a worker's message. What the agent does on a round, a worker'
 a signal is decided by pure reactions (efdl.launcher.react) over a snapshot of its state;
 this loop runs the actions they return. Its parts: the workers' book
 (efdl.launcher.node_workers), the fence (efdl.launcher.fencing), the job's progress and cache
-records (efdl.launcher.job_progress).
+records (efdl.launcher.job_progress), this node's hold and health checks
+(efdl.launcher.holding: SIGUSR2 drains the node; :meth:`NodeAgent._hold_out` holds it out).
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ from efdl.launcher.ending import AgentExit, leave_code
 from efdl.launcher.env import JobContext
 from efdl.launcher.fencing import WorkerFence
 from efdl.launcher.hangs import HangJudge, hang_text
+from efdl.launcher.health import Finding, Severity
+from efdl.launcher.holding import Holding
 from efdl.launcher.inbox import (
     AgentEvent,
     EtcdSilent,
+    HealthFound,
+    HoldChanged,
     Hung,
     LeaseLost,
     Reached,
@@ -57,6 +62,7 @@ from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.event_log import EventLog
+from efdl.rendezvous.holds import Hold, HoldKind
 from efdl.rendezvous.participant import Participant
 from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.records import Event, EventKind, NodeRecord, Round
@@ -72,6 +78,10 @@ log = logging.getLogger(__name__)
 # round within a fraction of a second, and one round restarts the workers once, not twice
 # (the second time without warm processes).
 RESTART_HOLD_S = 0.5
+# The signal that drains this node (holds it out until released: efdl.launcher.holding), e.g.
+# ``systemctl kill -s SIGUSR2 efdl@job``. SIGUSR1 is left to --signals-to-handle (SLURM's
+# warning before a job's time runs out: a leave).
+DRAIN_SIGNAL = signal.SIGUSR2
 
 
 class NodeAgent:
@@ -158,7 +168,11 @@ class NodeAgent:
         self._refills = RefillTimer(warm, self._tag)
         self._restart_at: float | None = None  # ask for a round then (see RESTART_HOLD_S)
         self._generation = 0  # the newest generation this node acted on
-        self._restarts = RestartBudget(cfg.max_restarts)
+        self._restarts = RestartBudget(
+            cfg.max_restarts,
+            quarantine_after=cfg.quarantine_after,
+            window_s=cfg.quarantine_window_s,
+        )
         self._pauses = PauseClock()  # restart mode's measure of a pause
         self._finish_by: float | None = None
         self._progress = JobProgress(store, job_id, self._tag)
@@ -203,6 +217,17 @@ class NodeAgent:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
         self._rdzv: Participant | None = None
+        # This node's hold (drained, quarantined), watched from before it joins, and the
+        # health checks that may write one.
+        self._holding = Holding(
+            cfg,
+            store,
+            job_id,
+            node,
+            self._events.put,
+            lambda kind, text: self._record(kind, self._generation, text),
+            self._tag,
+        )
         # In-place workers' hangs, judged from outside them; the pids to judge, as a snapshot
         # the judge's thread can read (efdl.launcher.hangs).
         self._judged_pids: frozenset[int] = frozenset()
@@ -226,6 +251,7 @@ class NodeAgent:
             "step": self._reports.trained,
             "step_time": self._reports.trained_at,
             "holds": self._holds(),
+            "held": self._held_text(),
         }
 
     def _holds(self) -> str:
@@ -238,6 +264,10 @@ class NodeAgent:
             return ""
         return self._workers.holds(self._generation)
 
+    def _held_text(self) -> str:
+        """This node's hold in force, in words ("" if none); from any thread."""
+        return self._holding.text()
+
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._generation}"
 
@@ -245,16 +275,28 @@ class NodeAgent:
 
     def run(self) -> int:
         """Join, follow rounds, run workers; returns the exit code. Call from the main thread."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in self._cfg.signals()}
+        handled = {*self._cfg.signals(), DRAIN_SIGNAL}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
+            self._holding.start()
+            # A fault found before joining holds the node out from the start: the leader
+            # never places it, and it waits as held.
+            self._health_found(self._holding.check_now())
             joining.await_warm(self._store, self._job, self._warm, self._node.slots, self._tag)
             self._join()
             self._phase = AgentPhase.FOLLOWING
+            self._holding.start_checks()
             while True:
                 fence_at = self._fence.due()
                 due = [
                     t
-                    for t in (self._finish_by, self._refills.due, self._restart_at, fence_at)
+                    for t in (
+                        self._finish_by,
+                        self._refills.due,
+                        self._restart_at,
+                        fence_at,
+                        self._holding.due(),
+                    )
                     if t is not None
                 ]
                 wait_s = min(due) - time.monotonic() if due else None
@@ -270,6 +312,7 @@ class NodeAgent:
             return done.code
         finally:
             self._drain_news()
+            self._holding.close()
             self._workers.kill()
             if self._rdzv is not None:
                 self._rdzv.leave()
@@ -292,6 +335,8 @@ class NodeAgent:
         now = time.monotonic()
         if fence_at is not None and now >= fence_at:
             self._fence.apply()
+        elif self._holding.on_timer(now):
+            pass
         elif self._restart_at is not None and now >= self._restart_at:
             self._restart_at = None
             if self._rdzv is not None:
@@ -333,9 +378,11 @@ class NodeAgent:
             self._events,
             lambda signum, what: self._left(signum, what, False),
             self._tag,
+            keep=self._drains,
         )
         rdzv = self._rdzv
         self._metrics.lease_healthy.set_function(lambda: float(rdzv.lease_healthy))
+        self._metrics.held.set_function(lambda: float(self._holding.active() is not None))
         self._record(
             EventKind.JOIN,
             self._generation,
@@ -362,11 +409,19 @@ class NodeAgent:
             self._workers.round is not None,
             self._restarts,
             self._reports.trained,
+            held=self._held_text(),
+            now=time.monotonic(),
         )
 
     def _handle(self, event: object) -> None:
         if isinstance(event, RoundSeen):
             self._react(react.on_round(self._view(), event.round))
+        elif isinstance(event, SignalReceived) and self._drains(event.signum):
+            self._hold_out(HoldKind.DRAIN, f"{DRAIN_SIGNAL.name} to its agent (pid {os.getpid()})")
+        elif isinstance(event, HoldChanged):
+            self._holding.changed(event.hold)
+        elif isinstance(event, HealthFound):
+            self._health_found(list(event.findings))
         elif isinstance(event, WorkerExit):
             self._judge.forget(event.pid)
             self._react(react.on_exit(self._view(), self._workers.ended(event)))
@@ -458,6 +513,10 @@ class NodeAgent:
                 workers.report_crash(ev, error)
             case react.CountRestart(budget=budget):
                 self._restarts = budget
+            case react.HoldOut(kind=kind, reason=reason, otherwise=otherwise, ttl_s=ttl_s):
+                if self._hold_out(kind, reason, ttl_s) is None:
+                    for fallback in otherwise:
+                        self._run(fallback)
             case react.RefillSoon():
                 self._refills.soon()
             case react.HoldRestart():
@@ -544,6 +603,7 @@ class NodeAgent:
 
     def _publish_cache(self, ev: Persisted) -> None:
         assert self._cache is not None
+        self._holding.snapshot_bytes = ev.bytes
         self._progress.persisted(ev, self._cache.url)
         self._record(
             EventKind.PERSIST,
@@ -588,6 +648,33 @@ class NodeAgent:
         """The node offers ``replacing`` workers fewer until its replacements are ready."""
         if self._rdzv is not None:
             self._rdzv.set_down(replacing)
+
+    # ---------------------------------------------------------------- holds
+
+    def _hold_out(self, kind: HoldKind, reason: str, ttl_s: float | None = None) -> Hold | None:
+        """Hold this node out of the job (efdl.rendezvous.holds) with ``reason`` and leave in
+        place: the leader's next round leaves it out, its in-place workers leave at the next
+        step boundary (plain ones are stopped), nothing committed is lost, and this agent
+        stays, waiting, until the hold is released (``efdl release``) or, for a quarantine,
+        ``ttl_s`` (default ``--quarantine-ttl``) has passed; then it is placed again. The one
+        call for whatever finds this node bad or slow (a health check, a crash loop, a
+        straggler). Returns the hold in force, None if etcd did not take it (said). Call on
+        the agent's loop: one etcd put, which waits for etcd at most its request timeout
+        (``--etcd-timeout``) per member tried."""
+        return self._holding.hold_out(kind, reason, ttl_s)
+
+    def _drains(self, signum: int) -> bool:
+        """Whether signal ``signum`` drains this node (SIGUSR2, unless --signals-to-handle
+        makes it a leave)."""
+        return signum == DRAIN_SIGNAL and DRAIN_SIGNAL not in self._cfg.signals()
+
+    def _health_found(self, findings: list[Finding]) -> None:
+        """What the health checks found: faults counted in the metrics, then held out
+        (efdl.launcher.holding)."""
+        for f in findings:
+            if f.severity is Severity.FAULT:
+                self._metrics.health_faults.labels(f.check).inc()
+        self._holding.found(findings)
 
     # ---------------------------------------------------------------- leaving
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from efdl.launcher.health import Finding
 from efdl.launcher.job_progress import JobProgress
 from efdl.launcher.metrics import Metrics
 from efdl.launcher.workers import WorkerExit
@@ -31,6 +32,7 @@ from efdl.protocol.messages import (
     ToAgent,
 )
 from efdl.rendezvous.event_log import EventLog
+from efdl.rendezvous.holds import Hold
 from efdl.rendezvous.records import Event, EventKind, Round
 from efdl.worker.hang import Hang
 
@@ -84,8 +86,25 @@ class Hung:
     hang: Hang
 
 
+@dataclass(frozen=True, slots=True)
+class HoldChanged:
+    """This node's hold, as it is now (None: none): written, renewed or released
+    (efdl.launcher.holding)."""
+
+    hold: Hold | None
+
+
+@dataclass(frozen=True, slots=True)
+class HealthFound:
+    """A health check found something wrong with this node (efdl.launcher.health)."""
+
+    findings: tuple[Finding, ...]
+
+
 AgentEvent = (
     RoundSeen
+    | HoldChanged
+    | HealthFound
     | SignalReceived
     | LeaseLost
     | EtcdSilent

@@ -76,19 +76,24 @@ def register(
     events: queue.Queue[object],
     left: Callable[[int, str], AgentExit],
     tag: Callable[[], str],
+    keep: Callable[[int], bool] = lambda signum: False,
 ) -> None:
     """Register this node; while etcd does not answer, try again (saying so every ten
     seconds) for up to ``join_timeout_s``, and leave at once on a signal on ``events``
-    (ending with ``left``'s exit).
+    (ending with ``left``'s exit), but for those ``keep`` says to keep (the drain signal):
+    they, and every other event taken meanwhile, are put back for the agent's loop.
 
     Raises:
         AgentExit: the join timed out, or a signal came first.
     """
     deadline = time.monotonic() + join_timeout_s
     said_at = 0.0
+    kept: list[object] = []
     while True:
         try:
             rdzv.join()
+            for event in kept:
+                events.put(event)
             return
         except StoreError as exc:
             now = time.monotonic()
@@ -110,9 +115,10 @@ def register(
             event = events.get(timeout=1.0)
         except queue.Empty:
             continue
-        if isinstance(event, SignalReceived):
+        if isinstance(event, SignalReceived) and not keep(event.signum):
             name = signal.Signals(event.signum).name
             raise left(event.signum, f"Left on {name} before joining the job")
+        kept.append(event)
 
 
 def _trains_in_place(raw: bytes, key: str) -> bool:

@@ -17,7 +17,7 @@ from efdl.rendezvous.records import Event, EventKind, Round
 log = logging.getLogger(__name__)
 
 # Rescale causes, from the round's reason (efdl.rendezvous.decide words them).
-CAUSES = ("join", "leave", "lost", "restart", "wait", "other")
+CAUSES = ("join", "leave", "hold", "lost", "restart", "wait", "other")
 STOOD_STILL_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -28,6 +28,7 @@ def cause_of(status: str, reason: str) -> str:
         return "wait"
     text = reason.lower()
     for cause, words in (
+        ("hold", (" held out (",)),  # first: a hold's reason may say anything
         ("lost", ("lost workers",)),
         ("restart", ("restarted",)),
         ("leave", (" left",)),
@@ -95,6 +96,17 @@ class Metrics:
             "efdl_node_pace_ratio",
             "This node's own work per step over the other nodes' (medians over the straggler "
             "window; 1: as fast as the rest).",
+            registry=r,
+        )
+        self.held = Gauge(
+            "efdl_held",
+            "1 while this node is held out of its job (drained or quarantined), else 0.",
+            registry=r,
+        )
+        self.health_faults = Counter(
+            "efdl_health_faults",
+            "Health checks of this node that found a fault, by check.",
+            ["check"],
             registry=r,
         )
         self._lock = threading.Lock()

@@ -21,6 +21,7 @@ from enum import StrEnum
 
 from efdl.launcher.restarts import RestartBudget, Verdict
 from efdl.launcher.workers import WorkerExit
+from efdl.rendezvous.holds import HoldKind
 from efdl.rendezvous.records import EventKind, Round, RoundStatus
 
 
@@ -73,6 +74,8 @@ class AgentView:
         placed: a round has placed this node (its workers' round is known).
         restarts: the node's restart budget.
         trained: the last step its workers committed, None if unknown.
+        held: this node's hold in force, in words (``drain: <reason>``), "" if none.
+        now: monotonic seconds when the view was taken (the crash-loop window).
     """
 
     limits: Limits
@@ -82,6 +85,8 @@ class AgentView:
     placed: bool
     restarts: RestartBudget
     trained: int | None
+    held: str = ""
+    now: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +255,19 @@ class CountRestart:
 
 
 @dataclass(frozen=True, slots=True)
+class HoldOut:
+    """Hold this node out of the job (efdl.rendezvous.holds) with ``reason``: the leader's
+    next round leaves it out, its workers leave at a step boundary, and it waits (a
+    quarantine: for ``ttl_s``, default ``--quarantine-ttl``). If etcd does not take the hold,
+    run ``otherwise`` (what the node would have done without it)."""
+
+    kind: HoldKind
+    reason: str
+    otherwise: tuple[Action, ...] = ()
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RefillSoon:
     """Refill the warm pool as soon as the next workers start: a second round is likely near."""
 
@@ -332,6 +350,7 @@ Action = (
     | DropWorkers
     | ReportCrash
     | CountRestart
+    | HoldOut
     | RefillSoon
     | HoldRestart
     | ReportFailure
@@ -388,8 +407,9 @@ def on_round(view: AgentView, r: Round) -> Reaction:
     if r.status is RoundStatus.WAITING:
         # In-place workers wait for the next round with their state in memory, as long as
         # their wait for a placement may last.
+        # A held node's are told to leave instead: the wait is not for it.
         keep: Action = (
-            TellWaiting(view.limits.join_timeout_s)
+            (TellLeave() if view.held else TellWaiting(view.limits.join_timeout_s))
             if view.workers is WorkerMode.IN_PLACE
             else StopWorkers()
         )
@@ -415,7 +435,12 @@ def hand_over(view: AgentView, r: Round) -> Reaction:
     if member is not None:
         return Reaction(phase, (*actions, StartWorkers(r, tuple(range(member.workers)))))
     most = view.limits.max_workers
-    if r.world_size + view.limits.slots > most:
+    if view.held:
+        why = (
+            f"this node is held out of the job ({view.held}); it waits, not placed, until "
+            "the hold is released (efdl release) or ends."
+        )
+    elif r.world_size + view.limits.slots > most:
         why = f"this node is a spare (the job has {r.world_size} workers; --max {most})."
     else:  # a round decided before this node joined: the next one adds it
         why = (
@@ -470,8 +495,28 @@ def judge_failure(view: AgentView, failure: JudgeFailure) -> Reaction:
     e, in_place = failure.exit, failure.in_place
     how = how_ended(e.code)
     first_line = (failure.error.splitlines() or [""])[0]
-    judged = view.restarts.judge(e.code, failure.error, view.trained)
+    judged = view.restarts.judge(e.code, failure.error, view.trained, view.now)
     failed = f"Worker rank {e.rank} failed with {how}{': ' + first_line if first_line else ''}"
+    if judged.verdict is Verdict.QUARANTINE:
+        window = view.restarts.window_s
+        reason = (
+            f"crash loop: workers failed {judged.repeats} times within {window:g} s with "
+            f"{how}{': ' + first_line if first_line else ''}"
+        )
+        said = (
+            f"{failed}, the same error {judged.repeats} times within {window:g} s "
+            "(--quarantine-after): quarantining this node instead of restarting it again."
+        )
+        # In place, this node's other workers go on until the round that holds it out sends
+        # them away at a step boundary; restarted ones were stopped already. If the hold
+        # cannot be written, the node restarts as it would have without it.
+        otherwise: tuple[Action, ...] = (
+            (StartReplacement(e.local_rank),)
+            if in_place
+            else (ReportFailure(view.generation), HoldRestart())
+        )
+        hold = HoldOut(HoldKind.QUARANTINE, reason, otherwise)
+        return Reaction(view.phase, (CountRestart(judged.budget), Say(logging.ERROR, said), hold))
     if judged.verdict is Verdict.REPEATED:
         message = (
             f"{failed}, the same error as the last failure, with no step trained since: a "

@@ -36,6 +36,11 @@ Rules:
   a member on etcd's side needs no such wait: that member leaves it for the next round, and
   its collectives need every member.
 
+- A held node (drained or quarantined: efdl.rendezvous.holds; ``JobView.held``) is never
+  placed, and is no spare: it is as if it were not there, so a member that becomes held
+  leaves the round at once (its in-place workers are sent away at the next step boundary,
+  as any node's that a round leaves out), and a hold released makes it a newcomer.
+
 Two clocks: ``now`` measures durations (monotonic: the settle window, the waits, and
 ``wake_at``), ``wall`` stamps rounds and times the join timeout across leaders.
 """
@@ -113,6 +118,8 @@ class JobView:
             (no refused probe, no answer that they run none of the round's), each with the
             time until which they may still be training (the record's going, plus their
             fence timeout and a margin: see the module rules).
+        held: nodes held out of the job (drained or quarantined), each with a few words
+            saying why (for the round's reason); never placed, never counted as spares.
     """
 
     nodes: Mapping[str, NodeView]
@@ -122,6 +129,11 @@ class JobView:
     members: tuple[Member, ...] = ()
     returning: Mapping[str, float] = field(default_factory=dict)
     silent: Mapping[str, float] = field(default_factory=dict)
+    held: Mapping[str, str] = field(default_factory=dict)
+
+    def placeable(self) -> dict[str, NodeView]:
+        """The live nodes that may be placed: those not held."""
+        return {n: v for n, v in self.nodes.items() if n not in self.held}
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,17 +167,19 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
     """Who trains, with how many workers, at which ranks (see the module rules).
     ``replaced_count``: count the slots being replaced (``down``) as if they were ready."""
 
+    nodes = view.placeable()
+
     def offer(node_id: str) -> int:
-        record = view.nodes[node_id].record
+        record = nodes[node_id].record
         return record.slots if replaced_count else record.offered
 
     prev = view.round
     prev_members = view.members if prev and prev.status is RoundStatus.ACTIVE else ()
-    survivors = [m for m in prev_members if m.node_id in view.nodes]
+    survivors = [m for m in prev_members if m.node_id in nodes]
     surviving = {m.node_id for m in survivors}
     newcomers = sorted(
-        (n for n in view.nodes if n not in surviving),
-        key=lambda n: (view.nodes[n].joined_revision, n),
+        (n for n in nodes if n not in surviving),
+        key=lambda n: (nodes[n].joined_revision, n),
     )
     budget = policy.max_workers
     counts: dict[str, int] = {}
@@ -187,7 +201,7 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
     members: list[Member] = []
     rank = 0
     for node_id in order:
-        node = view.nodes[node_id]
+        node = nodes[node_id]
         members.append(
             Member(
                 node_id,
@@ -203,9 +217,7 @@ def assign(view: JobView, policy: Policy, replaced_count: bool = False) -> Assig
         )
         rank += counts[node_id]
     spares = tuple(
-        sorted(
-            (n for n in view.nodes if n not in counts), key=lambda n: view.nodes[n].joined_revision
-        )
+        sorted((n for n in nodes if n not in counts), key=lambda n: nodes[n].joined_revision)
     )
     return Assignment(tuple(members), spares)
 
@@ -215,16 +227,19 @@ class _Changes:
     """How the members differ from the current active round's."""
 
     departed: list[str]
+    held: list[tuple[str, str]]  # members held out (drained, quarantined), and why
     lost: list[str]  # lost in-place workers, being replaced (higher incarnation, ``down``)
     restarted: list[str]  # restarted their workers (same record, higher incarnation)
     rejoined: list[str]  # a new record under the same id: new agent, new workers
     joined: list[str]
 
     def reason(self) -> str:
-        parts = [
+        parts = [f"{names(self.departed)} left"] if self.departed else []
+        parts += [f"{n} held out ({why})" for n, why in self.held[:3]]
+        parts += [f"{len(self.held) - 3} more held out"] if len(self.held) > 3 else []
+        parts += [
             f"{names(nodes)} {what}"
             for nodes, what in (
-                (self.departed, "left"),
                 (self.lost, "lost workers being replaced"),
                 (self.restarted, "restarted its workers"),
                 (self.rejoined, "joined again"),
@@ -245,8 +260,8 @@ def names(nodes: list[str], limit: int = 3) -> str:
 def _changes(view: JobView, assignment: Assignment) -> _Changes:
     prev = view.round
     if prev is None or prev.status is not RoundStatus.ACTIVE:
-        return _Changes([], [], [], [], [m.node_id for m in assignment.members])
-    kept = [m for m in view.members if m.node_id in view.nodes]
+        return _Changes([], [], [], [], [], [m.node_id for m in assignment.members])
+    kept = [m for m in view.members if m.node_id in view.nodes and m.node_id not in view.held]
     # A member whose record was made again (its agent restarted under the same id, and the
     # leader never saw the old record go) is a new member, unless the record says it still
     # runs this round's workers (its lease was lost, not its node). Revision 0: a round
@@ -265,6 +280,11 @@ def _changes(view: JobView, assignment: Assignment) -> _Changes:
     ]
     return _Changes(
         departed=[m.node_id for m in view.members if m.node_id not in view.nodes],
+        held=[
+            (m.node_id, view.held[m.node_id])
+            for m in view.members
+            if m.node_id in view.nodes and m.node_id in view.held
+        ],
         lost=[n for n in bumped if view.nodes[n].record.down],
         restarted=[n for n in bumped if not view.nodes[n].record.down],
         rejoined=rejoined,
@@ -324,10 +344,16 @@ def decide(view: JobView, policy: Policy, now: float, wall: float | None = None)
         lost = ""
         if prev is not None and prev.status is RoundStatus.ACTIVE:
             gone = [m.node_id for m in view.members if m.node_id not in view.nodes]
+            out = [
+                m.node_id
+                for m in view.members
+                if m.node_id in view.nodes and m.node_id in view.held
+            ]
             lost = f"{names(gone)} left; " if gone else ""
+            lost += f"{names(out)} held out; " if out else ""
         reason = f"{lost}{waiting}"  # its event reads "waiting: <reason>"
         return Decision(
-            _with(base, spares=len(view.nodes), reason=reason), None, f"waiting: {reason}"
+            _with(base, spares=len(view.placeable()), reason=reason), None, f"waiting: {reason}"
         )
 
     changes = _changes(view, assignment)
@@ -341,9 +367,9 @@ def decide(view: JobView, policy: Policy, now: float, wall: float | None = None)
     reason = changes.reason()
     # Urgent when members that stay wait for it; when none stays (every member left: a job
     # resumed by new nodes) the round settles like a first one.
-    stays = any(m.node_id in view.nodes for m in view.members)
+    stays = any(m.node_id in view.placeable() for m in view.members)
     urgent = stays and bool(
-        changes.departed or changes.lost or changes.restarted or changes.rejoined
+        changes.departed or changes.held or changes.lost or changes.restarted or changes.rejoined
     )
     urgent = urgent or have >= policy.max_workers
     settle_until = view.last_change + policy.settle_s

@@ -96,8 +96,18 @@ class JobKeys:
         whose every worker died must still know that it had trained)."""
         return self.prefix + "progress"
 
+    @property
+    def holds(self) -> str:
+        """Nodes held out of the job (drained, quarantined: efdl.rendezvous.holds), one
+        record per node, not bound to a lease: a hold outlives the agent that wrote it."""
+        return self.prefix + "holds/"
+
+    def hold(self, node_id: str) -> str:
+        return self.holds + node_id
+
     def node_id_of(self, key: str) -> str:
-        """The node id at the end of a ``nodes/``, ``members/`` or ``failures/`` key."""
+        """The node id at the end of a ``nodes/``, ``members/``, ``failures/`` or ``holds/``
+        key."""
         return key.rsplit("/", 1)[-1]
 
 
@@ -485,6 +495,9 @@ class EventKind(StrEnum):
     RESUME = "resume"  # the job resumed from the remote cache
     RESCALE = "rescale"  # training went on at a new size; ``seconds``: how long it stood still
     SLOW = "slow"  # this node's own work per step was slower than the others' (efdl.worker.pace)
+    HOLD = "hold"  # a node was held out (drained or quarantined): ``<kind>: <reason>``
+    RELEASE = "release"  # a node's hold was released (or ended): it may be placed again
+    HEALTH = "health"  # a health check's warning that holds nothing out (throttling)
 
 
 @dataclass(frozen=True, slots=True)

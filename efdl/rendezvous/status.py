@@ -11,6 +11,7 @@ from typing import Any
 
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import NodeView
+from efdl.rendezvous.holds import Hold, parse_holds
 from efdl.rendezvous.probe import Reply, ask_all
 from efdl.rendezvous.reading import parse_nodes, parse_round, read_members
 from efdl.rendezvous.records import CacheRecord, JobKeys, Member, RecordError, Round
@@ -52,13 +53,16 @@ class StatusReport:
     members: tuple[Member, ...] = ()  # of the round, in rank order
     live: dict[str, Liveness] = field(default_factory=dict)  # by node, where asked
     known: bool = True  # whether etcd holds a round or a node of the job (see unknown_job)
+    holds: dict[str, Hold] = field(default_factory=dict)  # in force, by node
 
     @property
     def spares(self) -> list[str]:
-        """Live nodes that are not in the current round (waiting beyond --max, or new)."""
+        """Live nodes that are not in the current round (waiting beyond --max, or new), and
+        not held out."""
         members = {m.node_id for m in self.members}
         return sorted(
-            (n for n in self.nodes if n not in members), key=lambda n: self.nodes[n].joined_revision
+            (n for n in self.nodes if n not in members and n not in self.holds),
+            key=lambda n: self.nodes[n].joined_revision,
         )
 
 
@@ -78,13 +82,21 @@ def read_status(store: KVStore, job_id: str, probe: bool = True) -> StatusReport
         except RecordError as exc:
             log.error("Ignoring a bad cache record: %s", exc)
     r = parse_round(round_kv, keys)
+    wall = time.time()
+    holds = {
+        n: h
+        for n, h in parse_holds(
+            tuple(kv for kv in snap.kvs if kv.key.startswith(keys.holds)), keys
+        ).items()
+        if h.active(wall)
+    }
     live = {}
     if probe:
         targets = ((n, v.record.host, v.record.probe_port) for n, v in nodes.items())
         live = {n: Liveness(reply, said) for n, (reply, said) in ask_all(targets).items()}
     members = read_members(store, keys, r)
     known = round_kv is not None or any(kv.key.startswith(keys.nodes) for kv in snap.kvs)
-    return StatusReport(job_id, r, nodes, leader, cache, members, live, known)
+    return StatusReport(job_id, r, nodes, leader, cache, members, live, known, holds)
 
 
 def unknown_job(store: KVStore, job_id: str) -> str | None:
@@ -152,6 +164,11 @@ def format_status(st: StatusReport) -> str:
         lines.append(
             "  spares: " + ", ".join(f"{n} ({st.nodes[n].record.slots} slots)" for n in spares)
         )
+    if st.holds:
+        lines.append("  held out (efdl release NODE lets one back):")
+        for n, h in sorted(st.holds.items()):
+            agent = "" if n in st.nodes else " [no agent runs]"
+            lines.append(f"    {n:<24} {h.describe(now)}{agent}")
     return "\n".join(lines)
 
 
@@ -166,6 +183,7 @@ def status_json(st: StatusReport) -> str:
             "live": {n: {"probe": v.reply.value, **(v.said or {})} for n, v in st.live.items()},
             "spares": st.spares,
             "cache": asdict(st.cache) if st.cache else None,
+            "holds": {n: {**asdict(h), "kind": h.kind.value} for n, h in st.holds.items()},
         },
         indent=2,
         sort_keys=True,

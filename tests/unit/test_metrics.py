@@ -15,6 +15,7 @@ from efdl.launcher.metrics import Metrics, cause_of
         ("active", "ip-10-0-0-7 joined", "join"),
         ("active", "a, b and 510 more joined again", "join"),
         ("active", "b left", "leave"),
+        ("active", "c held out (quarantine: crash loop: workers restarted ...)", "hold"),
         ("active", "b lost workers being replaced", "lost"),
         ("active", "a restarted its workers", "restart"),
         ("waiting", "b left; waiting: 1 of 2 workers", "wait"),

@@ -12,7 +12,9 @@ Keys (``/efdl/<job>/``): ``nodes/<id>`` (the node record, bound to the agent's l
 oldest is the leader), ``members/<id>`` (the node's place in the newest active round,
 written by the leader before the round), ``failures/<id>`` (the generation in which a
 collective of the node's workers failed, bound to the lease; the leader then probes the
-nodes: efdl.rendezvous.probe), ``round`` (written by the leader with compare-and-swap on its
+nodes: efdl.rendezvous.probe), ``holds/<id>`` (a node held out: drained or quarantined,
+efdl.rendezvous.holds; not bound to a lease; the leader watches them and never places a held
+node), ``round`` (written by the leader with compare-and-swap on its
 previous revision and on the leader's own node record, so a leader whose lease is gone
 cannot write).
 """
@@ -509,5 +511,7 @@ class Participant:
                 self._elect(watches)
         elif msg.kind is WatchKind.NODES:
             self._leading.on_nodes(batch)
+        elif msg.kind is WatchKind.HOLDS:
+            self._leading.on_holds(batch)
         else:
             self._leading.on_failures(batch)

@@ -18,6 +18,7 @@ class WatchKind(StrEnum):
     PREDECESSOR = "predecessor"  # the node just before this one, while following
     NODES = "nodes"  # every node record, while leading
     FAILURES = "failures"  # the failure reports, while leading
+    HOLDS = "holds"  # the nodes held out (efdl.rendezvous.holds), while leading
 
 
 @dataclass(frozen=True, slots=True)

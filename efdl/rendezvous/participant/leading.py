@@ -32,6 +32,7 @@ from efdl.rendezvous.api import (
 from efdl.rendezvous.decide import FENCE_MARGIN_S, JobView, NodeView, Policy, decide
 from efdl.rendezvous.election import Candidate
 from efdl.rendezvous.event_log import EventLog
+from efdl.rendezvous.holds import Hold, parse_holds
 from efdl.rendezvous.participant.inbox import Asked, Message, Wake, WatchKind
 from efdl.rendezvous.participant.liveness import Liveness, targets
 from efdl.rendezvous.participant.rounds import Rounds
@@ -58,6 +59,11 @@ CAS_BACKOFF_MAX_S = 2.0
 RECORDS_LOST_TTLS = 3.0
 # How soon a leader whose write failed on etcd tries again.
 RETRY_S = 0.5
+
+
+def _short(reason: str, limit: int = 80) -> str:
+    """A hold's reason cut for a round's reason (the whole one is in ``efdl nodes``)."""
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +146,9 @@ class Leadership:
         # on_asked).
         self.waited: set[str] = set()
         self.rejoining: set[str] = set()
+        # The nodes held out (efdl.rendezvous.holds) as read and watched, ended ones too:
+        # the decision takes those in force at its wall-clock time.
+        self.holds: dict[str, Hold] = {}
         # Rounds whose member records etcd lost, and since when (see step).
         self._records_lost: dict[str, float] = {}
         self._cas_failures = 0  # round writes refused in a row (backed off)
@@ -161,14 +170,21 @@ class Leadership:
             timeout_s=self._wait_s,
         )
         start = snap.revision + 1
+        held = retried(
+            "list the job's holds",
+            lambda: self._store.get_prefix(self._keys.holds),
+            timeout_s=self._wait_s,
+        )
         watches = [
-            self._store.watch(prefix, prefix=True, start_revision=start, sink=sink(kind))
-            for prefix, kind in (
-                (self._keys.nodes, WatchKind.NODES),
-                (self._keys.failures, WatchKind.FAILURES),
+            self._store.watch(prefix, prefix=True, start_revision=begin, sink=sink(kind))
+            for prefix, kind, begin in (
+                (self._keys.nodes, WatchKind.NODES, start),
+                (self._keys.failures, WatchKind.FAILURES, start),
+                (self._keys.holds, WatchKind.HOLDS, held.revision + 1),
             )
         ]
         self.nodes = parse_nodes(snap.kvs, self._keys)
+        self.holds = parse_holds(held.kvs, self._keys)
         self.returning.clear()
         self.silent.clear()
         self.waited.clear()
@@ -223,6 +239,39 @@ class Leadership:
                     self._liveness.probe(targets(nodes, self._node_id, {node_id}))
         self._await(self._missing())
         self.last_change = self._clock()
+
+    def on_holds(self, batch: WatchBatch) -> None:
+        """The holds changed: a node held out leaves the next round; one released (or whose
+        quarantine ended) is a newcomer again, after the settle window."""
+        if batch.reset:
+            self.holds.clear()
+        for ev in batch.events:
+            node_id = self._keys.node_id_of(ev.kv.key)
+            if ev.type is EventType.DELETE:
+                if self.holds.pop(node_id, None) is not None:
+                    log.info("%s: node %s is no longer held.", self._rounds.tag(), node_id)
+            else:
+                self.holds.pop(node_id, None)
+                self.holds.update(parse_holds((ev.kv,), self._keys))
+                h = self.holds.get(node_id)
+                if h is not None:
+                    log.info(
+                        "%s: node %s is held out: %s.",
+                        self._rounds.tag(),
+                        node_id,
+                        h.describe(self._wall()),
+                    )
+        self.last_change = self._clock()
+
+    def held(self, wall: float) -> tuple[dict[str, str], float | None]:
+        """The nodes held out at wall-clock ``wall`` (each with a few words saying why), and
+        the wall-clock time the first of their quarantines ends (None: none ends)."""
+        now_held = {n: h for n, h in self.holds.items() if h.active(wall)}
+        ends = [h.until for h in now_held.values() if h.until is not None]
+        return (
+            {n: f"{h.kind.value}: {_short(h.reason)}" for n, h in now_held.items()},
+            min(ends) if ends else None,
+        )
 
     def on_failures(self, batch: WatchBatch) -> None:
         """A failure report came: probe every node."""
@@ -349,17 +398,23 @@ class Leadership:
                             until - now,
                         )
                     return until
+        wall = self._wall()
+        held, ends = self.held(wall)
         view = JobView(
             self.nodes,
             current,
-            last_change=self.last_change,
+            last_change=max(self.last_change, self._expired_since(wall, now)),
             leader=self._node_id,
             members=members,
             returning=dict(self.returning),
             silent=dict(self.silent),
+            held=held,
         )
-        decision = decide(view, self._policy, now, self._wall())
+        decision = decide(view, self._policy, now, wall)
         if decision.round is None:
+            if ends is not None:  # decide again when the first quarantine ends
+                due = now + max(0.0, ends - wall) + 0.01
+                return due if decision.wake_at is None else min(decision.wake_at, due)
             return decision.wake_at
         new = decision.round
         if decision.members:
@@ -402,6 +457,12 @@ class Leadership:
         else:
             self._rounds.deleted()
         return self._clock() + pause
+
+    def _expired_since(self, wall: float, now: float) -> float:
+        """The clock time the newest quarantine that has ended ended (0.0: none): its node
+        joins as a newcomer, after the settle window from then."""
+        ended = [h.until for h in self.holds.values() if h.until is not None and h.until <= wall]
+        return now - (wall - max(ended)) if ended else 0.0
 
     def _recovered(self, r: Round, members: tuple[Member, ...]) -> tuple[Member, ...]:
         """Round ``r``'s members when etcd lost some of their records: those read, then the

@@ -4,7 +4,9 @@ Writes one JSON line per step to $OUT_DIR/events.jsonl. Resumes its step counter
 $OUT_DIR/state.json (as a torchrun script resumes from a checkpoint).
 Knobs: STEPS, STEP_SECONDS (sleep per step), MODEL_WIDTH (0: a tiny model, else a 3-layer
 MLP of that width), BATCH. Faults: FAIL_AT="rank:step[:restart]" exits 3 on that rank at
-that step (only at that TORCHELASTIC_RESTART_COUNT, default 0).
+that step (only at that TORCHELASTIC_RESTART_COUNT, default 0). CRASH_NODE="node:n": every
+worker process on that node (EFDL_NODE_ID) exits 3 after its own n-th step, at every start
+(a node that crash-loops: a bad GPU, say).
 """
 
 import json
@@ -19,6 +21,8 @@ out = Path(os.environ["OUT_DIR"])
 steps = int(os.environ.get("STEPS", "1000000"))
 delay = float(os.environ.get("STEP_SECONDS", "0.1"))
 fail_at = os.environ.get("FAIL_AT", "")
+crash_node, _, crash_after = os.environ.get("CRASH_NODE", "").partition(":")
+crashes = crash_node != "" and crash_node == os.environ.get("EFDL_NODE_ID")
 width = int(os.environ.get("MODEL_WIDTH", "0"))
 
 
@@ -42,7 +46,9 @@ if width:  # the same data pipeline as elastic_steps.py: a DataLoader over a Dis
     data = torch.utils.data.TensorDataset(torch.randn(batch * world * 64, width))
     sampler = torch.utils.data.DistributedSampler(data, seed=1)
     batches = iter(torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler))
-for step in range(start, steps):
+for taken, step in enumerate(range(start, steps)):
+    if crashes and taken >= int(crash_after):
+        os._exit(3)
     if batches is not None:
         try:
             (x_in,) = next(batches)

@@ -1,0 +1,52 @@
+"""Holds with several agents on a real etcd: the leader leaves a held node out of its rounds
+(the node stays registered, the leader too when it is the one held), places it again when the
+hold is released or its quarantine ends (the leader times the end itself), and a leader that
+takes over reads the holds already there."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from efdl.rendezvous.holds import HoldKind, hold, release
+from efdl.rendezvous.records import JobKeys
+from tests.integration.test_rendezvous import Cluster, cluster, shape
+
+__all__ = ["cluster"]  # the fixture, shared
+
+
+def test_a_held_leader_stays_leader_and_is_placed_again_when_its_quarantine_ends(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c = cluster(min_workers=1, settle_s=0.2)
+    for n in "abc":
+        c.add(n)
+    c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    keys = JobKeys(c.job)
+    store = c.store()
+    held = hold(store, keys, "a", HoldKind.QUARANTINE, "GPU 0 has 1 uncorrectable ECC error", 2.0)
+    r = c.wait(shape(("b", 1), ("c", 1)))
+    assert "a held out (quarantine: GPU 0 has 1 uncorrectable ECC error)" in r.reason
+    assert c.leaders() == ["a"]  # held, not gone: it still leads
+    # Nothing but the clock ends it: the leader wakes for it.
+    back = c.wait(shape(("b", 1), ("c", 1), ("a", 1)), timeout_s=20)
+    assert held.until is not None and time.time() >= held.until
+    assert back.generation == r.generation + 1
+
+
+def test_a_drain_holds_until_released_and_a_new_leader_reads_it(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c = cluster(min_workers=1, settle_s=0.2)
+    for n in "abc":
+        c.add(n, probe=True)
+    c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    keys = JobKeys(c.job)
+    store = c.store()
+    hold(store, keys, "c", HoldKind.DRAIN, "kernel update", None)
+    c.wait(shape(("a", 1), ("b", 1)))
+    c.crash("a")  # b takes over: it reads c's drain as it begins to lead
+    c.wait(shape(("b", 1)), "b", "c", timeout_s=30)
+    assert c.leaders() == ["b"]
+    assert release(store, keys, "c")
+    c.wait(shape(("b", 1), ("c", 1)), "b", "c")
