@@ -576,6 +576,8 @@ class NodeAgent:
             return
         log.warning("%s: %s.", self._tag(), slow.text)
         self._record(EventKind.SLOW, ev.generation, slow.text)
+        if slow.evict:
+            self._hold_out(HoldKind.QUARANTINE, slow.text)
 
     def _record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
         self._note(self._history.event(kind, generation, text, **fields))

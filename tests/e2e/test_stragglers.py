@@ -14,7 +14,7 @@ from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.records import Event, EventKind
-from tests.e2e.harness import Job, in_place_job, latest_gen, steps_at_world
+from tests.e2e.harness import Job, check_consistent, in_place_job, latest_gen, steps_at_world
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,3 +77,19 @@ def test_a_checkpoint_save_on_rank_0_names_nobody(job: Job) -> None:
     (saved,) = [r for r in job.events() if r["rank"] == 0 and r["step"] == 60]
     assert saved["world"] == 3, saved  # the save stood in a world of three
     assert slow_events(job) == []
+
+
+def test_a_slow_node_is_evicted_in_place_and_held_out(job: Job, tmp_path: Path) -> None:
+    (tmp_path / "slow-now").touch()  # node-c slow from its first step
+    for name in ("node-a", "node-b", "node-c"):
+        job.start(
+            name, "--straggler-window", WINDOW, "--evict-stragglers", script="elastic_steps.py"
+        )
+    rows = job.wait_for("three nodes training", steps_at_world(3), 120)
+    g3 = latest_gen(rows)
+    job.wait_for("node-c evicted: two nodes train on", steps_at_world(2, g3), 120)
+    (event,) = slow_events(job)
+    assert event.node == "node-c" and "leaving in place" in event.text, event.text
+    rows = job.events()
+    check_consistent(rows)  # nothing committed lost or trained twice
+    assert job.agents["node-c"].worker_pids() == []  # held out: its agent waits, no worker
