@@ -457,7 +457,9 @@ class LaunchConfig(EtcdClientConfig):
     health_interval_s: float = 300.0
     health_check: str | None = None
     health_check_timeout_s: float = 60.0
-    health_min_free_mb: int = 1024
+    health_min_free_mb: int = dataclasses.field(
+        default=1024, metadata={"option": "health_min_free"}
+    )
 
     def __post_init__(self) -> None:
         word = self.nproc_per_node.strip().lower()
@@ -545,35 +547,21 @@ class LaunchConfig(EtcdClientConfig):
                 f"--standalone starts an etcd of its own on 127.0.0.1, and --etcd (or "
                 f"EFDL_ETCD) names another, {self.etcd}: give one of them."
             )
-        if not self.quarantine_ttl_s > 0:
-            raise ConfigError(
-                f"--quarantine-ttl ({self.quarantine_ttl_s:g} s) must be positive: how long a "
-                "node found bad stays out of the job (efdl release lets it back sooner)."
-            )
-        if self.quarantine_after < 0:
-            raise ConfigError(
-                f"--quarantine-after ({self.quarantine_after}) must be a number of failures "
-                "(0: never quarantine a node for its crashes)."
-            )
-        if not self.quarantine_window_s > 0:
-            raise ConfigError(
-                f"--quarantine-window ({self.quarantine_window_s:g} s) must be positive."
-            )
-        if self.health_interval_s < 0:
-            raise ConfigError(
-                f"--health-interval ({self.health_interval_s:g} s) must not be negative (0: "
-                "check only before joining)."
-            )
+        for name, unit, zero_ok, meaning in (
+            ("quarantine_ttl_s", " s", False, "how long a node found bad stays out"),
+            ("quarantine_after", "", True, "failures; 0: never quarantine for crashes"),
+            ("quarantine_window_s", " s", False, "the window the failures count in"),
+            ("health_interval_s", " s", True, "0: check only before joining"),
+            ("health_check_timeout_s", " s", False, "how long the command may run"),
+            ("health_min_free_mb", " MB", True, "0: no disk check"),
+        ):
+            value = getattr(self, name)
+            if not (value >= 0 if zero_ok else value > 0):
+                flag = option_name(name, type(self)).replace("_", "-")
+                bound = "must not be negative" if zero_ok else "must be positive"
+                raise ConfigError(f"--{flag} ({value:g}{unit}) {bound} ({meaning}).")
         if self.health_check is not None and not self.health_check.strip():
             raise ConfigError("--health-check is empty; expected a command to run.")
-        if not self.health_check_timeout_s > 0:
-            raise ConfigError(
-                f"--health-check-timeout ({self.health_check_timeout_s:g} s) must be positive."
-            )
-        if self.health_min_free_mb < 0:
-            raise ConfigError(
-                f"--health-min-free ({self.health_min_free_mb} MB) must not be negative."
-            )
         if self.serve_etcd and self.standalone:
             raise ConfigError("--serve-etcd is for a job of several nodes; --standalone is one.")
 

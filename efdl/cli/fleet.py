@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,26 @@ _resume_option = click.option(
     help="Least seconds a suspended job stays suspended (no suspend-resume round trips "
     "while inference swings).",
 )
+_resize_option = click.option(
+    "--resize-interval",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Least seconds between two resizes of one job.",
+)
+
+
+def _lease_option(what: str) -> Callable[[F], F]:
+    return click.option(
+        "--lease-ttl",
+        "lease_ttl_s",
+        type=int,
+        default=10,
+        show_default=True,
+        help=f"Seconds until a dead {what} is replaced.",
+    )
+
+
 _history_option = click.option(
     "--history-days",
     type=float,
@@ -191,23 +212,10 @@ def cancel(
 @etcd_options
 @_fleet_option
 @click.option("--id", "candidate_id", help="This candidate's id (default: host name + suffix).")
-@click.option(
-    "--resize-interval",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="Least seconds between two resizes of one job.",
-)
+@_resize_option
 @_history_option
 @_resume_option
-@click.option(
-    "--lease-ttl",
-    "lease_ttl_s",
-    type=int,
-    default=10,
-    show_default=True,
-    help="Seconds until a dead allocator is replaced.",
-)
+@_lease_option("allocator")
 @handle_errors
 def allocator(
     fleet: str | None,
@@ -393,23 +401,10 @@ _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
     show_default=True,
     help="Seconds an ended job's pods are kept, ended (kubectl logs).",
 )
-@click.option(
-    "--resize-interval",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="Least seconds between two resizes of one job.",
-)
+@_resize_option
 @_history_option
 @_resume_option
-@click.option(
-    "--lease-ttl",
-    "lease_ttl_s",
-    type=int,
-    default=10,
-    show_default=True,
-    help="Seconds until a dead controller is replaced.",
-)
+@_lease_option("controller")
 @handle_errors
 def kube_controller(
     fleet: str | None,

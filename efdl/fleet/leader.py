@@ -29,6 +29,62 @@ from efdl.rendezvous.election import Election
 log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # how long to wait before trying etcd again after a failure
+
+
+def stand(
+    election: Election,
+    key: str,
+    lease: int,
+    stop: threading.Event,
+    lead: Callable[[Compare, threading.Event], None],
+    leading: threading.Event,
+) -> None:
+    """Stand for ``election`` under ``key`` (bound to ``lease``) and ``lead(guard, stop)``
+    while this candidate leads, until ``stop``: the fleet's allocator and its Kubernetes
+    controller alike. ``lead`` returns when it no longer leads; then it stands again if its
+    key is still there. etcd failing is waited out (every :data:`RETRY_S`), standing again on
+    the same lease; ``leading`` is cleared whenever it does not lead."""
+    try:
+        while not stop.is_set():
+            try:
+                _stand_once(election, key, lease, stop, lead, leading)
+            except StoreError as exc:
+                leading.clear()
+                log.warning("%s: etcd failed (%s); standing again in %.0f s.", key, exc, RETRY_S)
+                stop.wait(RETRY_S)
+    finally:
+        leading.clear()
+
+
+def _stand_once(
+    election: Election,
+    key: str,
+    lease: int,
+    stop: threading.Event,
+    lead: Callable[[Compare, threading.Event], None],
+    leading: threading.Event,
+) -> None:
+    campaign = election.campaign(key, b"{}", lease)
+    me = campaign.candidate
+    if me is None:
+        if campaign.holder is not None:
+            log.warning(
+                "%s is held under another lease (%x): an earlier run of this candidate whose "
+                "lease has not expired yet, or another candidate started with the same id. "
+                "Standing once it goes.",
+                key, campaign.holder.lease,
+            )  # fmt: skip
+            election.wait_gone(campaign.holder, stop)
+        return
+    while not stop.is_set():
+        leading.clear()
+        if not election.wait(me, stop):
+            return
+        lead(me.guard, stop)
+        if not election.stands(me):  # no longer leading: still standing?
+            return
+
+
 PRUNE_EVERY_S = 3600.0  # how often the leader deletes events older than FleetPolicy.history_s
 
 
@@ -75,42 +131,8 @@ class Allocator:
         self._pruned = float("-inf")  # when this leader last deleted old events
 
     def run(self, stop: threading.Event) -> None:
-        """Stand for election, and allocate while leading, until ``stop``. etcd failing is
-        waited out (every second), standing again on the same lease."""
-        try:
-            while not stop.is_set():
-                try:
-                    self._stand(stop)
-                except StoreError as exc:
-                    self.leading.clear()
-                    log.warning(
-                        "Fleet %s: %s: etcd failed (%s); standing again in %.0f s.",
-                        self._keys.fleet, self._key, exc, RETRY_S,
-                    )  # fmt: skip
-                    stop.wait(RETRY_S)
-        finally:
-            self.leading.clear()
-
-    def _stand(self, stop: threading.Event) -> None:
-        campaign = self._election.campaign(self._key, b"{}", self._lease)
-        me = campaign.candidate
-        if me is None:
-            if campaign.holder is not None:
-                log.warning(
-                    "Fleet %s: %s is held under another lease (%x): an earlier run of this "
-                    "candidate whose lease has not expired yet, or another candidate started "
-                    "with the same id. Standing once it goes.",
-                    self._keys.fleet, self._key, campaign.holder.lease,
-                )  # fmt: skip
-                self._election.wait_gone(campaign.holder, stop)
-            return
-        while not stop.is_set():
-            self.leading.clear()
-            if not self._election.wait(me, stop):
-                return
-            self._lead(me.guard, stop)
-            if not self._election.stands(me):  # no longer leading: still standing?
-                return
+        """Stand for election, and allocate while leading, until ``stop`` (:func:`stand`)."""
+        stand(self._election, self._key, self._lease, stop, self._lead, self.leading)
 
     def _sink(self) -> WatchSink:
         return self._inbox.put

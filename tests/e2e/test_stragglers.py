@@ -13,7 +13,8 @@ from efdl.history import read_events
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.records import Event, EventKind
+from efdl.rendezvous.holds import HoldKind, read_holds
+from efdl.rendezvous.records import Event, EventKind, JobKeys
 from tests.e2e.harness import Job, check_consistent, in_place_job, latest_gen, steps_at_world
 from tests.wait import wait_until
 
@@ -92,4 +93,9 @@ def test_a_slow_node_is_evicted_in_place_and_held_out(job: Job, tmp_path: Path) 
     assert event.node == "node-c" and "leaving in place" in event.text, event.text
     rows = job.events()
     check_consistent(rows)  # nothing committed lost or trained twice
-    assert job.agents["node-c"].worker_pids() == []  # held out: its agent waits, no worker
+    # Held out, not gone: its agent lives and waits with no worker, under a quarantine.
+    assert job.agents["node-c"].proc.poll() is None
+    assert job.agents["node-c"].worker_pids() == []
+    with EtcdStore(EtcdSettings((Endpoint.parse(job.etcd),))) as store:
+        held = read_holds(store, JobKeys(job.job_id))
+    assert held["node-c"].kind is HoldKind.QUARANTINE and "slow" in held["node-c"].reason

@@ -345,7 +345,7 @@ def test_a_held_nodes_in_place_workers_leave_when_the_job_waits() -> None:
     ("flags", "expected"),
     [
         ({"quarantine_ttl_s": 0.0}, r"--quarantine-ttl \(0 s\) must be positive"),
-        ({"quarantine_after": -1}, r"--quarantine-after \(-1\) must be a number of failures"),
+        ({"quarantine_after": -1}, r"--quarantine-after \(-1\) must not be negative \(failures"),
         ({"quarantine_window_s": -3.0}, r"--quarantine-window \(-3 s\) must be positive"),
         ({"health_interval_s": -1.0}, r"--health-interval \(-1 s\) must not be negative"),
         ({"health_check": "  "}, r"--health-check is empty; expected a command to run"),

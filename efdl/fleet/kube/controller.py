@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from efdl.errors import StoreError
 from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.kube.api import KubeApi, KubeConflict, KubeError, KubeNotFound
 from efdl.fleet.kube.cluster import (
@@ -43,15 +42,13 @@ from efdl.fleet.kube.cluster import (
     hold_out,
 )
 from efdl.fleet.kube.pods import Action, CreatePod, DeletePod, plan
-from efdl.fleet.leader import Allocator
+from efdl.fleet.leader import Allocator, stand
 from efdl.fleet.records import FleetKeys, Host
 from efdl.fleet.registry import FleetView, read_fleet, status_writes
 from efdl.rendezvous.api import Compare, Delete, KVStore, Op, Put
 from efdl.rendezvous.election import Election
 
 log = logging.getLogger(__name__)
-
-RETRY_S = 1.0  # how long to wait before trying etcd again after a failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,46 +158,18 @@ class KubeController:
     # ---------------------------------------------------------------- the election
 
     def run(self, stop: threading.Event) -> None:
-        """Stand for election, and tick once per interval while leading, until ``stop``.
-        etcd failing is waited out (every second), standing again on the same lease."""
-        try:
-            while not stop.is_set():
-                try:
-                    self._stand(stop)
-                except StoreError as exc:
-                    self.leading.clear()
-                    log.warning(
-                        "Fleet %s: %s: etcd failed (%s); standing again in %.0f s.",
-                        self._keys.fleet, self._key, exc, RETRY_S,
-                    )  # fmt: skip
-                    stop.wait(RETRY_S)
-        finally:
-            self.leading.clear()
+        """Stand for election, and tick once per interval while leading, until ``stop``
+        (efdl.fleet.leader.stand)."""
+        stand(self._election, self._key, self._lease, stop, self._lead, self.leading)
 
-    def _stand(self, stop: threading.Event) -> None:
-        campaign = self._election.campaign(self._key, b"{}", self._lease)
-        me = campaign.candidate
-        if me is None:
-            if campaign.holder is not None:
-                log.warning(
-                    "Fleet %s: %s is held under another lease (%x); standing once it goes.",
-                    self._keys.fleet, self._key, campaign.holder.lease,
-                )  # fmt: skip
-                self._election.wait_gone(campaign.holder, stop)
-            return
+    def _lead(self, leading: Compare, stop: threading.Event) -> None:
+        log.info("Fleet %s: %s leads the controller.", self._keys.fleet, self._key)
+        self.leading.set()
         while not stop.is_set():
-            self.leading.clear()
-            if not self._election.wait(me, stop):
+            started = time.monotonic()
+            if not self.tick(leading).leading:
                 return
-            log.info("Fleet %s: %s leads the controller.", self._keys.fleet, self._key)
-            self.leading.set()
-            while not stop.is_set():
-                started = time.monotonic()
-                if not self.tick(me.guard).leading:
-                    break
-                stop.wait(max(0.0, started + self._interval_s - time.monotonic()))
-            if not self._election.stands(me):
-                return
+            stop.wait(max(0.0, started + self._interval_s - time.monotonic()))
 
     # ---------------------------------------------------------------- one tick
 
