@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import heapq
 import importlib
 import math
@@ -375,6 +376,7 @@ def simulate_efdl(
             arrived += 1
             changed = True
             heapq.heappush(wake, now + policy.max_wait_s)
+            heapq.heappush(wake, now + policy.preempt_after_s)
         while wake and wake[0] <= now:
             heapq.heappop(wake)
             changed = True
@@ -390,8 +392,15 @@ def simulate_efdl(
                 jobs[job_id] = Job(specs[job_id], st)
                 if st.changed == now and st.phase is Phase.RUNNING:
                     heapq.heappush(wake, now + policy.resize_interval_s)
+                    if st.started == now:
+                        heapq.heappush(wake, now + policy.protect_s)
+                    # when it moves down a level of attained service at this size
+                    k = bisect.bisect_right(policy.levels_gpu_s, st.gpu_s)
+                    if k < len(policy.levels_gpu_s) and st.size:
+                        heapq.heappush(wake, now + (policy.levels_gpu_s[k] - st.gpu_s) / st.size)
                 elif st.changed == now and st.phase is Phase.SUSPENDED:
                     heapq.heappush(wake, now + policy.resume_after_s)
+                    heapq.heappush(wake, now + policy.preempt_after_s)
                     heapq.heappush(wake, now + policy.max_wait_s)
         running = []
         smallest = trace.total + 1  # the least a job waiting or growing could use
@@ -849,7 +858,7 @@ def run_case(
     for name in args.schedulers:
         t0 = time.process_time()
         if name == "efdl":
-            o = simulate_efdl(trace, c, FleetPolicy(), args.every_tick, args.check, args.decide)
+            o = simulate_efdl(trace, c, args.policy, args.every_tick, args.check, args.decide)
         else:
             size_of = "max" if name.startswith("gang-max") else "min"
             o = simulate_gang(trace, c, size_of, name.endswith("+res"), args.check)
@@ -1069,6 +1078,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="efdl.fleet.allocate:allocate",
         help="module:function deciding as allocate() does (a candidate).",
     )
+    parser.add_argument(
+        "--policy",
+        metavar="FIELD=VALUE",
+        nargs="+",
+        default=[],
+        help="FleetPolicy fields other than the defaults (a tuple as 1,2,3), to try a setting.",
+    )
     parser.add_argument("--save", metavar="FILE", help="Also keep the runs in FILE (pickle).")
     parser.add_argument(
         "--merge",
@@ -1078,6 +1094,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "an earlier's); simulate nothing.",
     )
     args = parser.parse_args(argv)
+    args.policy = _policy(args.policy)
     module, _, function = args.allocator.partition(":")
     args.decide = getattr(importlib.import_module(module), function or "allocate")
     if args.merge:  # the same case (load, inference, seed) in several files: its runs merged
@@ -1109,6 +1126,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             pickle.dump(cases, f)
     print("\n".join(report(cases, args.schedulers)))
     print(f"\n({time.process_time() - t0:.0f} s of CPU)")
+
+
+def _policy(items: Sequence[str]) -> FleetPolicy:
+    """FleetPolicy() with ``FIELD=VALUE`` overrides (a float, or floats split on commas)."""
+    changes: dict[str, object] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in FleetPolicy.__dataclass_fields__:
+            raise SystemExit(f"--policy: FleetPolicy has no field {name!r}.")
+        parts = [float(v) for v in value.split(",") if v]
+        changes[name] = tuple(parts) if "," in value or not parts else parts[0]
+    return dataclasses.replace(FleetPolicy(), **changes)  # type: ignore[arg-type]
 
 
 def _load(path: str) -> list[Case]:

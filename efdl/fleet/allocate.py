@@ -50,6 +50,8 @@ The rules, in the order they apply:
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +84,14 @@ class FleetPolicy:
         max_wait_s: a waiting job that has waited this long (since it was submitted, or
             suspended) is let nobody of its priority or lower start past it.
         resume_after_s: the least time a suspended job stays suspended.
+        levels_gpu_s: the attained service (GPU-seconds a job has held) at which a job
+            moves down one level: within a priority, jobs of a lower level are served first
+            (least attained service, in a few levels so that a job moves rarely).
+        preempt_after_s: a waiting job suspends running ones (or takes their min) only once
+            it has waited this long (since it was submitted, or suspended); before, it takes
+            only what is free or what running jobs hold above their min.
+        protect_s: a running job is not suspended for a job of its own priority within
+            this time of its start or resume.
     """
 
     resize_interval_s: float = 60.0
@@ -89,6 +99,9 @@ class FleetPolicy:
     history_s: float = 7 * 86400.0
     max_wait_s: float = 4 * 3600.0
     resume_after_s: float = 600.0
+    levels_gpu_s: tuple[float, ...] = (3600.0, 8 * 3600.0, 64 * 3600.0)
+    preempt_after_s: float = 600.0
+    protect_s: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +144,7 @@ class _Work:
     target: int = 0  # its size after this decision
     waiting: str = ""  # why it lacks its min, if it does
     hopeless: bool = False  # its min exceeds what could ever be freed for it now
+    level: int = 0  # its level of attained service (rule 3)
 
     @property
     def id(self) -> str:
@@ -187,26 +201,48 @@ def allocate(
             _still_held(w, free, usable, staying, kept)
         w.running = w.size > 0
         w.frozen = w.running and now - w.job.status.changed < policy.resize_interval_s
+    for w in work:
+        w.level = bisect.bisect_right(policy.levels_gpu_s, w.job.status.attained(now))
     work.sort(key=lambda w: _serving_key(w, now, policy))
     for n, w in enumerate(work):
         w.order = n
     pool = _count(free) + sum(w.movable for w in work)  # what the allocator may move
-    _admit(work, pool, now, policy)  # rules 2-3
-    _share(work, pool)  # rule 4
+    _admit(work, pool, now, policy)  # rules 2-4
     shared = {h.host_id for h in hosts if any(g.foreign for g in h.gpus)}
     changed = _place(work, free, staying, shared)  # rule 5
     return _decision(work, changed, now)
 
 
 def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...]:
-    """Rule 3's order: by priority; running jobs, the largest min first; then waiting jobs,
-    those that waited past max_wait_s first, then the smallest (by max), then the oldest.
-    Nothing in it changes by the decision itself (a fixed point)."""
+    """Rule 3's order, by priority: running jobs first (those started less than
+    ``protect_s`` ago, then by level of attained service, the least first; the largest min
+    first), then waiting jobs (those that waited past ``max_wait_s``, then by level, the
+    smallest max first, then the oldest). Nothing in it changes by the decision itself (a
+    fixed point)."""
     spec = w.spec
+    p = -spec.priority
     if w.running:
-        return (-spec.priority, 0, 0, -spec.min_workers, spec.submitted, spec.job_id)
-    starved = _starved(w, now, policy)
-    return (-spec.priority, 1, 0 if starved else 1, spec.max_workers, spec.submitted, spec.job_id)
+        protected = _protected(w, now, policy)
+        level = 0 if protected else w.level
+        return (p, 0, 0 if protected else 1, level, -spec.min_workers, spec.submitted,
+                spec.job_id)  # fmt: skip
+    band = 0 if _starved(w, now, policy) else 1
+    return (p, 1, band, w.level, spec.max_workers, spec.submitted, spec.job_id)
+
+
+def _protected(w: _Work, now: float, policy: FleetPolicy) -> bool:
+    """A running job started or resumed less than ``protect_s`` ago: no waiting job takes its
+    min (it is suspended only for want of GPUs)."""
+    return now - w.job.status.started < policy.protect_s
+
+
+def _urgent(w: _Work, now: float, policy: FleetPolicy) -> bool:
+    """A waiting job that may take lower-priority jobs' mins: it waited ``preempt_after_s``
+    (since it was submitted, or suspended), or it is recorded running (it lost its GPUs)."""
+    st = w.job.status
+    if st.phase is Phase.QUEUED:
+        return now - w.spec.submitted >= policy.preempt_after_s
+    return st.phase is Phase.RUNNING or now - st.changed >= policy.preempt_after_s
 
 
 def _still_held(
@@ -243,11 +279,79 @@ def _still_held(
 # ---------------------------------------------------------------- rules 2-3: mins
 
 
+_MIN, _GROW = 0, 1  # a job's two claims (rules 3 and 4)
+
+
+def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[tuple[int, _Work]]:
+    """Every claim in the order served: by priority; first the running jobs' mins, then
+    the jobs that waited past ``max_wait_s`` (min, then growth), then by level of attained
+    service each job's min then its growth, running jobs before waiting ones in a level (the
+    first served grows to its max before the next of its level starts)."""
+    keyed: list[tuple[tuple[int, ...], int, _Work]] = []
+    for w in work:
+        p = -w.spec.priority
+        if w.running:
+            keyed.append(((p, 0, 0, 0, w.order, _MIN), _MIN, w))
+            keyed.append(((p, 1, 1, w.level, w.order, _GROW), _GROW, w))
+        else:
+            band = 0 if _starved(w, now, policy) else 1
+            level = 0 if band == 0 else w.level
+            for kind in (_MIN, _GROW):
+                keyed.append(((p, 1, band, level, w.order, kind), kind, w))
+    keyed.sort(key=lambda x: x[0])
+    return [(kind, w) for _, kind, w in keyed]
+
+
+class _Pending:
+    """The running jobs' mins not yet claimed in the pass: kept for them, except from a
+    waiting job that may take them (one of higher priority that waited ``preempt_after_s``,
+    from a job not protected). Sums by priority in a Fenwick tree (fast at 5,000 jobs)."""
+
+    def __init__(self, needs: list[tuple[_Work, int, bool]]) -> None:
+        self._ranks = sorted({w.spec.priority for w, _, _ in needs})
+        self._tree = [0] * (len(self._ranks) + 1)
+        self.total = 0
+        self._open: dict[str, tuple[int, int]] = {}  # job id -> (rank, need), if open
+        self._need: dict[str, int] = {}
+        for w, need, open_ in needs:
+            self._need[w.id] = need
+            self.total += need
+            if open_:
+                rank = bisect.bisect_left(self._ranks, w.spec.priority)
+                self._open[w.id] = (rank, need)
+                self._add(rank, need)
+
+    def _add(self, rank: int, n: int) -> None:
+        i = rank + 1
+        while i < len(self._tree):
+            self._tree[i] += n
+            i += i & -i
+
+    def open_below(self, priority: int) -> int:
+        """The pending needs of unprotected jobs of priority below ``priority``."""
+        i = bisect.bisect_left(self._ranks, priority)
+        total = 0
+        while i > 0:
+            total += self._tree[i]
+            i -= i & -i
+        return total
+
+    def claim(self, w: _Work) -> None:
+        self.total -= self._need.pop(w.id, 0)
+        if w.id in self._open:
+            rank, need = self._open.pop(w.id)
+            self._add(rank, -need)
+
+
 def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
-    """Rules 2-3: whose min is admitted, in one pass in serving order. Only what can never
-    be suspended is reserved ahead (a frozen job at its min or above, the min of a job
-    without a cache), so no job's turn depends on a job after it; a frozen job below its
-    min competes for it in its turn like any other."""
+    """Rules 2-4: whose min is admitted and each job's size. Only what can never be
+    suspended is reserved ahead (a frozen job at its min or above, the min of a job without
+    a cache), so no job's turn depends on a job after it; a frozen job below its min
+    competes for it in its turn like any other. One pass over the claims in serving order
+    (:func:`_claims`) decides whose min is admitted: a running job's min is kept for it
+    against every claim before it but those of waiting jobs of higher priority that waited
+    ``preempt_after_s`` (and only if it is not protected), and a job grows into no running
+    job's min; then the sizes: the admitted mins, and growth in the same order."""
     for w in work:
         if not w.running:
             w.floor = 0
@@ -259,12 +363,29 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
             w.floor = 0
     reserved = sum(w.floor for w in work)
     left = pool - reserved
+    claims = _claims(work, now, policy)
+    pending = _Pending(
+        [(w, w.base - w.floor, not _protected(w, now, policy)) for w in work if w.running]
+    )
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
-    for w in work:
+    for kind, w in claims:
+        if kind == _GROW:
+            if _grows(w):
+                step = min(w.high - w.target, left - pending.total)
+                if step > 0:
+                    w.target += step
+                    left -= step
+            continue
         need = w.base - w.floor
         w.hopeless = need > pool - reserved
+        avail = left - pending.total
+        if w.running:
+            pending.claim(w)
+            avail = left - pending.total
+        elif _urgent(w, now, policy):
+            avail += pending.open_below(w.spec.priority)
         blocked = not w.running and blocked_below is not None
-        if need <= left and not blocked and _may_start(w, now, policy):
+        if need <= avail and not blocked and _may_start(w, now, policy):
             w.admitted = True
             left -= need
         elif w.running and not w.spec.cache_url:
@@ -273,11 +394,31 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
                 "waits for GPUs"
             )
         elif not w.running:
-            w.waiting = _why_waiting(w, need, left, blocked, now, policy)
+            w.waiting = _why_waiting(w, need, avail, blocked, now, policy)
             if _starved(w, now, policy) and w.low <= pool and blocked_below is None:
                 blocked_below = w.spec.priority  # (one whose min could fit; waiting jobs of
                 # lower priority come later)
         # else: running with a cache, its min not admitted: suspended (rule 3)
+        w.target = w.base if w.admitted else w.floor
+    # the sizes: every admitted min, then growth in serving order
+    for w in work:
+        w.target = w.base if w.admitted else w.floor
+    left = pool - sum(w.target for w in work)
+    for kind, w in claims:
+        if kind == _GROW and _grows(w) and left > 0:
+            step = min(w.high - w.target, left)
+            w.target += step
+            left -= step
+
+
+def _grows(w: _Work) -> bool:
+    """Whether ``w`` may grow (rule 4): admitted, or running below its min without a cache;
+    not frozen; below its max."""
+    return (
+        (w.admitted or (w.running and not w.spec.cache_url))
+        and not w.frozen
+        and w.target < w.high
+    )
 
 
 def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
@@ -309,39 +450,6 @@ def _why_waiting(
         f"waits: its min of {w.spec.min_workers} needs {_gpus_word(need)}; at most "
         f"{max(0, left)} could be freed for it"
     )
-
-
-# ---------------------------------------------------------------- rule 4: sizes
-
-
-def _share(work: list[_Work], pool: int) -> None:
-    """Rule 4: each running job's size; a job that is not admitted keeps its floor."""
-    for w in work:
-        w.target = w.base if w.admitted else w.floor
-    left = pool - sum(w.target for w in work)
-    by_priority: dict[int, list[_Work]] = {}
-    for w in work:
-        # (a job without a cache that runs below its min grows back toward it too)
-        grows = w.admitted or (w.running and not w.spec.cache_url)
-        if grows and not w.frozen and w.target < w.high:
-            by_priority.setdefault(w.spec.priority, []).append(w)
-    for priority in sorted(by_priority, reverse=True):
-        if left <= 0:
-            return
-        # by whole size (a job's GPUs on lingering hosts count), ties to who holds more now
-        heap = [(w.kept + w.target, -w.movable, w.order, w) for w in by_priority[priority]]
-        heapq.heapify(heap)
-        while heap and left > 0:
-            total, _, _, w = heapq.heappop(heap)
-            # the smallest gets as many as make it equal to the next one (at least one)
-            step = w.high - w.target
-            if heap:
-                step = min(step, heap[0][0] - total)
-            step = max(1, min(step, left))
-            w.target += step
-            left -= step
-            if w.target < w.high:
-                heapq.heappush(heap, (w.kept + w.target, -w.movable, w.order, w))
 
 
 # ---------------------------------------------------------------- rule 5: placement
@@ -486,8 +594,14 @@ def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocat
                 size = f"{w.spec.min_workers}-{w.spec.max_workers}"
                 where = describe(gpus) if len(gpus) <= 4 else f"{len(gpus)} hosts"
                 text += f": {gpu_count(gpus)} of {size} workers on {where}"
-            statuses[w.id] = JobStatus(phase, gpus, now, text)
-        elif text and (same := JobStatus(old.phase, old.gpus, old.changed, text)) != old:
+            if phase is not Phase.RUNNING:
+                started = 0.0
+            elif old.phase is Phase.RUNNING and old.gpus:
+                started = old.started
+            else:
+                started = now  # started, resumed, or placed again after losing every GPU
+            statuses[w.id] = JobStatus(phase, gpus, now, text, old.attained(now), started)
+        elif text and (same := dataclasses.replace(old, reason=text)) != old:
             statuses[w.id] = same  # the same place, a new reason (a waiting job)
         else:
             continue

@@ -297,12 +297,17 @@ class JobStatus:
         gpus: the GPUs it holds now (RUNNING only).
         changed: wall-clock seconds of the last change of its GPUs or phase.
         reason: one sentence: why it is where it is.
+        gpu_s: the GPU-seconds it held before ``changed`` (its attained service: while
+            RUNNING it adds ``size x (now - changed)``); the allocator keeps it.
+        started: when it last started or resumed (RUNNING only; 0 otherwise).
     """
 
     phase: Phase = Phase.QUEUED
     gpus: Gpus = ()
     changed: float = 0.0
     reason: str = ""
+    gpu_s: float = 0.0
+    started: float = 0.0
 
     def __post_init__(self) -> None:  # every writer's reason fits the record (a cancel's
         # --reason, an agent's log path, many notes on a large job)
@@ -312,6 +317,11 @@ class JobStatus:
     def size(self) -> int:
         return gpu_count(self.gpus)
 
+    def attained(self, now: float) -> float:
+        """The GPU-seconds it has held up to ``now``."""
+        held = self.size * max(0.0, now - self.changed) if self.phase is Phase.RUNNING else 0.0
+        return self.gpu_s + held
+
     def fields(self) -> dict[str, Any]:
         """The record's fields (a fleet event carries them too)."""
         return {
@@ -319,6 +329,8 @@ class JobStatus:
             "gpus": {h: list(ix) for h, ix in self.gpus},
             "changed": self.changed,
             "reason": self.reason,
+            "gpu_s": self.gpu_s,
+            "started": self.started,
         }
 
     def to_json(self) -> bytes:
@@ -351,7 +363,17 @@ class JobStatus:
                     "GPU indices."
                 )
             gpus.append((host, tuple(sorted(set(indices)))))
-        return JobStatus(phase, tuple(gpus), f.number("changed"), f.text("reason", REASON_MAX))
+        # (gpu_s and started: absent in a record written before they were kept)
+        gpu_s = f.number("gpu_s", 0.0) if "gpu_s" in f else 0.0
+        started = f.number("started") if "started" in f else 0.0
+        return JobStatus(
+            phase,
+            tuple(gpus),
+            f.number("changed"),
+            f.text("reason", REASON_MAX),
+            gpu_s,
+            started,
+        )
 
 
 @dataclass(frozen=True, slots=True)
