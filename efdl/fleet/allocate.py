@@ -90,18 +90,22 @@ class FleetPolicy:
         preempt_after_s: a waiting job suspends running ones (or takes their min) only once
             it has waited this long (since it was submitted, or suspended); before, it takes
             only what is free or what running jobs hold above their min.
-        protect_s: a running job is not suspended for a job of its own priority within
-            this time of its start or resume.
+        protect_s: a running job is not suspended for another job within this time of its
+            start or resume (only for want of GPUs).
+        priority_first: serve every claim of a higher priority first (its growth before a
+            lower job's start); by default the smallest jobs go first, and priority takes
+            GPUs from lower jobs once a job waited ``preempt_after_s``.
     """
 
     resize_interval_s: float = 60.0
     host_grace_s: float = 60.0
     history_s: float = 7 * 86400.0
-    max_wait_s: float = 4 * 3600.0
+    max_wait_s: float = 12 * 3600.0
     resume_after_s: float = 600.0
     levels_gpu_s: tuple[float, ...] = (3600.0, 8 * 3600.0, 64 * 3600.0)
     preempt_after_s: float = 600.0
     protect_s: float = 3600.0
+    priority_first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,68 +283,66 @@ def _still_held(
 # ---------------------------------------------------------------- rules 2-3: mins
 
 
-_MIN, _GROW = 0, 1  # a job's two claims (rules 3 and 4)
+_MIN, _GROW = 0, 1
 
 
 def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[tuple[int, _Work]]:
-    """Every claim in the order served: by priority; first the running jobs' mins, then
-    the jobs that waited past ``max_wait_s`` (min, then growth), then by level of attained
-    service each job's min then its growth, running jobs before waiting ones in a level (the
-    first served grows to its max before the next of its level starts)."""
-    keyed: list[tuple[tuple[int, ...], int, _Work]] = []
+    """Every claim in the order served: the jobs that waited past ``max_wait_s`` first (min,
+    then growth), then in :func:`_rank` order, each job's min then its growth (the first
+    served grows to its max before the next starts). Then the running jobs' mins in
+    :func:`_kept_key` order (the last are the first suspended)."""
+    keyed: list[tuple[tuple[object, ...], int, _Work]] = []
     for w in work:
-        p = -w.spec.priority
         if w.running:
-            keyed.append(((p, 0, 0, 0, w.order, _MIN), _MIN, w))
-            keyed.append(((p, 1, 1, w.level, w.order, _GROW), _GROW, w))
+            keyed.append(((2, *_kept_key(w, now, policy)), _MIN, w))
+            keyed.append(((1, *_rank(w, 0, w.level, policy), _GROW), _GROW, w))
         else:
             band = 0 if _starved(w, now, policy) else 1
             level = 0 if band == 0 else w.level
             for kind in (_MIN, _GROW):
-                keyed.append(((p, 1, band, level, w.order, kind), kind, w))
+                keyed.append(((band, *_rank(w, 1, level, policy), kind), kind, w))
     keyed.sort(key=lambda x: x[0])
     return [(kind, w) for _, kind, w in keyed]
 
 
+def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int, ...]:
+    """A claim's place (after the starved jobs'): the smallest job (by max) first, running
+    jobs before waiting ones, then by level, priority and serving order; with
+    ``priority_first``, by priority first, then level, then size."""
+    p, size = -w.spec.priority, w.spec.max_workers
+    if policy.priority_first:
+        return (p, level, waiting, size, w.order)
+    return (size, waiting, level, p, w.order)
+
+
+def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
+    """The order of the running jobs' mins: by priority; those no waiting job may take
+    (protected, or without a cache) first; then by level (the most attained service last);
+    the largest min first (the smallest are suspended first: fewer GPUs restart)."""
+    kept = _protected(w, now, policy) or not w.spec.cache_url
+    return (-w.spec.priority, 0 if kept else 1, w.level, w.order)
+
+
 class _Pending:
-    """The running jobs' mins not yet claimed in the pass: kept for them, except from a
-    waiting job that may take them (one of higher priority that waited ``preempt_after_s``,
-    from a job not protected). Sums by priority in a Fenwick tree (fast at 5,000 jobs)."""
+    """The running jobs' mins, claimed last: kept against every claim before them but a
+    waiting job's that waited ``preempt_after_s``, which may take the last of them (in
+    :func:`_kept_key` order) that it goes before: of a lower priority, or of its own and a
+    higher level; not protected, with a cache."""
 
-    def __init__(self, needs: list[tuple[_Work, int, bool]]) -> None:
-        self._ranks = sorted({w.spec.priority for w, _, _ in needs})
-        self._tree = [0] * (len(self._ranks) + 1)
-        self.total = 0
-        self._open: dict[str, tuple[int, int]] = {}  # job id -> (rank, need), if open
-        self._need: dict[str, int] = {}
-        for w, need, open_ in needs:
-            self._need[w.id] = need
-            self.total += need
-            if open_:
-                rank = bisect.bisect_left(self._ranks, w.spec.priority)
-                self._open[w.id] = (rank, need)
-                self._add(rank, need)
+    def __init__(self, running: list[tuple[tuple[int, int, int, int], int]]) -> None:
+        running.sort(key=lambda x: x[0])
+        self._keys = [k for k, _ in running]
+        self._suffix = [0] * (len(running) + 1)
+        for i in range(len(running) - 1, -1, -1):
+            self._suffix[i] = self._suffix[i + 1] + running[i][1]
+        self.total = self._suffix[0]
+        kept = [i for i, k in enumerate(self._keys) if k[1] == 0]
+        self._after_kept = kept[-1] + 1 if kept else 0
 
-    def _add(self, rank: int, n: int) -> None:
-        i = rank + 1
-        while i < len(self._tree):
-            self._tree[i] += n
-            i += i & -i
-
-    def open_below(self, priority: int) -> int:
-        """The pending needs of unprotected jobs of priority below ``priority``."""
-        i = bisect.bisect_left(self._ranks, priority)
-        total = 0
-        while i > 0:
-            total += self._tree[i]
-            i -= i & -i
-        return total
-
-    def claim(self, w: _Work) -> None:
-        self.total -= self._need.pop(w.id, 0)
-        if w.id in self._open:
-            rank, need = self._open.pop(w.id)
-            self._add(rank, -need)
+    def open_to(self, priority: int, level: int) -> int:
+        """What a waiting job of ``priority`` at ``level`` may take of them."""
+        first = bisect.bisect_left(self._keys, (-priority, 1, level + 1, -1))
+        return self._suffix[max(first, self._after_kept)]
 
 
 def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
@@ -364,26 +366,28 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     reserved = sum(w.floor for w in work)
     left = pool - reserved
     claims = _claims(work, now, policy)
-    pending = _Pending(
-        [(w, w.base - w.floor, not _protected(w, now, policy)) for w in work if w.running]
-    )
+    pending = _Pending([(_kept_key(w, now, policy), w.base - w.floor) for w in work if w.running])
+    held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
     for kind, w in claims:
         if kind == _GROW:
             if _grows(w):
-                step = min(w.high - w.target, left - pending.total)
+                step = min(w.high - w.target, left - held_back)
                 if step > 0:
                     w.target += step
                     left -= step
             continue
         need = w.base - w.floor
         w.hopeless = need > pool - reserved
-        avail = left - pending.total
         if w.running:
-            pending.claim(w)
-            avail = left - pending.total
-        elif _urgent(w, now, policy):
-            avail += pending.open_below(w.spec.priority)
+            held_back = 0
+            avail = left
+        else:
+            avail = left - held_back
+            if _starved(w, now, policy):  # it may take the min of any job not protected,
+                avail += pending.open_to(w.spec.priority, -1)  # of its priority or lower
+            elif _urgent(w, now, policy):
+                avail += pending.open_to(w.spec.priority, w.level)
         blocked = not w.running and blocked_below is not None
         if need <= avail and not blocked and _may_start(w, now, policy):
             w.admitted = True
