@@ -92,6 +92,9 @@ class FleetPolicy:
             only what is free or what running jobs hold above their min.
         protect_s: a running job is not suspended for another job within this time of its
             start or resume (only for want of GPUs).
+        suspends_per_h: a job is suspended for another job only while its suspensions stay
+            within this many per hour it held GPUs (the first at any time after
+            ``protect_s``).
         priority_first: serve every claim of a higher priority first (its growth before a
             lower job's start); by default the smallest jobs go first, and priority takes
             GPUs from lower jobs once a job waited ``preempt_after_s``.
@@ -106,6 +109,7 @@ class FleetPolicy:
     preempt_after_s: float = 600.0
     protect_s: float = 3600.0
     priority_first: bool = False
+    suspends_per_h: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +145,7 @@ class _Work:
     held: Held = field(default_factory=dict)
     kept: int = 0  # GPUs on lingering hosts: held, never moved
     running: bool = False  # it trains on GPUs it still holds after rule 1
+    incumbent: bool = False  # recorded running (it may have lost every GPU): its min is kept
     facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
     frozen: bool = False  # resized less than the interval ago (rule 2)
     floor: int = 0  # what the allocator may not take from it (rule 2)
@@ -204,6 +209,7 @@ def allocate(
         if w.job.status.phase is Phase.RUNNING:
             _still_held(w, free, usable, staying, kept)
         w.running = w.size > 0
+        w.incumbent = w.job.status.phase is Phase.RUNNING
         w.frozen = w.running and now - w.job.status.changed < policy.resize_interval_s
     for w in work:
         w.level = bisect.bisect_right(policy.levels_gpu_s, w.job.status.attained(now))
@@ -235,9 +241,13 @@ def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...
 
 
 def _protected(w: _Work, now: float, policy: FleetPolicy) -> bool:
-    """A running job started or resumed less than ``protect_s`` ago: no waiting job takes its
-    min (it is suspended only for want of GPUs)."""
-    return now - w.job.status.started < policy.protect_s
+    """A running job that no waiting job may take the min of (it is suspended only for want
+    of GPUs): started or resumed less than ``protect_s`` ago, or one more suspension would
+    take it past ``suspends_per_h`` per hour it held GPUs (the first is free)."""
+    st = w.job.status
+    if now - st.started < policy.protect_s:
+        return True
+    return st.suspends + 1 > max(1.0, policy.suspends_per_h * st.held(now) / 3600.0)
 
 
 def _urgent(w: _Work, now: float, policy: FleetPolicy) -> bool:
@@ -293,7 +303,7 @@ def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[tuple[in
     :func:`_kept_key` order (the last are the first suspended)."""
     keyed: list[tuple[tuple[object, ...], int, _Work]] = []
     for w in work:
-        if w.running:
+        if w.incumbent:
             keyed.append(((2, *_kept_key(w, now, policy)), _MIN, w))
             keyed.append(((1, *_rank(w, 0, w.level, policy), _GROW), _GROW, w))
         else:
@@ -366,7 +376,9 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     reserved = sum(w.floor for w in work)
     left = pool - reserved
     claims = _claims(work, now, policy)
-    pending = _Pending([(_kept_key(w, now, policy), w.base - w.floor) for w in work if w.running])
+    pending = _Pending(
+        [(_kept_key(w, now, policy), w.base - w.floor) for w in work if w.incumbent]
+    )
     held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
     for kind, w in claims:
@@ -379,7 +391,7 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
             continue
         need = w.base - w.floor
         w.hopeless = need > pool - reserved
-        if w.running:
+        if w.incumbent:
             held_back = 0
             avail = left
         else:
@@ -388,7 +400,7 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
                 avail += pending.open_to(w.spec.priority, -1)  # of its priority or lower
             elif _urgent(w, now, policy):
                 avail += pending.open_to(w.spec.priority, w.level)
-        blocked = not w.running and blocked_below is not None
+        blocked = not w.incumbent and blocked_below is not None
         if need <= avail and not blocked and _may_start(w, now, policy):
             w.admitted = True
             left -= need
@@ -600,11 +612,22 @@ def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocat
                 text += f": {gpu_count(gpus)} of {size} workers on {where}"
             if phase is not Phase.RUNNING:
                 started = 0.0
-            elif old.phase is Phase.RUNNING and old.gpus:
-                started = old.started
+            elif old.phase is Phase.RUNNING:
+                started = old.started  # (also placed again after losing every GPU)
             else:
-                started = now  # started, resumed, or placed again after losing every GPU
-            statuses[w.id] = JobStatus(phase, gpus, now, text, old.attained(now), started)
+                started = now  # started or resumed
+            stopped = old.phase is Phase.RUNNING and phase is not Phase.RUNNING
+            lost_all = old.phase is Phase.RUNNING and old.gpus and not w.size and not w.kept
+            statuses[w.id] = JobStatus(
+                phase,
+                gpus,
+                now,
+                text,
+                old.attained(now),
+                started,
+                old.held(now),
+                old.suspends + int(bool(stopped or (lost_all and phase is Phase.RUNNING))),
+            )
         elif text and (same := dataclasses.replace(old, reason=text)) != old:
             statuses[w.id] = same  # the same place, a new reason (a waiting job)
         else:

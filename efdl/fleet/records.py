@@ -300,6 +300,10 @@ class JobStatus:
         gpu_s: the GPU-seconds it held before ``changed`` (its attained service: while
             RUNNING it adds ``size x (now - changed)``); the allocator keeps it.
         started: when it last started or resumed (RUNNING only; 0 otherwise).
+        held_s: the seconds it held GPUs before ``changed`` (while RUNNING it adds
+            ``now - changed``); the allocator keeps it.
+        suspends: how many times it stopped running without finishing (suspended, or all
+            its GPUs lost); the allocator keeps it.
     """
 
     phase: Phase = Phase.QUEUED
@@ -308,6 +312,8 @@ class JobStatus:
     reason: str = ""
     gpu_s: float = 0.0
     started: float = 0.0
+    held_s: float = 0.0
+    suspends: int = 0
 
     def __post_init__(self) -> None:  # every writer's reason fits the record (a cancel's
         # --reason, an agent's log path, many notes on a large job)
@@ -322,6 +328,11 @@ class JobStatus:
         held = self.size * max(0.0, now - self.changed) if self.phase is Phase.RUNNING else 0.0
         return self.gpu_s + held
 
+    def held(self, now: float) -> float:
+        """The seconds it has held GPUs up to ``now``."""
+        running = self.phase is Phase.RUNNING and self.gpus
+        return self.held_s + (max(0.0, now - self.changed) if running else 0.0)
+
     def fields(self) -> dict[str, Any]:
         """The record's fields (a fleet event carries them too)."""
         return {
@@ -331,6 +342,8 @@ class JobStatus:
             "reason": self.reason,
             "gpu_s": self.gpu_s,
             "started": self.started,
+            "held_s": self.held_s,
+            "suspends": self.suspends,
         }
 
     def to_json(self) -> bytes:
@@ -363,16 +376,16 @@ class JobStatus:
                     "GPU indices."
                 )
             gpus.append((host, tuple(sorted(set(indices)))))
-        # (gpu_s and started: absent in a record written before they were kept)
-        gpu_s = f.number("gpu_s", 0.0) if "gpu_s" in f else 0.0
-        started = f.number("started") if "started" in f else 0.0
+        # (the allocator's counts: absent in a record written before they were kept)
         return JobStatus(
             phase,
             tuple(gpus),
             f.number("changed"),
             f.text("reason", REASON_MAX),
-            gpu_s,
-            started,
+            f.number("gpu_s", 0.0) if "gpu_s" in f else 0.0,
+            f.number("started") if "started" in f else 0.0,
+            f.number("held_s", 0.0) if "held_s" in f else 0.0,
+            f.count("suspends", 0, 1 << 30) if "suspends" in f else 0,
         )
 
 
