@@ -51,6 +51,7 @@ The rules, in the order they apply:
 from __future__ import annotations
 
 import bisect
+import math
 import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
@@ -245,8 +246,11 @@ def _protected(w: _Work, now: float, policy: FleetPolicy) -> bool:
     of GPUs): started or resumed less than ``protect_s`` ago, or one more suspension would
     take it past ``suspends_per_h`` per hour it held GPUs (the first is free)."""
     st = w.job.status
-    if now - st.started < policy.protect_s:
-        return True
+    return now - st.started < policy.protect_s or _over_budget(st, now, policy)
+
+
+def _over_budget(st: JobStatus, now: float, policy: FleetPolicy) -> bool:
+    """One more suspension would take it past ``suspends_per_h`` per hour it held GPUs."""
     return st.suspends + 1 > max(1.0, policy.suspends_per_h * st.held(now) / 3600.0)
 
 
@@ -329,8 +333,12 @@ def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int,
     """The order of the running jobs' mins: by priority; those no waiting job may take
     (protected, or without a cache) first; then by level (the most attained service last);
     the largest min first (the smallest are suspended first: fewer GPUs restart)."""
-    kept = _protected(w, now, policy) or not w.spec.cache_url
-    return (-w.spec.priority, 0 if kept else 1, w.level, w.order)
+    st = w.job.status
+    if not w.spec.cache_url or _over_budget(st, now, policy):
+        kept = 0  # (suspended for want of GPUs last in its priority)
+    else:
+        kept = 1 if now - st.started < policy.protect_s else 2
+    return (-w.spec.priority, kept, w.level, w.order)
 
 
 class _Pending:
@@ -346,12 +354,12 @@ class _Pending:
         for i in range(len(running) - 1, -1, -1):
             self._suffix[i] = self._suffix[i + 1] + running[i][1]
         self.total = self._suffix[0]
-        kept = [i for i, k in enumerate(self._keys) if k[1] == 0]
+        kept = [i for i, k in enumerate(self._keys) if k[1] < 2]
         self._after_kept = kept[-1] + 1 if kept else 0
 
     def open_to(self, priority: int, level: int) -> int:
         """What a waiting job of ``priority`` at ``level`` may take of them."""
-        first = bisect.bisect_left(self._keys, (-priority, 1, level + 1, -1))
+        first = bisect.bisect_left(self._keys, (-priority, 2, level + 1, -1))
         return self._suffix[max(first, self._after_kept)]
 
 
@@ -381,9 +389,11 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     )
     held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
+    for w in work:  # (a running job grows on top of its min, kept for it until its claim)
+        w.target = w.base if w.incumbent else 0
     for kind, w in claims:
         if kind == _GROW:
-            if _grows(w):
+            if _grows(w) or (w.incumbent and not w.frozen and w.target < w.high):
                 step = min(w.high - w.target, left - held_back)
                 if step > 0:
                     w.target += step
@@ -439,7 +449,15 @@ def _grows(w: _Work) -> bool:
 
 def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
     st = w.job.status
-    return not (st.phase is Phase.SUSPENDED and now - st.changed < policy.resume_after_s)
+    return not (st.phase is Phase.SUSPENDED and now - st.changed < _hold(st, policy))
+
+
+def _hold(st: JobStatus, policy: FleetPolicy) -> float:
+    """How long a suspended job stays suspended: ``resume_after_s``, doubled for each
+    suspension it had beyond ``suspends_per_h`` per hour it held GPUs (at most 16 times)."""
+    budget = max(1.0, policy.suspends_per_h * st.held_s / 3600.0)
+    over = min(4, max(0, math.ceil(st.suspends - budget)))
+    return policy.resume_after_s * 2**over
 
 
 def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
@@ -449,7 +467,7 @@ def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
     if st.phase is Phase.QUEUED:
         return now - w.spec.submitted >= policy.max_wait_s
     since = now - st.changed
-    return st.phase is Phase.SUSPENDED and since >= max(policy.max_wait_s, policy.resume_after_s)
+    return st.phase is Phase.SUSPENDED and since >= max(policy.max_wait_s, _hold(st, policy))
 
 
 def _why_waiting(
@@ -457,8 +475,8 @@ def _why_waiting(
 ) -> str:
     if not _may_start(w, now, policy):
         return (
-            f"waits: suspended less than {policy.resume_after_s:g} s ago; resumes after that "
-            "if its min fits"
+            f"waits: suspended less than {_hold(w.job.status, policy):g} s ago; resumes after "
+            "that if its min fits"
         )
     if need <= left and blocked:
         return "waits: a job of its priority or higher has waited longer and goes first"

@@ -451,8 +451,9 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
                 # (one that holds nothing waits for its min as a queued job does)
                 old = before[j.spec.job_id]
                 assert old.phase is Phase.RUNNING and now - old.changed < 60, j
-    # a job waits for its min only when nothing could make it: free GPUs, what unfrozen
-    # lower- or equal-priority jobs hold above their min, lower-priority jobs with a cache
+    # a job waits for its min only when nothing could make it: free GPUs, what running jobs
+    # served after it (larger, by max; not frozen, not starved) hold above their min, and
+    # whole jobs larger than it that started in this decision
     before = {j.spec.job_id: j.status for j in jobs}
     policy = FleetPolicy()
 
@@ -483,12 +484,13 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
         for v in final:
             old = before[v.spec.job_id]
             frozen = old.phase is Phase.RUNNING and now - old.changed < 60
-            if v is w or v.status.phase is not Phase.RUNNING or frozen:
+            later = v.spec.max_workers > w.spec.max_workers and not starved(v)
+            if v is w or v.status.phase is not Phase.RUNNING or frozen or not later:
                 continue
-            if v.spec.priority <= w.spec.priority:
+            if old.phase is Phase.RUNNING:
                 could += max(0, v.status.size - v.spec.min_workers)
-            if v.spec.priority < w.spec.priority and v.spec.cache_url:
-                could += min(v.status.size, v.spec.min_workers)
+            else:
+                could += v.status.size
         assert could < w.spec.min_workers, (w, could)
     # deciding again at once changes nothing
     again = allocate(hosts, final, now)
