@@ -51,9 +51,9 @@ The rules, in the order they apply:
 from __future__ import annotations
 
 import bisect
-import math
 import dataclasses
 import heapq
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -320,13 +320,14 @@ def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[tuple[in
 
 
 def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int, ...]:
-    """A claim's place (after the starved jobs'): the smallest job (by max) first, running
-    jobs before waiting ones, then by level, priority and serving order; with
-    ``priority_first``, by priority first, then level, then size."""
+    """A claim's place (after the starved jobs'): the smallest job (by max) first, then by
+    level of attained service (the least first), running jobs before waiting ones, then by
+    priority and serving order; with ``priority_first``, by priority first, then level,
+    then size."""
     p, size = -w.spec.priority, w.spec.max_workers
     if policy.priority_first:
         return (p, level, waiting, size, w.order)
-    return (size, waiting, level, p, w.order)
+    return (size, level, waiting, p, w.order)
 
 
 def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
@@ -348,7 +349,7 @@ class _Pending:
     higher level; not protected, with a cache."""
 
     def __init__(self, running: list[tuple[tuple[int, int, int, int], int]]) -> None:
-        running.sort(key=lambda x: x[0])
+        running = sorted((x for x in running if x[1] > 0), key=lambda x: x[0])
         self._keys = [k for k, _ in running]
         self._suffix = [0] * (len(running) + 1)
         for i in range(len(running) - 1, -1, -1):
@@ -384,9 +385,17 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     reserved = sum(w.floor for w in work)
     left = pool - reserved
     claims = _claims(work, now, policy)
-    pending = _Pending(
-        [(_kept_key(w, now, policy), w.base - w.floor) for w in work if w.incumbent]
-    )
+    # the running jobs' mins that could be kept (in their order, were nothing else served):
+    # kept ahead; one that could not be is in no one's way
+    kept: list[tuple[tuple[int, int, int, int], int]] = []
+    room = left
+    for key, need in sorted(
+        (_kept_key(w, now, policy), w.base - w.floor) for w in work if w.incumbent
+    ):
+        if 0 < need <= room:
+            kept.append((key, need))
+            room -= need
+    pending = _Pending(kept)
     held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
     for w in work:  # (a running job grows on top of its min, kept for it until its claim)
@@ -410,7 +419,7 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
                 avail += pending.open_to(w.spec.priority, -1)  # of its priority or lower
             elif _urgent(w, now, policy):
                 avail += pending.open_to(w.spec.priority, w.level)
-        blocked = not w.incumbent and blocked_below is not None
+        blocked = not w.incumbent and blocked_below is not None and w.spec.priority <= blocked_below
         if need <= avail and not blocked and _may_start(w, now, policy):
             w.admitted = True
             left -= need
@@ -441,9 +450,7 @@ def _grows(w: _Work) -> bool:
     """Whether ``w`` may grow (rule 4): admitted, or running below its min without a cache;
     not frozen; below its max."""
     return (
-        (w.admitted or (w.running and not w.spec.cache_url))
-        and not w.frozen
-        and w.target < w.high
+        (w.admitted or (w.running and not w.spec.cache_url)) and not w.frozen and w.target < w.high
     )
 
 
@@ -457,7 +464,7 @@ def _hold(st: JobStatus, policy: FleetPolicy) -> float:
     suspension it had beyond ``suspends_per_h`` per hour it held GPUs (at most 16 times)."""
     budget = max(1.0, policy.suspends_per_h * st.held_s / 3600.0)
     over = min(4, max(0, math.ceil(st.suspends - budget)))
-    return policy.resume_after_s * 2**over
+    return policy.resume_after_s * float(2**over)
 
 
 def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
@@ -635,7 +642,7 @@ def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocat
             else:
                 started = now  # started or resumed
             stopped = old.phase is Phase.RUNNING and phase is not Phase.RUNNING
-            lost_all = old.phase is Phase.RUNNING and old.gpus and not w.size and not w.kept
+            lost_all = old.phase is Phase.RUNNING and bool(old.gpus) and not w.running
             statuses[w.id] = JobStatus(
                 phase,
                 gpus,
@@ -644,7 +651,7 @@ def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocat
                 old.attained(now),
                 started,
                 old.held(now),
-                old.suspends + int(bool(stopped or (lost_all and phase is Phase.RUNNING))),
+                old.suspends + int(stopped or (lost_all and phase is Phase.RUNNING)),
             )
         elif text and (same := dataclasses.replace(old, reason=text)) != old:
             statuses[w.id] = same  # the same place, a new reason (a waiting job)
