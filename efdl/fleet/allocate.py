@@ -2,8 +2,10 @@
 each job's status and the reasons out; no I/O (the elected loop reads etcd and writes this).
 
 A decision counts first (how many GPUs each job gets) and places second (which GPUs), so
-that every rule below is applied to the whole fleet at once, in one pass per priority, and
-deciding again at once changes nothing (a fixed point).
+that every rule below is applied to the whole fleet at once, in one pass, and deciding
+again at once changes nothing (a fixed point). A job's status carries what the rules read
+of its past (efdl.fleet.records.JobStatus): GPU-seconds and seconds held, the last start,
+the suspensions; the allocator keeps them in the statuses it writes.
 
 The rules, in the order they apply:
 
@@ -17,26 +19,34 @@ The rules, in the order they apply:
    remote cache keeps its min (it cannot be suspended: its state lives only in its workers).
    A frozen job below its min is not protected: in its turn it gets its min back, or is
    suspended.
-3. Mins, by priority (higher first), in one pass. Within a priority, running jobs come
-   first, the largest min first (when some must be suspended, the smallest go: fewer GPUs
-   restart), then waiting jobs: those that waited longer than ``max_wait_s`` first, then the
-   smallest (by max: most jobs are small and short, and starting them first shortens the
-   mean completion time), then the oldest. Nothing in this order changes by a decision, so
-   deciding again changes nothing. A job gets at least its ``min`` workers or nothing: its
-   min is admitted when what is left (every usable GPU, less what rule 2 keeps and the mins
-   admitted before it) covers it. A running job whose min is not admitted is suspended when
-   it has a cache (its GPUs serve the jobs after it), else it runs on below its min and
-   waits (and grows back toward it on GPUs left over); one that holds no GPU any more waits
-   as a queued job does. A waiting job that does not fit lets the jobs after it start
-   (backfill), unless it waited longer than ``max_wait_s`` and its min could fit the fleet:
-   then no waiting job of its priority or lower starts past it until it runs (it is not
-   starved). A job suspended less than ``resume_after_s`` ago does not start again yet (no
-   suspend-resume round trips while inference swings).
-4. GPUs left over go to running elastic jobs up to their ``max``, by priority; within a
-   priority they are shared evenly (max-min fair by whole size, GPU by GPU to the job that
-   holds the fewest, ties to the job that holds more now), so that equal jobs converge to
-   equal shares and a higher-priority job grows past its min into what lower ones hold above
-   theirs.
+3. Whose min is admitted, in one pass over the claims (a job's min, then its growth up to its
+   max), in this order: the jobs that waited past ``max_wait_s`` (starved); then the
+   smallest job first (by max: most jobs are small and short, and serving them first
+   shortens the mean completion time), within a size the least attained service first (the
+   GPU-seconds a job has held, in levels at ``levels_gpu_s``, so that a job moves down
+   rarely), running jobs before waiting ones, then by priority, then the serving order
+   (running: the largest min first; waiting: the oldest first). So a job grows to its max
+   before the next of its size and level starts (not everyone slow at once under load), and
+   a job served earlier takes what a later one holds above its min (it shrinks, never
+   suspended for that). The running jobs' mins (a job recorded running that lost every GPU
+   included: it is placed again, not suspended) are claimed last and kept against every
+   claim before them, with one exception: a waiting job that waited ``preempt_after_s``
+   (600 s: a job is not suspended for one that might find room in minutes) may take the min
+   of a running job of lower priority, or of its own priority and a higher level, that is
+   not *protected*; such a job is suspended (it has a cache). Protected: started or resumed
+   less than ``protect_s`` ago, or one more suspension would take it past
+   ``suspends_per_h`` per hour it held GPUs (the first is free). The running jobs' mins go
+   in order of priority, protected ones first, then the least attained service first; when
+   they do not all fit (inference took GPUs), the last are suspended: lowest priority,
+   most attained service, smallest first. A starved job may take any unprotected min of its
+   priority or lower, and while it waits (its min could fit the fleet) no waiting job of
+   its priority or lower starts. If a waiting job's min cannot be met, nothing is taken
+   from anyone and it waits (its status says how many GPUs could be freed for it). A job
+   suspended less than ``resume_after_s`` ago stays suspended, twice as long for each
+   suspension beyond its budget. With ``priority_first``, every claim of a higher priority
+   goes first (its growth before a lower job's start): strict priority, at a cost in mean
+   completion time (docs/benchmarks.md).
+4. The sizes: every admitted min, then growth up to each job's max in the same order.
 5. Placement prefers fewer hosts per job, away from inference: a job that shrinks gives
    back GPUs on the hosts where it has the fewest; a job that grows takes all it needs at
    once, first on hosts it is on, then on the host that fits the rest most tightly among
