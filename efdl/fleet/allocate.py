@@ -93,14 +93,17 @@ class FleetPolicy:
         history_s: how long the fleet's events are kept (the leader deletes older ones,
             hourly: efdl.fleet.registry.prune_events); decisions do not read them.
         max_wait_s: a waiting job that has waited this long (since it was submitted, or
-            suspended) is let nobody of its priority or lower start past it.
-        resume_after_s: the least time a suspended job stays suspended.
+            suspended) goes first, may take the min of any job of its priority or lower
+            that is not protected, and lets nobody of its priority or lower start past it.
+        resume_after_s: the least time a suspended job stays suspended (doubled for each
+            suspension past its budget, ``suspends_per_h``).
         levels_gpu_s: the attained service (GPU-seconds a job has held) at which a job
-            moves down one level: within a priority, jobs of a lower level are served first
+            moves down one level: within a size, jobs of a lower level are served first
             (least attained service, in a few levels so that a job moves rarely).
-        preempt_after_s: a waiting job suspends running ones (or takes their min) only once
-            it has waited this long (since it was submitted, or suspended); before, it takes
-            only what is free or what running jobs hold above their min.
+        preempt_after_s: a waiting job suspends running ones (takes their min: of a lower
+            priority, or of its own and a higher level) only once it has waited this long
+            (since it was submitted, or suspended); before, it takes only what is free or
+            what jobs served after it hold above their min.
         protect_s: a running job is not suspended for another job within this time of its
             start or resume (only for want of GPUs).
         suspends_per_h: a job is suspended for another job only while its suspensions stay
@@ -157,6 +160,7 @@ class _Work:
     kept: int = 0  # GPUs on lingering hosts: held, never moved
     running: bool = False  # it trains on GPUs it still holds after rule 1
     incumbent: bool = False  # recorded running (it may have lost every GPU): its min is kept
+    seated: bool = False  # started in an earlier pass of this decision (kept, protected)
     facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
     frozen: bool = False  # resized less than the interval ago (rule 2)
     floor: int = 0  # what the allocator may not take from it (rule 2)
@@ -345,7 +349,9 @@ def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int,
     (protected, or without a cache) first; then by level (the most attained service last);
     the largest min first (the smallest are suspended first: fewer GPUs restart)."""
     st = w.job.status
-    if not w.spec.cache_url or _over_budget(st, now, policy):
+    if w.seated:
+        kept = 1  # (it starts now: protected)
+    elif not w.spec.cache_url or _over_budget(st, now, policy):
         kept = 0  # (suspended for want of GPUs last in its priority)
     else:
         kept = 1 if now - st.started < policy.protect_s else 2
@@ -380,9 +386,9 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     a cache), so no job's turn depends on a job after it; a frozen job below its min
     competes for it in its turn like any other. One pass over the claims in serving order
     (:func:`_claims`) decides whose min is admitted: a running job's min is kept for it
-    against every claim before it but those of waiting jobs of higher priority that waited
-    ``preempt_after_s`` (and only if it is not protected), and a job grows into no running
-    job's min; then the sizes: the admitted mins, and growth in the same order."""
+    against every claim before it but those of waiting jobs that waited ``preempt_after_s``
+    and go before it (:class:`_Pending`), and only if it is not protected; no job grows into
+    a running job's min. Then the sizes: the admitted mins, and growth in the same order."""
     for w in work:
         if not w.running:
             w.floor = 0
@@ -393,14 +399,54 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
         else:
             w.floor = 0
     reserved = sum(w.floor for w in work)
+    # A running job whose min is not admitted is suspended, and frees all it held: a claim
+    # before it that could not be met might be now. So the pass runs again as the next
+    # decision would see it: those jobs suspended, the jobs it started running (their mins
+    # kept, protected), until no other job is suspended (each pass suspends and starts
+    # more, or is the last: a decision is a fixed point; nearly always one pass).
+    stopped: set[str] = set()
+    while True:
+        claims = _claims(work, now, policy)
+        _admit_pass(work, claims, pool, reserved, stopped, now, policy)
+        more = {w.id for w in work if w.incumbent and not w.admitted and w.spec.cache_url}
+        if not more - stopped:
+            break
+        stopped |= more
+        for w in work:
+            if w.admitted and not w.incumbent:
+                w.incumbent = w.seated = True
+    # the sizes: every admitted min, then growth in serving order
+    for w in work:
+        w.target = w.base if w.admitted else w.floor
+    left = pool - sum(w.target for w in work)
+    for kind, w in claims:
+        if kind == _GROW and _grows(w) and left > 0:
+            step = min(w.high - w.target, left)
+            w.target += step
+            left -= step
+
+
+def _admit_pass(
+    work: list[_Work],
+    claims: list[tuple[int, _Work]],
+    pool: int,
+    reserved: int,
+    stopped: set[str],
+    now: float,
+    policy: FleetPolicy,
+) -> None:
+    """One pass over the claims (:func:`_admit`); the jobs in ``stopped`` are suspended."""
     left = pool - reserved
-    claims = _claims(work, now, policy)
+    for w in work:
+        w.admitted, w.waiting = False, ""
     # the running jobs' mins that could be kept (in their order, were nothing else served):
     # kept ahead; one that could not be is in no one's way
     kept: list[tuple[tuple[int, int, int, int], int]] = []
     room = left
     for key, need in sorted(
-        (_kept_key(w, now, policy), w.base - w.floor) for w in work if w.incumbent
+        (_kept_key(w, now, policy), w.base - w.floor)
+        for w in work
+        if w.incumbent and w.id not in stopped
     ):
         if 0 < need <= room:
             kept.append((key, need))
@@ -409,8 +455,12 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
     for w in work:  # (a running job grows on top of its min, kept for it until its claim)
-        w.target = w.base if w.incumbent else 0
+        w.target = w.base if w.incumbent and w.id not in stopped else 0
     for kind, w in claims:
+        if w.id in stopped:
+            w.target = w.floor
+            w.waiting = ""
+            continue
         if kind == _GROW:
             if _grows(w) or (w.incumbent and not w.frozen and w.target < w.high):
                 step = min(w.high - w.target, left - held_back)
@@ -445,15 +495,6 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
                 # lower priority come later)
         # else: running with a cache, its min not admitted: suspended (rule 3)
         w.target = w.base if w.admitted else w.floor
-    # the sizes: every admitted min, then growth in serving order
-    for w in work:
-        w.target = w.base if w.admitted else w.floor
-    left = pool - sum(w.target for w in work)
-    for kind, w in claims:
-        if kind == _GROW and _grows(w) and left > 0:
-            step = min(w.high - w.target, left)
-            w.target += step
-            left -= step
 
 
 def _grows(w: _Work) -> bool:

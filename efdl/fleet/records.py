@@ -176,7 +176,8 @@ class JobSpec:
         workdir: an absolute directory that holds the code on every host (shared, or in the
             image).
         min_workers / max_workers: the job's size in workers (one per GPU).
-        priority: higher goes first and may take GPUs from lower (-1000..1000).
+        priority: higher may take GPUs from lower (after the allocator's
+            ``preempt_after_s``), and goes first among jobs of one size (-1000..1000).
         cache_url: the remote cache; a job without one is never suspended (its state lives
             only in its workers).
         env: environment variables for the workers, as (name, value) pairs.
