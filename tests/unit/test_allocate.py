@@ -634,3 +634,36 @@ def test_a_decision_at_5000_jobs_on_4096_hosts_takes_well_under_a_second() -> No
     d = allocate(hosts, jobs, NOW)
     assert time.perf_counter() - t0 < 3.0
     assert d.statuses
+
+
+def test_a_job_suspended_for_another_frees_its_gpus_for_that_one_first() -> None:
+    """The counterexample of the wide search (2026-11-28): j5 (waited, a lower level) takes
+    the min of j0 (its priority, more service); j0's other GPUs go to the claims before j5
+    that could not be met, not j5's own. Deciding again changes nothing."""
+    hosts = [host(f"h{i}", 1) for i in range(4)]
+    every = tuple((f"h{i}", (0,)) for i in range(4))
+    jobs = [
+        running(spec("j0", 2, 2, 1, True, 0), every),
+        *(queued(spec(f"j{k}", 1, 1, 0, False, k)) for k in range(1, 5)),
+        Job(spec("j5", 1, 1, 1, False, 5), JobStatus(Phase.SUSPENDED, (), LONG_AGO)),
+    ]
+    d = allocate(hosts, jobs, NOW)
+    final = after(d, jobs)
+    phases = {j.spec.job_id: j.status.phase for j in final}
+    assert phases["j0"] is Phase.SUSPENDED and phases["j5"] is Phase.RUNNING
+    assert sum(j.status.size for j in final) == 4
+    assert all(st.phase is Phase.SUSPENDED for st in allocate(hosts, final, NOW).statuses.values())
+
+
+def test_when_gpus_are_short_a_job_past_its_suspension_budget_is_suspended_last() -> None:
+    """Inference took GPUs: of two jobs of one priority that can no longer both run, the one
+    that has had its suspensions for the hours it held GPUs keeps running."""
+    hosts = [host("a", 4, foreign={2, 3})]
+    fresh = JobStatus(Phase.RUNNING, (("a", (0, 1)),), NOW - 7200, "x", 0.0, NOW - 7200)
+    tired = JobStatus(Phase.RUNNING, (("a", (2, 3)),), NOW - 7200, "x", 0.0, NOW - 7200, 0.0, 2)
+    jobs = [Job(spec("fresh", 2, 2, at=1), fresh), Job(spec("tired", 2, 2, at=2), tired)]
+    d = allocate(hosts, jobs, NOW)
+    assert d.statuses["fresh"].phase is Phase.SUSPENDED
+    assert d.statuses["tired"].phase is Phase.RUNNING and d.statuses["tired"].gpus == (
+        ("a", (0, 1)),
+    )
