@@ -2,7 +2,8 @@
 each job's status and the reasons out; no I/O (the elected loop reads etcd and writes this).
 
 A decision counts first (how many GPUs each job gets) and places second (which GPUs), so
-that every rule below is applied to the whole fleet at once, in one pass, and deciding
+that every rule below is applied to the whole fleet at once, in one pass (again if it
+suspended a job: what that job held is for the claims before it too), and deciding
 again at once changes nothing (a fixed point). A job's status carries what the rules read
 of its past (efdl.fleet.records.JobStatus): GPU-seconds and seconds held, the last start,
 the suspensions; the allocator keeps them in the statuses it writes.
