@@ -346,24 +346,26 @@ def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int,
 
 
 def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
-    """The order of the running jobs' mins: by priority; those no waiting job may take
-    (protected, or without a cache) first; then by level (the most attained service last);
-    the largest min first (the smallest are suspended first: fewer GPUs restart)."""
+    """The order of the running jobs' mins (when they do not all fit, the last are
+    suspended): first those no waiting job may take, those without a cache or past their
+    suspension budget, then those started less than ``protect_s`` ago (or in this
+    decision); then the others; each by priority, then by level (the most attained service
+    last), the largest min first (the smallest are suspended first: fewer GPUs restart)."""
     st = w.job.status
     if w.seated:
         kept = 1  # (it starts now: protected)
     elif not w.spec.cache_url or _over_budget(st, now, policy):
-        kept = 0  # (suspended for want of GPUs last in its priority)
+        kept = 0
     else:
         kept = 1 if now - st.started < policy.protect_s else 2
-    return (-w.spec.priority, kept, w.level, w.order)
+    return (kept, -w.spec.priority, w.level, w.order)
 
 
 class _Pending:
     """The running jobs' mins, claimed last: kept against every claim before them but a
-    waiting job's that waited ``preempt_after_s``, which may take the last of them (in
-    :func:`_kept_key` order) that it goes before: of a lower priority, or of its own and a
-    higher level; not protected, with a cache."""
+    waiting job's that waited ``preempt_after_s``, which may take those of the last of them
+    (in :func:`_kept_key` order: not protected) that it goes before: of a lower priority, or
+    of its own and a higher level."""
 
     def __init__(self, running: list[tuple[tuple[int, int, int, int], int]]) -> None:
         running = sorted((x for x in running if x[1] > 0), key=lambda x: x[0])
@@ -372,13 +374,10 @@ class _Pending:
         for i in range(len(running) - 1, -1, -1):
             self._suffix[i] = self._suffix[i + 1] + running[i][1]
         self.total = self._suffix[0]
-        kept = [i for i, k in enumerate(self._keys) if k[1] < 2]
-        self._after_kept = kept[-1] + 1 if kept else 0
 
     def open_to(self, priority: int, level: int) -> int:
         """What a waiting job of ``priority`` at ``level`` may take of them."""
-        first = bisect.bisect_left(self._keys, (-priority, 2, level + 1, -1))
-        return self._suffix[max(first, self._after_kept)]
+        return self._suffix[bisect.bisect_left(self._keys, (2, -priority, level + 1, -1))]
 
 
 def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
