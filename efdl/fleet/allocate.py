@@ -37,9 +37,11 @@ The rules, in the order they apply:
    not *protected*; such a job is suspended (it has a cache). Protected: started or resumed
    less than ``protect_s`` ago, or one more suspension would take it past
    ``suspends_per_h`` per hour it held GPUs (the first is free). The running jobs' mins go
-   in order of priority, protected ones first, then the least attained service first; when
-   they do not all fit (inference took GPUs), the last are suspended: lowest priority,
-   most attained service, smallest first. A starved job may take any unprotected min of its
+   in this order: those past their budget (and those without a cache), then the protected,
+   then the others, each by priority, then the least attained service first; when they do
+   not all fit (inference took GPUs), the last are suspended: a job within its budget
+   before a protected one, then the lowest priority, most attained service, smallest
+   first. A starved job may take any unprotected min of its
    priority or lower, and while it waits (its min could fit the fleet) no waiting job of
    its priority or lower starts. If a waiting job's min cannot be met, nothing is taken
    from anyone and it waits (its status says how many GPUs could be freed for it). A job
