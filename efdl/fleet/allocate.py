@@ -444,27 +444,28 @@ def _admit_pass(
     # the running jobs' mins that could be kept (in their order, were nothing else served):
     # kept ahead; one that could not be is in no one's way
     kept: list[tuple[tuple[int, int, int, int], int]] = []
+    sure: set[str] = set()  # (their mins kept, or in their floors: they grow on top)
     room = left
-    for key, need in sorted(
-        (_kept_key(w, now, policy), w.base - w.floor)
-        for w in work
-        if w.incumbent and w.id not in stopped
+    for key, need, w in sorted(
+        ((_kept_key(w, now, policy), w.base - w.floor, w) for w in work if w.incumbent),
+        key=lambda x: x[0],
     ):
-        if 0 < need <= room:
+        if w.id not in stopped and need <= room:
             kept.append((key, need))
+            sure.add(w.id)
             room -= need
     pending = _Pending(kept)
     held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
     for w in work:  # (a running job grows on top of its min, kept for it until its claim)
-        w.target = w.base if w.incumbent and w.id not in stopped else 0
+        w.target = w.base if w.id in sure else w.floor
     for kind, w in claims:
         if w.id in stopped:
             w.target = w.floor
             w.waiting = ""
             continue
         if kind == _GROW:
-            if _grows(w) or (w.incumbent and not w.frozen and w.target < w.high):
+            if _grows(w) or (w.id in sure and not w.frozen and w.target < w.high):
                 step = min(w.high - w.target, left - held_back)
                 if step > 0:
                     w.target += step
