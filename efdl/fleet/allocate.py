@@ -2,8 +2,11 @@
 each job's status and the reasons out; no I/O (the elected loop reads etcd and writes this).
 
 A decision counts first (how many GPUs each job gets) and places second (which GPUs), so
-that every rule below is applied to the whole fleet at once, in one pass per priority, and
-deciding again at once changes nothing (a fixed point).
+that every rule below is applied to the whole fleet at once, in one pass (again if it
+suspended a job: what that job held is for the claims before it too), and deciding
+again at once changes nothing (a fixed point). A job's status carries what the rules read
+of its past (efdl.fleet.records.JobStatus): GPU-seconds and seconds held, the last start,
+the suspensions; the allocator keeps them in the statuses it writes.
 
 The rules, in the order they apply:
 
@@ -17,26 +20,36 @@ The rules, in the order they apply:
    remote cache keeps its min (it cannot be suspended: its state lives only in its workers).
    A frozen job below its min is not protected: in its turn it gets its min back, or is
    suspended.
-3. Mins, by priority (higher first), in one pass. Within a priority, running jobs come
-   first, the largest min first (when some must be suspended, the smallest go: fewer GPUs
-   restart), then waiting jobs: those that waited longer than ``max_wait_s`` first, then the
-   smallest (by max: most jobs are small and short, and starting them first shortens the
-   mean completion time), then the oldest. Nothing in this order changes by a decision, so
-   deciding again changes nothing. A job gets at least its ``min`` workers or nothing: its
-   min is admitted when what is left (every usable GPU, less what rule 2 keeps and the mins
-   admitted before it) covers it. A running job whose min is not admitted is suspended when
-   it has a cache (its GPUs serve the jobs after it), else it runs on below its min and
-   waits (and grows back toward it on GPUs left over); one that holds no GPU any more waits
-   as a queued job does. A waiting job that does not fit lets the jobs after it start
-   (backfill), unless it waited longer than ``max_wait_s`` and its min could fit the fleet:
-   then no waiting job of its priority or lower starts past it until it runs (it is not
-   starved). A job suspended less than ``resume_after_s`` ago does not start again yet (no
-   suspend-resume round trips while inference swings).
-4. GPUs left over go to running elastic jobs up to their ``max``, by priority; within a
-   priority they are shared evenly (max-min fair by whole size, GPU by GPU to the job that
-   holds the fewest, ties to the job that holds more now), so that equal jobs converge to
-   equal shares and a higher-priority job grows past its min into what lower ones hold above
-   theirs.
+3. Whose min is admitted, in one pass over the claims (a job's min, then its growth up to its
+   max), in this order: the jobs that waited past ``max_wait_s`` (starved); then the
+   smallest job first (by max: most jobs are small and short, and serving them first
+   shortens the mean completion time), within a size the least attained service first (the
+   GPU-seconds a job has held, in levels at ``levels_gpu_s``, so that a job moves down
+   rarely), running jobs before waiting ones, then by priority, then the serving order
+   (running: the largest min first; waiting: the oldest first). So a job grows to its max
+   before the next of its size and level starts (not everyone slow at once under load), and
+   a job served earlier takes what a later one holds above its min (it shrinks, never
+   suspended for that). The running jobs' mins (a job recorded running that lost every GPU
+   included: it is placed again, not suspended) are claimed last and kept against every
+   claim before them, with one exception: a waiting job that waited ``preempt_after_s``
+   (600 s: a job is not suspended for one that might find room in minutes) may take the min
+   of a running job of lower priority, or of its own priority and a higher level, that is
+   not *protected*; such a job is suspended (it has a cache). Protected: started or resumed
+   less than ``protect_s`` ago, or one more suspension would take it past
+   ``suspends_per_h`` per hour it held GPUs (the first is free). The running jobs' mins go
+   in this order: those past their budget (and those without a cache), then the protected,
+   then the others, each by priority, then the least attained service first; when they do
+   not all fit (inference took GPUs), the last are suspended: a job within its budget
+   before a protected one, then the lowest priority, most attained service, smallest
+   first. A starved job may take any unprotected min of its
+   priority or lower, and while it waits (its min could fit the fleet) no waiting job of
+   its priority or lower starts. If a waiting job's min cannot be met, nothing is taken
+   from anyone and it waits (its status says how many GPUs could be freed for it). A job
+   suspended less than ``resume_after_s`` ago stays suspended, twice as long for each
+   suspension beyond its budget. With ``priority_first``, every claim of a higher priority
+   goes first (its growth before a lower job's start): strict priority, at a cost in mean
+   completion time (docs/benchmarks.md).
+4. The sizes: every admitted min, then growth up to each job's max in the same order.
 5. Placement prefers fewer hosts per job, away from inference: a job that shrinks gives
    back GPUs on the hosts where it has the fewest; a job that grows takes all it needs at
    once, first on hosts it is on, then on the host that fits the rest most tightly among
@@ -50,7 +63,10 @@ The rules, in the order they apply:
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import heapq
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -80,15 +96,37 @@ class FleetPolicy:
         history_s: how long the fleet's events are kept (the leader deletes older ones,
             hourly: efdl.fleet.registry.prune_events); decisions do not read them.
         max_wait_s: a waiting job that has waited this long (since it was submitted, or
-            suspended) is let nobody of its priority or lower start past it.
-        resume_after_s: the least time a suspended job stays suspended.
+            suspended) goes first, may take the min of any job of its priority or lower
+            that is not protected, and lets nobody of its priority or lower start past it.
+        resume_after_s: the least time a suspended job stays suspended (doubled for each
+            suspension past its budget, ``suspends_per_h``).
+        levels_gpu_s: the attained service (GPU-seconds a job has held) at which a job
+            moves down one level: within a size, jobs of a lower level are served first
+            (least attained service, in a few levels so that a job moves rarely).
+        preempt_after_s: a waiting job suspends running ones (takes their min: of a lower
+            priority, or of its own and a higher level) only once it has waited this long
+            (since it was submitted, or suspended); before, it takes only what is free or
+            what jobs served after it hold above their min.
+        protect_s: a running job is not suspended for another job within this time of its
+            start or resume (only for want of GPUs).
+        suspends_per_h: a job is suspended for another job only while its suspensions stay
+            within this many per hour it held GPUs (the first at any time after
+            ``protect_s``).
+        priority_first: serve every claim of a higher priority first (its growth before a
+            lower job's start); by default the smallest jobs go first, and priority takes
+            GPUs from lower jobs once a job waited ``preempt_after_s``.
     """
 
     resize_interval_s: float = 60.0
     host_grace_s: float = 60.0
     history_s: float = 7 * 86400.0
-    max_wait_s: float = 4 * 3600.0
+    max_wait_s: float = 12 * 3600.0
     resume_after_s: float = 600.0
+    levels_gpu_s: tuple[float, ...] = (3600.0, 8 * 3600.0, 64 * 3600.0)
+    preempt_after_s: float = 600.0
+    protect_s: float = 3600.0
+    priority_first: bool = False
+    suspends_per_h: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +162,8 @@ class _Work:
     held: Held = field(default_factory=dict)
     kept: int = 0  # GPUs on lingering hosts: held, never moved
     running: bool = False  # it trains on GPUs it still holds after rule 1
+    incumbent: bool = False  # recorded running (it may have lost every GPU): its min is kept
+    seated: bool = False  # started in an earlier pass of this decision (kept, protected)
     facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
     frozen: bool = False  # resized less than the interval ago (rule 2)
     floor: int = 0  # what the allocator may not take from it (rule 2)
@@ -131,6 +171,7 @@ class _Work:
     target: int = 0  # its size after this decision
     waiting: str = ""  # why it lacks its min, if it does
     hopeless: bool = False  # its min exceeds what could ever be freed for it now
+    level: int = 0  # its level of attained service (rule 3)
 
     @property
     def id(self) -> str:
@@ -186,27 +227,57 @@ def allocate(
         if w.job.status.phase is Phase.RUNNING:
             _still_held(w, free, usable, staying, kept)
         w.running = w.size > 0
+        w.incumbent = w.job.status.phase is Phase.RUNNING
         w.frozen = w.running and now - w.job.status.changed < policy.resize_interval_s
+    for w in work:
+        w.level = bisect.bisect_right(policy.levels_gpu_s, w.job.status.attained(now))
     work.sort(key=lambda w: _serving_key(w, now, policy))
     for n, w in enumerate(work):
         w.order = n
     pool = _count(free) + sum(w.movable for w in work)  # what the allocator may move
-    _admit(work, pool, now, policy)  # rules 2-3
-    _share(work, pool)  # rule 4
+    _admit(work, pool, now, policy)  # rules 2-4
     shared = {h.host_id for h in hosts if any(g.foreign for g in h.gpus)}
     changed = _place(work, free, staying, shared)  # rule 5
     return _decision(work, changed, now)
 
 
 def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...]:
-    """Rule 3's order: by priority; running jobs, the largest min first; then waiting jobs,
-    those that waited past max_wait_s first, then the smallest (by max), then the oldest.
-    Nothing in it changes by the decision itself (a fixed point)."""
+    """Rule 3's order, by priority: running jobs first (those started less than
+    ``protect_s`` ago, then by level of attained service, the least first; the largest min
+    first), then waiting jobs (those that waited past ``max_wait_s``, then by level, the
+    smallest max first, then the oldest). Nothing in it changes by the decision itself (a
+    fixed point)."""
     spec = w.spec
+    p = -spec.priority
     if w.running:
-        return (-spec.priority, 0, 0, -spec.min_workers, spec.submitted, spec.job_id)
-    starved = _starved(w, now, policy)
-    return (-spec.priority, 1, 0 if starved else 1, spec.max_workers, spec.submitted, spec.job_id)
+        protected = _protected(w, now, policy)
+        level = 0 if protected else w.level
+        return (p, 0, 0 if protected else 1, level, -spec.min_workers, spec.submitted,
+                spec.job_id)  # fmt: skip
+    band = 0 if _starved(w, now, policy) else 1
+    return (p, 1, band, w.level, spec.max_workers, spec.submitted, spec.job_id)
+
+
+def _protected(w: _Work, now: float, policy: FleetPolicy) -> bool:
+    """A running job that no waiting job may take the min of (it is suspended only for want
+    of GPUs): started or resumed less than ``protect_s`` ago, or one more suspension would
+    take it past ``suspends_per_h`` per hour it held GPUs (the first is free)."""
+    st = w.job.status
+    return now - st.started < policy.protect_s or _over_budget(st, now, policy)
+
+
+def _over_budget(st: JobStatus, now: float, policy: FleetPolicy) -> bool:
+    """One more suspension would take it past ``suspends_per_h`` per hour it held GPUs."""
+    return st.suspends + 1 > max(1.0, policy.suspends_per_h * st.held(now) / 3600.0)
+
+
+def _urgent(w: _Work, now: float, policy: FleetPolicy) -> bool:
+    """A waiting job that may take lower-priority jobs' mins: it waited ``preempt_after_s``
+    (since it was submitted, or suspended), or it is recorded running (it lost its GPUs)."""
+    st = w.job.status
+    if st.phase is Phase.QUEUED:
+        return now - w.spec.submitted >= policy.preempt_after_s
+    return st.phase is Phase.RUNNING or now - st.changed >= policy.preempt_after_s
 
 
 def _still_held(
@@ -243,11 +314,83 @@ def _still_held(
 # ---------------------------------------------------------------- rules 2-3: mins
 
 
+_MIN, _GROW = 0, 1
+
+
+def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[tuple[int, _Work]]:
+    """Every claim in the order served: the jobs that waited past ``max_wait_s`` first (min,
+    then growth), then in :func:`_rank` order, each job's min then its growth (the first
+    served grows to its max before the next starts). Then the running jobs' mins in
+    :func:`_kept_key` order (the last are the first suspended)."""
+    keyed: list[tuple[tuple[object, ...], int, _Work]] = []
+    for w in work:
+        if w.incumbent:
+            keyed.append(((2, *_kept_key(w, now, policy)), _MIN, w))
+            keyed.append(((1, *_rank(w, 0, w.level, policy), _GROW), _GROW, w))
+        else:
+            band = 0 if _starved(w, now, policy) else 1
+            level = 0 if band == 0 else w.level
+            for kind in (_MIN, _GROW):
+                keyed.append(((band, *_rank(w, 1, level, policy), kind), kind, w))
+    keyed.sort(key=lambda x: x[0])
+    return [(kind, w) for _, kind, w in keyed]
+
+
+def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int, ...]:
+    """A claim's place (after the starved jobs'): the smallest job (by max) first, then by
+    level of attained service (the least first), running jobs before waiting ones, then by
+    priority and serving order; with ``priority_first``, by priority first, then level,
+    then size."""
+    p, size = -w.spec.priority, w.spec.max_workers
+    if policy.priority_first:
+        return (p, level, waiting, size, w.order)
+    return (size, level, waiting, p, w.order)
+
+
+def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
+    """The order of the running jobs' mins (when they do not all fit, the last are
+    suspended): first those no waiting job may take, those without a cache or past their
+    suspension budget, then those started less than ``protect_s`` ago (or in this
+    decision); then the others; each by priority, then by level (the most attained service
+    last), the largest min first (the smallest are suspended first: fewer GPUs restart)."""
+    st = w.job.status
+    if w.seated:
+        kept = 1  # (it starts now: protected)
+    elif not w.spec.cache_url or _over_budget(st, now, policy):
+        kept = 0
+    else:
+        kept = 1 if now - st.started < policy.protect_s else 2
+    return (kept, -w.spec.priority, w.level, w.order)
+
+
+class _Pending:
+    """The running jobs' mins, claimed last: kept against every claim before them but a
+    waiting job's that waited ``preempt_after_s``, which may take those of the last of them
+    (in :func:`_kept_key` order: not protected) that it goes before: of a lower priority, or
+    of its own and a higher level."""
+
+    def __init__(self, running: list[tuple[tuple[int, int, int, int], int]]) -> None:
+        running = sorted((x for x in running if x[1] > 0), key=lambda x: x[0])
+        self._keys = [k for k, _ in running]
+        self._suffix = [0] * (len(running) + 1)
+        for i in range(len(running) - 1, -1, -1):
+            self._suffix[i] = self._suffix[i + 1] + running[i][1]
+        self.total = self._suffix[0]
+
+    def open_to(self, priority: int, level: int) -> int:
+        """What a waiting job of ``priority`` at ``level`` may take of them."""
+        return self._suffix[bisect.bisect_left(self._keys, (2, -priority, level + 1, -1))]
+
+
 def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
-    """Rules 2-3: whose min is admitted, in one pass in serving order. Only what can never
-    be suspended is reserved ahead (a frozen job at its min or above, the min of a job
-    without a cache), so no job's turn depends on a job after it; a frozen job below its
-    min competes for it in its turn like any other."""
+    """Rules 2-4: whose min is admitted and each job's size. Only what can never be
+    suspended is reserved ahead (a frozen job at its min or above, the min of a job without
+    a cache), so no job's turn depends on a job after it; a frozen job below its min
+    competes for it in its turn like any other. One pass over the claims in serving order
+    (:func:`_claims`) decides whose min is admitted: a running job's min is kept for it
+    against every claim before it but those of waiting jobs that waited ``preempt_after_s``
+    and go before it (:class:`_Pending`), and only if it is not protected; no job grows into
+    a running job's min. Then the sizes: the admitted mins, and growth in the same order."""
     for w in work:
         if not w.running:
             w.floor = 0
@@ -258,13 +401,89 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
         else:
             w.floor = 0
     reserved = sum(w.floor for w in work)
-    left = pool - reserved
-    blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
+    # A running job whose min is not admitted is suspended, and frees all it held: a claim
+    # before it that could not be met might be now. So the pass runs again as the next
+    # decision would see it: those jobs suspended, the jobs it started running (their mins
+    # kept, protected), until no other job is suspended (each pass suspends and starts
+    # more, or is the last: a decision is a fixed point; nearly always one pass).
+    stopped: set[str] = set()
+    while True:
+        claims = _claims(work, now, policy)
+        _admit_pass(work, claims, pool, reserved, stopped, now, policy)
+        more = {w.id for w in work if w.incumbent and not w.admitted and w.spec.cache_url}
+        if not more - stopped:
+            break
+        stopped |= more
+        for w in work:
+            if w.admitted and not w.incumbent:
+                w.incumbent = w.seated = True
+    # the sizes: every admitted min, then growth in serving order
     for w in work:
+        w.target = w.base if w.admitted else w.floor
+    left = pool - sum(w.target for w in work)
+    for kind, w in claims:
+        if kind == _GROW and _grows(w) and left > 0:
+            step = min(w.high - w.target, left)
+            w.target += step
+            left -= step
+
+
+def _admit_pass(
+    work: list[_Work],
+    claims: list[tuple[int, _Work]],
+    pool: int,
+    reserved: int,
+    stopped: set[str],
+    now: float,
+    policy: FleetPolicy,
+) -> None:
+    """One pass over the claims (:func:`_admit`); the jobs in ``stopped`` are suspended."""
+    left = pool - reserved
+    for w in work:
+        w.admitted, w.waiting = False, ""
+    # the running jobs' mins that could be kept (in their order, were nothing else served):
+    # kept ahead; one that could not be is in no one's way
+    kept: list[tuple[tuple[int, int, int, int], int]] = []
+    sure: set[str] = set()  # (their mins kept, or in their floors: they grow on top)
+    room = left
+    for key, need, w in sorted(
+        ((_kept_key(w, now, policy), w.base - w.floor, w) for w in work if w.incumbent),
+        key=lambda x: x[0],
+    ):
+        if w.id not in stopped and need <= room:
+            kept.append((key, need))
+            sure.add(w.id)
+            room -= need
+    pending = _Pending(kept)
+    held_back = pending.total  # what the claims before the running mins leave them
+    blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
+    for w in work:  # (a running job grows on top of its min, kept for it until its claim)
+        w.target = w.base if w.id in sure else w.floor
+    for kind, w in claims:
+        if w.id in stopped:
+            w.target = w.floor
+            w.waiting = ""
+            continue
+        if kind == _GROW:
+            if _grows(w) or (w.id in sure and not w.frozen and w.target < w.high):
+                step = min(w.high - w.target, left - held_back)
+                if step > 0:
+                    w.target += step
+                    left -= step
+            continue
         need = w.base - w.floor
         w.hopeless = need > pool - reserved
-        blocked = not w.running and blocked_below is not None
-        if need <= left and not blocked and _may_start(w, now, policy):
+        if w.incumbent:
+            held_back = 0
+            avail = left
+        else:
+            avail = left - held_back
+            if _starved(w, now, policy):  # it may take the min of any job not protected,
+                avail += pending.open_to(w.spec.priority, -1)  # of its priority or lower
+            elif _urgent(w, now, policy):
+                avail += pending.open_to(w.spec.priority, w.level)
+        blocked = not w.incumbent and blocked_below is not None and w.spec.priority <= blocked_below
+        if need <= avail and not blocked and _may_start(w, now, policy):
             w.admitted = True
             left -= need
         elif w.running and not w.spec.cache_url:
@@ -273,16 +492,33 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
                 "waits for GPUs"
             )
         elif not w.running:
-            w.waiting = _why_waiting(w, need, left, blocked, now, policy)
+            w.waiting = _why_waiting(w, need, avail, blocked, now, policy)
             if _starved(w, now, policy) and w.low <= pool and blocked_below is None:
                 blocked_below = w.spec.priority  # (one whose min could fit; waiting jobs of
                 # lower priority come later)
         # else: running with a cache, its min not admitted: suspended (rule 3)
+        w.target = w.base if w.admitted else w.floor
+
+
+def _grows(w: _Work) -> bool:
+    """Whether ``w`` may grow (rule 4): admitted, or running below its min without a cache;
+    not frozen; below its max."""
+    return (
+        (w.admitted or (w.running and not w.spec.cache_url)) and not w.frozen and w.target < w.high
+    )
 
 
 def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
     st = w.job.status
-    return not (st.phase is Phase.SUSPENDED and now - st.changed < policy.resume_after_s)
+    return not (st.phase is Phase.SUSPENDED and now - st.changed < _hold(st, policy))
+
+
+def _hold(st: JobStatus, policy: FleetPolicy) -> float:
+    """How long a suspended job stays suspended: ``resume_after_s``, doubled for each
+    suspension it had beyond ``suspends_per_h`` per hour it held GPUs (at most 16 times)."""
+    budget = max(1.0, policy.suspends_per_h * st.held_s / 3600.0)
+    over = min(4, max(0, math.ceil(st.suspends - budget)))
+    return policy.resume_after_s * float(2**over)
 
 
 def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
@@ -292,7 +528,7 @@ def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
     if st.phase is Phase.QUEUED:
         return now - w.spec.submitted >= policy.max_wait_s
     since = now - st.changed
-    return st.phase is Phase.SUSPENDED and since >= max(policy.max_wait_s, policy.resume_after_s)
+    return st.phase is Phase.SUSPENDED and since >= max(policy.max_wait_s, _hold(st, policy))
 
 
 def _why_waiting(
@@ -300,8 +536,8 @@ def _why_waiting(
 ) -> str:
     if not _may_start(w, now, policy):
         return (
-            f"waits: suspended less than {policy.resume_after_s:g} s ago; resumes after that "
-            "if its min fits"
+            f"waits: suspended less than {_hold(w.job.status, policy):g} s ago; resumes after "
+            "that if its min fits"
         )
     if need <= left and blocked:
         return "waits: a job of its priority or higher has waited longer and goes first"
@@ -309,39 +545,6 @@ def _why_waiting(
         f"waits: its min of {w.spec.min_workers} needs {_gpus_word(need)}; at most "
         f"{max(0, left)} could be freed for it"
     )
-
-
-# ---------------------------------------------------------------- rule 4: sizes
-
-
-def _share(work: list[_Work], pool: int) -> None:
-    """Rule 4: each running job's size; a job that is not admitted keeps its floor."""
-    for w in work:
-        w.target = w.base if w.admitted else w.floor
-    left = pool - sum(w.target for w in work)
-    by_priority: dict[int, list[_Work]] = {}
-    for w in work:
-        # (a job without a cache that runs below its min grows back toward it too)
-        grows = w.admitted or (w.running and not w.spec.cache_url)
-        if grows and not w.frozen and w.target < w.high:
-            by_priority.setdefault(w.spec.priority, []).append(w)
-    for priority in sorted(by_priority, reverse=True):
-        if left <= 0:
-            return
-        # by whole size (a job's GPUs on lingering hosts count), ties to who holds more now
-        heap = [(w.kept + w.target, -w.movable, w.order, w) for w in by_priority[priority]]
-        heapq.heapify(heap)
-        while heap and left > 0:
-            total, _, _, w = heapq.heappop(heap)
-            # the smallest gets as many as make it equal to the next one (at least one)
-            step = w.high - w.target
-            if heap:
-                step = min(step, heap[0][0] - total)
-            step = max(1, min(step, left))
-            w.target += step
-            left -= step
-            if w.target < w.high:
-                heapq.heappush(heap, (w.kept + w.target, -w.movable, w.order, w))
 
 
 # ---------------------------------------------------------------- rule 5: placement
@@ -486,8 +689,25 @@ def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocat
                 size = f"{w.spec.min_workers}-{w.spec.max_workers}"
                 where = describe(gpus) if len(gpus) <= 4 else f"{len(gpus)} hosts"
                 text += f": {gpu_count(gpus)} of {size} workers on {where}"
-            statuses[w.id] = JobStatus(phase, gpus, now, text)
-        elif text and (same := JobStatus(old.phase, old.gpus, old.changed, text)) != old:
+            if phase is not Phase.RUNNING:
+                started = 0.0
+            elif old.phase is Phase.RUNNING:
+                started = old.started  # (also placed again after losing every GPU)
+            else:
+                started = now  # started or resumed
+            stopped = old.phase is Phase.RUNNING and phase is not Phase.RUNNING
+            lost_all = old.phase is Phase.RUNNING and bool(old.gpus) and not w.running
+            statuses[w.id] = JobStatus(
+                phase,
+                gpus,
+                now,
+                text,
+                old.attained(now),
+                started,
+                old.held(now),
+                old.suspends + int(stopped or (lost_all and phase is Phase.RUNNING)),
+            )
+        elif text and (same := dataclasses.replace(old, reason=text)) != old:
             statuses[w.id] = same  # the same place, a new reason (a waiting job)
         else:
             continue

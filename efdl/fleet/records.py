@@ -176,7 +176,8 @@ class JobSpec:
         workdir: an absolute directory that holds the code on every host (shared, or in the
             image).
         min_workers / max_workers: the job's size in workers (one per GPU).
-        priority: higher goes first and may take GPUs from lower (-1000..1000).
+        priority: higher may take GPUs from lower (after the allocator's
+            ``preempt_after_s``), and goes first among jobs of one size (-1000..1000).
         cache_url: the remote cache; a job without one is never suspended (its state lives
             only in its workers).
         env: environment variables for the workers, as (name, value) pairs.
@@ -297,12 +298,23 @@ class JobStatus:
         gpus: the GPUs it holds now (RUNNING only).
         changed: wall-clock seconds of the last change of its GPUs or phase.
         reason: one sentence: why it is where it is.
+        gpu_s: the GPU-seconds it held before ``changed`` (its attained service: while
+            RUNNING it adds ``size x (now - changed)``); the allocator keeps it.
+        started: when it last started or resumed (RUNNING only; 0 otherwise).
+        held_s: the seconds it held GPUs before ``changed`` (while RUNNING it adds
+            ``now - changed``); the allocator keeps it.
+        suspends: how many times it stopped running without finishing (suspended, or all
+            its GPUs lost); the allocator keeps it.
     """
 
     phase: Phase = Phase.QUEUED
     gpus: Gpus = ()
     changed: float = 0.0
     reason: str = ""
+    gpu_s: float = 0.0
+    started: float = 0.0
+    held_s: float = 0.0
+    suspends: int = 0
 
     def __post_init__(self) -> None:  # every writer's reason fits the record (a cancel's
         # --reason, an agent's log path, many notes on a large job)
@@ -312,6 +324,16 @@ class JobStatus:
     def size(self) -> int:
         return gpu_count(self.gpus)
 
+    def attained(self, now: float) -> float:
+        """The GPU-seconds it has held up to ``now``."""
+        held = self.size * max(0.0, now - self.changed) if self.phase is Phase.RUNNING else 0.0
+        return self.gpu_s + held
+
+    def held(self, now: float) -> float:
+        """The seconds it has held GPUs up to ``now``."""
+        running = self.phase is Phase.RUNNING and self.gpus
+        return self.held_s + (max(0.0, now - self.changed) if running else 0.0)
+
     def fields(self) -> dict[str, Any]:
         """The record's fields (a fleet event carries them too)."""
         return {
@@ -319,6 +341,10 @@ class JobStatus:
             "gpus": {h: list(ix) for h, ix in self.gpus},
             "changed": self.changed,
             "reason": self.reason,
+            "gpu_s": self.gpu_s,
+            "started": self.started,
+            "held_s": self.held_s,
+            "suspends": self.suspends,
         }
 
     def to_json(self) -> bytes:
@@ -351,7 +377,17 @@ class JobStatus:
                     "GPU indices."
                 )
             gpus.append((host, tuple(sorted(set(indices)))))
-        return JobStatus(phase, tuple(gpus), f.number("changed"), f.text("reason", REASON_MAX))
+        # (the allocator's counts: absent in a record written before they were kept)
+        return JobStatus(
+            phase,
+            tuple(gpus),
+            f.number("changed"),
+            f.text("reason", REASON_MAX),
+            f.number("gpu_s", 0.0) if "gpu_s" in f else 0.0,
+            f.number("started") if "started" in f else 0.0,
+            f.number("held_s", 0.0) if "held_s" in f else 0.0,
+            f.count("suspends", 0, 1 << 30) if "suspends" in f else 0,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,14 @@ def test_records_round_trip() -> None:
     )
     assert JobStatus.from_json(st.to_json(), KEYS.status("j")) == st
     assert st.size == 3 and describe(st.gpus) == f"{HOST}:0,1 ip-10-0-3-18.ec2.internal:7"
+    # the allocator's counts: GPU-seconds and seconds held before `changed`, the last start,
+    # the suspensions; a record written before they were kept reads as zeros
+    counted = JobStatus(Phase.RUNNING, ((HOST, (0, 1)),), 100.0, "grew", 7200.0, 40.0, 3600.0, 2)
+    assert JobStatus.from_json(counted.to_json(), KEYS.status("j")) == counted
+    assert counted.attained(130.0) == 7200.0 + 2 * 30 and counted.held(130.0) == 3600.0 + 30
+    old = {k: v for k, v in counted.fields().items() if k in ("phase", "gpus", "changed", "reason")}
+    back = JobStatus.from_json(json.dumps(old).encode(), KEYS.status("j"))
+    assert (back.gpu_s, back.started, back.held_s, back.suspends) == (0.0, 0.0, 0.0, 0)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +125,8 @@ def test_a_bad_spec_record_names_the_field(fields: dict[str, object], message: s
         ({"gpus": {HOST: [0, "1"]}}, "field 'gpus' has"),
         ({"gpus": {"a/b": [0]}}, "field 'gpus' has 'a/b'"),
         ({"changed": "now"}, "field 'changed' is 'now'"),
+        ({"gpu_s": -1}, "field 'gpu_s' is -1.0, outside 0.0"),
+        ({"suspends": 1.5}, "field 'suspends' is 1.5; expected int"),
     ],
 )
 def test_a_bad_status_record_names_the_field(fields: dict[str, object], message: str) -> None:
