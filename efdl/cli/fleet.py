@@ -4,6 +4,7 @@ alone."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import uuid
@@ -31,27 +32,95 @@ from efdl.cli.common import (
 )
 
 
-def _fleet_policy(resize_interval: float, history_days: float, resume_after: float) -> FleetPolicy:
-    """The allocator's settings from --resize-interval, --history-days and --resume-after
-    (efdl.fleet.allocate.FleetPolicy)."""
+def _fleet_policy(
+    resize_interval: float,
+    history_days: float,
+    resume_after: float,
+    preempt_after: float,
+    protect: float,
+    priority_first: bool,
+) -> FleetPolicy:
+    """The allocator's settings from its flags (efdl.fleet.allocate.FleetPolicy)."""
     from efdl.fleet.allocate import FleetPolicy
 
-    for flag, value in (("--resize-interval", resize_interval), ("--resume-after", resume_after)):
+    for flag, value in (
+        ("--resize-interval", resize_interval),
+        ("--resume-after", resume_after),
+        ("--preempt-after", preempt_after),
+        ("--protect", protect),
+    ):
         if not value >= 0:
             raise ConfigError(f"{flag} {value} is not a number of seconds >= 0.")
     if not history_days > 0:
         raise ConfigError(f"--history-days {history_days} is not a number of days > 0.")
-    return FleetPolicy(resize_interval, history_s=history_days * 86400, resume_after_s=resume_after)
+    return FleetPolicy(
+        resize_interval,
+        history_s=history_days * 86400,
+        resume_after_s=resume_after,
+        preempt_after_s=preempt_after,
+        protect_s=protect,
+        priority_first=priority_first,
+    )
 
 
-_resume_option = click.option(
-    "--resume-after",
-    type=float,
-    default=600.0,
-    show_default=True,
-    help="Least seconds a suspended job stays suspended (no suspend-resume round trips "
-    "while inference swings).",
-)
+_POLICY_FLAGS = ("history_days", "resume_after", "preempt_after", "protect", "priority_first")
+
+
+def _policy_options(fn: F) -> F:
+    """The allocator's flags besides --resize-interval (each command words that one its own
+    way), given to the command with it as one ``policy`` argument. Applied below
+    @handle_errors, so that a bad value is reported as every other."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, resize_interval: float, **kwargs: Any) -> Any:
+        values = [kwargs.pop(k) for k in _POLICY_FLAGS]
+        return fn(*args, policy=_fleet_policy(resize_interval, *values), **kwargs)
+
+    options = (
+        click.option(
+            "--history-days",
+            type=float,
+            default=7.0,
+            show_default=True,
+            help="Days the fleet's events are kept (efdl jobs --history, efdl timeline --fleet).",
+        ),
+        click.option(
+            "--resume-after",
+            type=float,
+            default=600.0,
+            show_default=True,
+            help="Least seconds a suspended job stays suspended (no suspend-resume round trips "
+            "while inference swings).",
+        ),
+        click.option(
+            "--preempt-after",
+            type=float,
+            default=600.0,
+            show_default=True,
+            help="Seconds a waiting job waits before it suspends lower-priority jobs for their "
+            "GPUs (until then it takes free GPUs and what others hold above their min).",
+        ),
+        click.option(
+            "--protect",
+            type=float,
+            default=3600.0,
+            show_default=True,
+            help="Seconds after its start or resume in which a job is not suspended for "
+            "another job.",
+        ),
+        click.option(
+            "--priority-first",
+            is_flag=True,
+            help="Serve every job of a higher priority before any of a lower one (default: "
+            "the smallest jobs first; priority takes GPUs after --preempt-after).",
+        ),
+    )
+    out: Any = wrapper
+    for option in reversed(options):  # (--help lists them in this order)
+        out = option(out)
+    return out  # type: ignore[no-any-return]
+
+
 _resize_option = click.option(
     "--resize-interval",
     type=float,
@@ -70,15 +139,6 @@ def _lease_option(what: str) -> Callable[[F], F]:
         show_default=True,
         help=f"Seconds until a dead {what} is replaced.",
     )
-
-
-_history_option = click.option(
-    "--history-days",
-    type=float,
-    default=7.0,
-    show_default=True,
-    help="Days the fleet's events are kept (efdl jobs --history, efdl timeline --fleet).",
-)
 
 
 def _fleet_option(fn: F) -> F:
@@ -213,16 +273,13 @@ def cancel(
 @_fleet_option
 @click.option("--id", "candidate_id", help="This candidate's id (default: host name + suffix).")
 @_resize_option
-@_history_option
-@_resume_option
 @_lease_option("allocator")
 @handle_errors
+@_policy_options
 def allocator(
     fleet: str | None,
     candidate_id: str | None,
-    resize_interval: float,
-    history_days: float,
-    resume_after: float,
+    policy: FleetPolicy,
     lease_ttl_s: int,
     config_file: Path | None,
     **flags: Any,
@@ -234,7 +291,6 @@ def allocator(
     from efdl.fleet.commands import fleet_keys
     from efdl.fleet.leader import Allocator
 
-    policy = _fleet_policy(resize_interval, history_days, resume_after)
     keys = fleet_keys(fleet)
     host = socket.gethostname().split(".")[0] or "allocator"
     name = check_id(candidate_id or f"{host}-{uuid.uuid4().hex[:6]}", "candidate id")
@@ -278,8 +334,6 @@ def allocator(
     show_default=True,
     help="Least seconds between two resizes of one job (when this host allocates).",
 )
-@_history_option
-@_resume_option
 @click.option("--no-allocator", is_flag=True, help="Never stand for the fleet's allocator.")
 @click.option(
     "--job-uids",
@@ -294,15 +348,14 @@ def allocator(
 )
 @click.option("--job-etcd-key", type=click.Path(path_type=Path), help="Its key.")
 @handle_errors
+@_policy_options
 def node(
     fleet: str | None,
     host_id: str | None,
     address: str | None,
     state_dir: Path | None,
     lease_ttl_s: int,
-    resize_interval: float,
-    history_days: float,
-    resume_after: float,
+    policy: FleetPolicy,
     no_allocator: bool,
     job_uids: str | None,
     job_etcd_cert: Path | None,
@@ -318,7 +371,6 @@ def node(
     from efdl.fleet.etcd_users import EtcdUsers
     from efdl.fleet.spawn import isolation_from_flags
 
-    policy = _fleet_policy(resize_interval, history_days, resume_after)
     keys = fleet_keys(fleet)
     name = check_id(host_id or socket.gethostname(), "host id")
     cfg = etcd_config(config_file, flags)
@@ -402,10 +454,9 @@ _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
     help="Seconds an ended job's pods are kept, ended (kubectl logs).",
 )
 @_resize_option
-@_history_option
-@_resume_option
 @_lease_option("controller")
 @handle_errors
+@_policy_options
 def kube_controller(
     fleet: str | None,
     candidate_id: str | None,
@@ -415,9 +466,7 @@ def kube_controller(
     interval: float,
     api_timeout: float,
     keep_ended: float,
-    resize_interval: float,
-    history_days: float,
-    resume_after: float,
+    policy: FleetPolicy,
     lease_ttl_s: int,
     config_file: Path | None,
     **flags: Any,
@@ -434,7 +483,6 @@ def kube_controller(
     from efdl.fleet.kube.cluster import KubeSettings
     from efdl.fleet.kube.controller import KubeController
 
-    policy = _fleet_policy(resize_interval, history_days, resume_after)
     for flag, value in (("--interval", interval), ("--api-timeout", api_timeout)):
         if not value > 0:
             raise ConfigError(f"{flag} {value} is not a number of seconds > 0.")

@@ -89,6 +89,7 @@ class Fleet:
             sys.executable, "-m", "efdl", "node", "--host-id", name, "--host", "127.0.0.1",
             "--state-dir", str(self.tmp / f"state-{name}"), "--lease-ttl", "3",
             "--resize-interval", str(self.resize_interval_s), "--resume-after", "0",
+            "--preempt-after", "0", "--protect", "0",
             "--job-uids", self.job_uids,
             *self.daemon_args,
         ]  # fmt: skip

@@ -380,6 +380,8 @@ def test_the_commands_submit_list_and_cancel_and_refuse_bad_input(
         (["cancel", "nope"], "has no job 'nope'"),
         (["allocator", "--resize-interval", "-1"], "--resize-interval -1.0 is not a number of"),
         (["node", "--resume-after", "-5"], "--resume-after -5.0 is not a number of seconds"),
+        (["allocator", "--preempt-after", "-1"], "--preempt-after -1.0 is not a number of"),
+        (["kube-controller", "--protect", "nan"], "--protect nan is not a number of seconds"),
         (["node", "--history-days", "0"], "--history-days 0.0 is not a number of days > 0"),
         (["node", "--job-uids", "1-70000"], "--job-uids 1-70000 holds uid 65534"),
         *(
