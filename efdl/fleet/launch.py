@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from efdl.errors import ConfigError
-from efdl.protocol.env import SECRET_VARIABLES
+from efdl.protocol.env import JOIN_TIMEOUT_ENV, SECRET_VARIABLES
 
 # An efdl-run agent, and the wrapper that records its exit code (efdl.fleet.wrap). -P: the
 # job's working directory (their cwd) is not put on sys.path, so efdl and what it imports come
@@ -44,6 +44,11 @@ DAEMON_ONLY_PREFIXES = ("EFDL_ETCD", "EFDL_JOB_", "EFDL_CONFIG", "EFDL_FLEET")
 DAEMON_ONLY = frozenset(
     {"NOTIFY_SOCKET", "CREDENTIALS_DIRECTORY", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"}
 )
+# How long a fleet job's agents wait below its min before they fail it (efdl-run
+# --join-timeout, 600 s alone): in a fleet, a job without a cache that inference pushed below
+# its min waits for the allocator to give it back (its status says so), as long as a waiting
+# job may wait before it goes first (FleetPolicy.max_wait_s). A job's own EFDL_JOIN_TIMEOUT wins.
+FLEET_JOIN_TIMEOUT_S = 12 * 3600.0
 
 
 def split_command(job_id: str, argv: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -157,8 +162,9 @@ def agent_env(
     (``uid``), ``HOME`` its private directory, ``TMPDIR`` ``tmp_dir`` and ``USER``/``LOGNAME``
     a name for the uid (which has no account: without them, tools that ask who they are would
     take the daemon's name, or fail); then the job's own variables, which may set any of
-    these."""
+    these. Its join timeout is :data:`FLEET_JOIN_TIMEOUT_S` unless the job sets its own."""
     env = {k: v for k, v in daemon_env.items() if not daemon_only(k)}
+    env[JOIN_TIMEOUT_ENV] = f"{FLEET_JOIN_TIMEOUT_S:g}"
     if uid is not None:
         env.update(HOME=str(private_dir), USER=f"efdl-job-{uid}", LOGNAME=f"efdl-job-{uid}")
     if tmp_dir is not None:

@@ -18,9 +18,19 @@ import pytest
 from click.testing import CliRunner
 
 from efdl.cli import run_main
+from efdl.config import LaunchConfig, load
 from efdl.errors import ConfigError
 from efdl.fleet import sandbox
-from efdl.fleet.launch import EFDL_RUN, EtcdAccess, agent_argv, agent_env, split_command, wrapped
+from efdl.fleet.allocate import FleetPolicy
+from efdl.fleet.launch import (
+    EFDL_RUN,
+    FLEET_JOIN_TIMEOUT_S,
+    EtcdAccess,
+    agent_argv,
+    agent_env,
+    split_command,
+    wrapped,
+)
 from efdl.fleet.records import JobSpec
 from efdl.fleet.sandbox import UidRange, job_uids, pick_uid
 from tests.wait import wait_until
@@ -133,6 +143,18 @@ def test_the_daemons_etcd_settings_never_reach_the_agent(tmp_path: Path) -> None
     shared = agent_env(daemon, (("TMPDIR", "/scratch"),), tmp_path, None, uid=None)
     assert shared["HOME"] == "/root" and shared["TMPDIR"] == "/scratch"  # the job's own wins
     assert agent_env(daemon, (), tmp_path, None, None)["TMPDIR"] == "/tmp"  # the daemon's
+
+
+def test_a_fleet_job_below_its_min_waits_for_the_allocator_not_600_s(tmp_path: Path) -> None:
+    """Inference may push a job without a cache below its min; the allocator gives it back
+    first, and the agents wait for it as long as the fleet lets a job wait."""
+    daemon = {"EFDL_JOIN_TIMEOUT": "5", "PATH": "/usr/bin"}
+    env = agent_env(daemon, (), tmp_path, None, None)
+    assert float(env["EFDL_JOIN_TIMEOUT"]) == FLEET_JOIN_TIMEOUT_S == FleetPolicy().max_wait_s
+    own = agent_env(daemon, (("EFDL_JOIN_TIMEOUT", "900"),), tmp_path, None, None)
+    assert own["EFDL_JOIN_TIMEOUT"] == "900"  # the job's own wins
+    cfg = load(LaunchConfig, {}, env=env)
+    assert cfg.join_timeout_s == FLEET_JOIN_TIMEOUT_S  # as efdl-run reads it
 
 
 def test_job_uids_as_root_must_be_asked_for_and_a_range_is_checked() -> None:
