@@ -86,7 +86,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from efdl.fleet.allocate import Allocation, FleetPolicy, Job, allocate
+from efdl.fleet.allocate import Allocation, Job, allocate
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetGpu, Host, JobSpec, JobStatus, Phase
 
 HOUR = 3600.0

@@ -21,7 +21,7 @@ from efdl.rendezvous.lease import LeaseSession
 from efdl.rendezvous.records import check_id
 
 if TYPE_CHECKING:  # the fleet's modules are imported by its commands alone
-    from efdl.fleet.allocate import FleetPolicy
+    from efdl.fleet.policy import FleetPolicy
 from efdl.cli.common import (
     F,
     etcd_config,
@@ -41,7 +41,7 @@ def _fleet_policy(
     priority_first: bool,
 ) -> FleetPolicy:
     """The allocator's settings from its flags (efdl.fleet.allocate.FleetPolicy)."""
-    from efdl.fleet.allocate import FleetPolicy
+    from efdl.fleet.policy import FleetPolicy
 
     for flag, value in (
         ("--resize-interval", resize_interval),

@@ -65,11 +65,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import heapq
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from efdl.fleet.placement import FreeIndex, Held, count, give_back, take
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import (
     Gpus,
     Host,
@@ -79,54 +80,6 @@ from efdl.fleet.records import (
     describe,
     gpu_count,
 )
-
-# A job's GPUs while deciding: host id -> GPU indices.
-Held = dict[str, set[int]]
-
-
-@dataclass(frozen=True, slots=True)
-class FleetPolicy:
-    """The allocator's settings.
-
-    Attributes:
-        resize_interval_s: the least time between two of the allocator's changes to a running
-            job's GPUs (a job that lost GPUs gets its min back at once).
-        host_grace_s: how long a host whose record went keeps its GPUs with its jobs (its
-            daemon restarting, or away from etcd, while its agents train on).
-        history_s: how long the fleet's events are kept (the leader deletes older ones,
-            hourly: efdl.fleet.registry.prune_events); decisions do not read them.
-        max_wait_s: a waiting job that has waited this long (since it was submitted, or
-            suspended) goes first, may take the min of any job of its priority or lower
-            that is not protected, and lets nobody of its priority or lower start past it.
-        resume_after_s: the least time a suspended job stays suspended (doubled for each
-            suspension past its budget, ``suspends_per_h``).
-        levels_gpu_s: the attained service (GPU-seconds a job has held) at which a job
-            moves down one level: within a size, jobs of a lower level are served first
-            (least attained service, in a few levels so that a job moves rarely).
-        preempt_after_s: a waiting job suspends running ones (takes their min: of a lower
-            priority, or of its own and a higher level) only once it has waited this long
-            (since it was submitted, or suspended); before, it takes only what is free or
-            what jobs served after it hold above their min.
-        protect_s: a running job is not suspended for another job within this time of its
-            start or resume (only for want of GPUs).
-        suspends_per_h: a job is suspended for another job only while its suspensions stay
-            within this many per hour it held GPUs (the first at any time after
-            ``protect_s``).
-        priority_first: serve every claim of a higher priority first (its growth before a
-            lower job's start); by default the smallest jobs go first, and priority takes
-            GPUs from lower jobs once a job waited ``preempt_after_s``.
-    """
-
-    resize_interval_s: float = 60.0
-    host_grace_s: float = 60.0
-    history_s: float = 7 * 86400.0
-    max_wait_s: float = 12 * 3600.0
-    resume_after_s: float = 600.0
-    levels_gpu_s: tuple[float, ...] = (3600.0, 8 * 3600.0, 64 * 3600.0)
-    preempt_after_s: float = 600.0
-    protect_s: float = 3600.0
-    priority_first: bool = False
-    suspends_per_h: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +187,7 @@ def allocate(
     work.sort(key=lambda w: _serving_key(w, now, policy))
     for n, w in enumerate(work):
         w.order = n
-    pool = _count(free) + sum(w.movable for w in work)  # what the allocator may move
+    pool = count(free) + sum(w.movable for w in work)  # what the allocator may move
     _admit(work, pool, now, policy)  # rules 2-4
     shared = {h.host_id for h in hosts if any(g.foreign for g in h.gpus)}
     changed = _place(work, free, staying, shared)  # rule 5
@@ -306,7 +259,7 @@ def _still_held(
         w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
     if w.size > w.spec.max_workers:  # a record from before a change of its spec
         before = w.size
-        _give_back(w, free, w.size - w.spec.max_workers, staying)
+        give_back(w.held, free, w.size - w.spec.max_workers, staying)
         if w.size < before:
             w.facts.append(f"shrunk by {_gpus_word(before - w.size)} toward its max")
 
@@ -559,106 +512,15 @@ def _place(work: list[_Work], free: Held, staying: set[str], shared: set[str]) -
             w.target = 0
         if w.movable > w.target:
             changed[w.id] = w.target - w.movable
-            _give_back(w, free, w.movable - w.target, staying)
+            give_back(w.held, free, w.movable - w.target, staying)
     growing = sorted(
         (w for w in work if w.target > w.movable), key=lambda w: (w.movable - w.target, w.order)
     )
-    index = _FreeIndex(free, shared)
+    index = FreeIndex(free, shared)
     for w in growing:
         changed[w.id] = w.target - w.movable
-        _take(w, index, w.target - w.movable)
+        take(w.held, index, w.target - w.movable)
     return changed
-
-
-class _FreeIndex:
-    """The free GPUs by how many each host has free, to find the host that fits a need
-    most tightly (or has the most) without a scan of every host: a heap of host ids per
-    count, entries dropped lazily once their host's count has changed."""
-
-    def __init__(self, free: Held, shared: set[str]) -> None:
-        self.free = free
-        self._shared = shared
-        self._by_count: dict[tuple[bool, int], list[str]] = {}
-        self._most = 0
-        for host in sorted(free):
-            self._file(host)
-
-    def _file(self, host: str) -> None:
-        n = len(self.free[host])
-        if n:
-            heapq.heappush(self._by_count.setdefault((host in self._shared, n), []), host)
-            self._most = max(self._most, n)
-
-    def _first(self, shared: bool, n: int) -> str | None:
-        heap = self._by_count.get((shared, n))
-        while heap and len(self.free[heap[0]]) != n:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
-
-    def tightest(self, n: int) -> str | None:
-        """The host with the fewest free GPUs that are at least ``n`` (the first by id), one
-        that inference does not use first."""
-        for shared in (False, True):
-            for count in range(n, self._most + 1):
-                if (host := self._first(shared, count)) is not None:
-                    return host
-        return None
-
-    def fullest(self) -> str | None:
-        """The host with the most free GPUs (the first by id), or None if none has any."""
-        best: tuple[int, bool, str] | None = None
-        for shared in (False, True):
-            for count in range(self._most, 0, -1):
-                if (host := self._first(shared, count)) is not None:
-                    if best is None or (-count, shared, host) < best:
-                        best = (-count, shared, host)
-                    break
-        return best[2] if best else None
-
-    def take(self, host: str, n: int) -> list[int]:
-        chosen = sorted(self.free[host])[:n]
-        self.free[host].difference_update(chosen)
-        self._file(host)
-        return chosen
-
-
-def _take(w: _Work, index: _FreeIndex, n: int) -> None:
-    """Give ``w`` ``n`` free GPUs: on its own hosts first (most free first), then on the
-    host that fits the rest most tightly, else on the hosts with the most free."""
-    free = index.free
-    own = sorted((h for h in w.held if free.get(h)), key=lambda h: (-len(free[h]), h))
-    for host in own:
-        if n <= 0:
-            return
-        chosen = index.take(host, n)
-        w.held[host].update(chosen)
-        n -= len(chosen)
-    while n > 0:
-        found = index.tightest(n) or index.fullest()
-        if found is None:
-            return  # (cannot happen: targets never exceed the pool)
-        chosen = index.take(found, n)
-        w.held.setdefault(found, set()).update(chosen)
-        n -= len(chosen)
-
-
-def _give_back(w: _Work, free: Held, n: int, staying: set[str]) -> None:
-    """Take ``n`` GPUs from ``w``, from the hosts where it has the fewest (highest indices
-    first), back to ``free``; never those on a lingering host."""
-    hosts = sorted((h for h in w.held if h not in staying), key=lambda h: (len(w.held[h]), h))
-    for host in hosts:
-        if n <= 0:
-            return
-        for i in sorted(w.held[host], reverse=True)[:n]:
-            w.held[host].discard(i)
-            free.setdefault(host, set()).add(i)
-            n -= 1
-        if not w.held[host]:
-            del w.held[host]
-
-
-def _count(held: Held) -> int:
-    return sum(len(ix) for ix in held.values())
 
 
 # ---------------------------------------------------------------- the result

@@ -36,9 +36,9 @@ import psutil
 
 from efdl import __version__
 from efdl.errors import StoreError
-from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.etcd_users import AgentUsers
 from efdl.fleet.leader import RETRY_S, Allocator
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.reconcile import HostedAgent, Start, Stop, foreign, reconcile
 from efdl.fleet.records import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import read_fleet, status_writes

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 
 from efdl.errors import StoreError
-from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
+from efdl.fleet.allocate import Allocation, allocate
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetKeys
 from efdl.fleet.registry import FleetView, prune_events, read_fleet, write_decision
 from efdl.rendezvous.api import Compare, KVStore, Watch, WatchBatch, WatchSink

@@ -20,9 +20,10 @@ from click.testing import CliRunner
 
 from efdl.cli import main
 from efdl.errors import ConfigError
-from efdl.fleet.allocate import Allocation, FleetPolicy, allocate
+from efdl.fleet.allocate import Allocation, allocate
 from efdl.fleet.holdings import holdings
 from efdl.fleet.leader import Allocator
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetGpu, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.fleet.registry import (
     cancel,

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from kubernetes import client as k
 
-from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.kube.api import KubeApi, KubeConflict, KubeError, KubeNotFound
 from efdl.fleet.kube.client import ClientApi
 from efdl.fleet.kube.cluster import KubeSettings
 from efdl.fleet.kube.controller import KubeController
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetKeys, JobSpec, Phase
 from efdl.fleet.registry import read_fleet, submit
 from efdl.rendezvous.election import Election

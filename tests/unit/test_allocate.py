@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from efdl.fleet.allocate import Allocation, FleetPolicy, Job, allocate
+from efdl.fleet.allocate import Allocation, Job, allocate
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetGpu, Gpus, Host, JobSpec, JobStatus, Phase, gpu_count
 
 NOW = 1_000_000.0

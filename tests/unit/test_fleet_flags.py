@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from efdl.cli.common import handle_errors
 from efdl.cli.fleet import _policy_options
-from efdl.fleet.allocate import FleetPolicy
+from efdl.fleet.policy import FleetPolicy
 
 
 def _command(seen: list[FleetPolicy]) -> click.Command:

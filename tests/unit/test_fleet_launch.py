@@ -21,7 +21,6 @@ from efdl.cli import run_main
 from efdl.config import LaunchConfig, load
 from efdl.errors import ConfigError
 from efdl.fleet import sandbox
-from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.launch import (
     EFDL_RUN,
     FLEET_JOIN_TIMEOUT_S,
@@ -31,6 +30,7 @@ from efdl.fleet.launch import (
     split_command,
     wrapped,
 )
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import JobSpec
 from efdl.fleet.sandbox import UidRange, job_uids, pick_uid
 from tests.wait import wait_until

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.kube.api import KubeConflict, KubeError
 from efdl.fleet.kube.cluster import KubeSettings, fleet_pod
 from efdl.fleet.kube.controller import KubeController, TickReport
 from efdl.fleet.kube.pods import CreatePod, DeletePod
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetKeys, JobSpec, Phase
 from efdl.fleet.registry import cancel, read_fleet, submit
 from efdl.rendezvous.api import Compare

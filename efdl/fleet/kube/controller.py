@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from efdl.fleet.allocate import FleetPolicy
 from efdl.fleet.kube.api import KubeApi, KubeConflict, KubeError, KubeNotFound
 from efdl.fleet.kube.cluster import (
     MANAGED_BY,
@@ -43,6 +42,7 @@ from efdl.fleet.kube.cluster import (
 )
 from efdl.fleet.kube.pods import Action, CreatePod, DeletePod, plan
 from efdl.fleet.leader import Allocator, stand
+from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import FleetKeys, Host
 from efdl.fleet.registry import FleetView, read_fleet, status_writes
 from efdl.rendezvous.api import Compare, Delete, KVStore, Op, Put
