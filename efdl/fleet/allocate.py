@@ -66,8 +66,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from efdl.fleet.placement import FreeIndex, Held, count, give_back, take
 from efdl.fleet.policy import FleetPolicy
@@ -164,10 +165,13 @@ def allocate(
     now: float,
     policy: FleetPolicy = FleetPolicy(),
     lingering: Iterable[str] = (),
+    held: Mapping[str, str] = MappingProxyType({}),
 ) -> Allocation:
     """Decide every unfinished job's GPUs (the rules in this module's docstring).
-    ``lingering``: hosts whose record went less than ``policy.host_grace_s`` ago."""
-    usable = {h.host_id: set(h.usable()) for h in hosts}
+    ``lingering``: hosts whose record went less than ``policy.host_grace_s`` ago; ``held``:
+    hosts held out of the fleet (drained, quarantined: efdl.rendezvous.holds), each with why,
+    whose GPUs go to no job (its jobs lose them, as to a foreign process: in place)."""
+    usable = {h.host_id: set() if h.host_id in held else set(h.usable()) for h in hosts}
     staying = set(lingering) - set(usable)
     work = [
         _Work(j)
@@ -178,7 +182,7 @@ def allocate(
     kept: set[tuple[str, int]] = set()
     for w in work:  # rule 1 (the first claim, by priority, wins)
         if w.job.status.phase is Phase.RUNNING:
-            _still_held(w, free, usable, staying, kept)
+            _still_held(w, free, usable, staying, kept, held)
         w.running = w.size > 0
         w.incumbent = w.job.status.phase is Phase.RUNNING
         w.frozen = w.running and now - w.job.status.changed < policy.resize_interval_s
@@ -239,9 +243,10 @@ def _still_held(
     usable: dict[str, set[int]],
     staying: set[str],
     kept: set[tuple[str, int]],
+    held: Mapping[str, str],
 ) -> None:
     """Rule 1: what a running job still holds (``free`` and ``kept``: what no job before it
-    claimed, on usable and on lingering hosts)."""
+    claimed, on usable and on lingering hosts; ``held``: the hosts held out, and why)."""
     lost: list[str] = []
     for host, indices in w.job.status.gpus:
         for i in indices:
@@ -256,7 +261,7 @@ def _still_held(
                 lost.append(f"{host}:{i}")
     if lost:
         named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
-        w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable)})")
+        w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable, held)})")
     if w.size > w.spec.max_workers:  # a record from before a change of its spec
         before = w.size
         give_back(w.held, free, w.size - w.spec.max_workers, staying)
@@ -613,8 +618,14 @@ def _gpus_word(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
-def _why_lost(lost: Iterable[str], usable: dict[str, set[int]]) -> str:
-    gone = {g.split(":")[0] for g in lost if g.split(":")[0] not in usable}
+def _why_lost(lost: Iterable[str], usable: dict[str, set[int]], held: Mapping[str, str]) -> str:
+    hosts = {g.split(":")[0] for g in lost}
+    out = sorted(hosts & set(held))
+    if out:
+        return f"host {out[0]} is held out ({held[out[0]]})" + (
+            f" and {len(out) - 1} more" if len(out) > 1 else ""
+        )
+    gone = {h for h in hosts if h not in usable}
     if gone:
         return (
             f"host {', '.join(sorted(gone))} is gone" if len(gone) == 1 else "their hosts are gone"

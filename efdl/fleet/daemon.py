@@ -37,6 +37,7 @@ import psutil
 from efdl import __version__
 from efdl.errors import StoreError
 from efdl.fleet.etcd_users import AgentUsers
+from efdl.fleet.host_holds import carry_quarantines
 from efdl.fleet.leader import RETRY_S, Allocator
 from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.reconcile import HostedAgent, Start, Stop, foreign, reconcile
@@ -210,6 +211,10 @@ class HostDaemon:
         }
         specs = {j.spec.job_id: j.spec for j in view.jobs}
         agents = [r.agent for r in self._agents.values()]
+        # A job quarantined one of this host's agents: no job is placed here until it ends.
+        carry_quarantines(
+            self._store, self._keys, self.host_id, {a.job_id for a in agents}, view.holds
+        )
         self._spawn.retry_releases()
         for action in reconcile(desired, agents):
             if isinstance(action, Stop):

@@ -144,7 +144,7 @@ class Allocator:
         watches: list[Watch] = []
         try:
             start = self._store.get_prefix(self._keys.hosts).revision + 1
-            for prefix in (self._keys.hosts, self._keys.jobs):
+            for prefix in (self._keys.hosts, self._keys.holds, self._keys.jobs):
                 watches.append(
                     self._store.watch(prefix, prefix=True, start_revision=start, sink=self._sink())
                 )
@@ -200,7 +200,12 @@ class Allocator:
             view = read_fleet(self._store, self._keys)
             now = self._clock()
             decision = allocate(
-                view.hosts, view.jobs, now, self._policy, self._lingering(view, now)
+                view.hosts,
+                view.jobs,
+                now,
+                self._policy,
+                self._lingering(view, now),
+                view.held(now),
             )
             for reason in decision.reasons:
                 log.info("Fleet %s: job %s: %s", self._keys.fleet, reason.job_id, reason.text)

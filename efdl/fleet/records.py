@@ -100,6 +100,20 @@ class FleetKeys:
         """The first key after every event's: the prefix's '/' made '0', the next byte."""
         return self.events[:-1] + "0"
 
+    @property
+    def holds(self) -> str:
+        """Hosts held out of the fleet (drained, quarantined: efdl.rendezvous.holds), one
+        record per host, not bound to a lease."""
+        return self.prefix + "holds/"
+
+    def hold(self, host_id: str) -> str:
+        return self.holds + host_id
+
+    @staticmethod
+    def node_id_of(key: str) -> str:
+        """The host id at the end of a ``holds/`` key."""
+        return key.rsplit("/", 1)[-1]
+
     @staticmethod
     def job_of(key: str) -> str:
         """The job id in a ``jobs/<job>/spec`` or ``.../status`` key."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from efdl.errors import ConfigError
 from efdl.fleet.allocate import Allocation, Job
 from efdl.fleet.records import FleetEvent, FleetKeys, Host, JobSpec, JobStatus, Phase
 from efdl.rendezvous.api import Compare, Delete, KVStore, Put
+from efdl.rendezvous.holds import Hold, parse_holds
 from efdl.rendezvous.records import JobKeys, RecordError
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class FleetView:
             decision's compare-and-swap uses.
         revision: the etcd revision the jobs were read at.
         problems: the records that did not parse (skipped; each names its key and field).
+        holds: the hosts held out of the fleet (drained, quarantined), ended ones included
+            (``Hold.active`` tells), by host id.
     """
 
     hosts: tuple[Host, ...]
@@ -44,11 +47,18 @@ class FleetView:
     status_revisions: dict[str, int]
     revision: int
     problems: tuple[str, ...] = ()
+    holds: dict[str, Hold] = field(default_factory=dict)
+
+    def held(self, wall: float) -> dict[str, str]:
+        """The hosts held out at wall-clock ``wall``, each with its hold's description."""
+        return {h: hold.describe(wall) for h, hold in self.holds.items() if hold.active(wall)}
 
 
 def read_fleet(store: KVStore, keys: FleetKeys) -> FleetView:
-    """Every host and job of the fleet (two reads: the events and the election stay out)."""
+    """Every host, hold and job of the fleet (three reads: the events and the election stay
+    out)."""
     jobs_snap = store.get_prefix(keys.jobs)
+    holds = parse_holds(store.get_prefix(keys.holds).kvs, keys)
     kvs = (*store.get_prefix(keys.hosts).kvs, *jobs_snap.kvs)
     hosts: list[Host] = []
     specs: dict[str, JobSpec] = {}
@@ -68,7 +78,7 @@ def read_fleet(store: KVStore, keys: FleetKeys) -> FleetView:
             log.error("Fleet %s: skipping a bad record: %s", keys.fleet, exc)
     jobs = tuple(Job(s, statuses.get(j, (JobStatus(), 0))[0]) for j, s in sorted(specs.items()))
     revisions = {j: statuses.get(j, (JobStatus(), 0))[1] for j in specs}
-    return FleetView(tuple(hosts), jobs, revisions, jobs_snap.revision, tuple(problems))
+    return FleetView(tuple(hosts), jobs, revisions, jobs_snap.revision, tuple(problems), holds)
 
 
 def status_writes(

@@ -8,6 +8,10 @@ places a held node (efdl.rendezvous.decide: ``JobView.held``); the node's agent 
 registered, and waits, as a spare that is not offered, until the hold is released
 (``efdl release``: the record deleted) or, for a quarantine, its ``until`` has passed.
 
+A fleet holds whole hosts the same way, under ``/efdl-fleet/<fleet>/holds/<host>`` (``efdl
+drain --fleet``; a host's daemon quarantines its host when a job quarantined one of its
+agents there): the fleet's allocator gives a held host's GPUs to no job (efdl.fleet.allocate).
+
 A record is untrusted input: one that does not parse raises :class:`RecordError` naming the
 key and the field, and readers log it and skip it (a node with a bad hold record is not
 held: a typo must not take nodes out of a job silently, and the log names the key).
@@ -19,12 +23,12 @@ import logging
 import time
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
+from typing import Protocol
 
 from efdl.errors import ConfigError
 from efdl.rendezvous.api import KeyValue, KVStore
 from efdl.rendezvous.records import (
     ID_RE,
-    JobKeys,
     RecordError,
     check_id,
     dump_record,
@@ -34,6 +38,18 @@ from efdl.rendezvous.records import (
 log = logging.getLogger(__name__)
 
 REASON_LIMIT = 900  # characters of a reason kept (an event's text holds 1000)
+
+
+class HoldKeys(Protocol):
+    """Where holds live: a job's (efdl.rendezvous.records.JobKeys, by node) or a fleet's
+    (efdl.fleet.records.FleetKeys, by host)."""
+
+    @property
+    def holds(self) -> str: ...
+
+    def hold(self, node_id: str, /) -> str: ...
+
+    def node_id_of(self, key: str, /) -> str: ...
 
 
 class HoldKind(StrEnum):
@@ -143,7 +159,7 @@ def normal_reason(reason: str) -> str:
 
 def hold(
     store: KVStore,
-    keys: JobKeys,
+    keys: HoldKeys,
     node: str,
     kind: HoldKind,
     reason: str,
@@ -167,7 +183,7 @@ def hold(
     return h
 
 
-def release(store: KVStore, keys: JobKeys, node: str) -> bool:
+def release(store: KVStore, keys: HoldKeys, node: str) -> bool:
     """Delete ``node``'s hold, if any: the leader may place it again (a newcomer, after the
     settle window). Returns whether there was one.
 
@@ -178,7 +194,7 @@ def release(store: KVStore, keys: JobKeys, node: str) -> bool:
     return store.delete(keys.hold(node)) > 0
 
 
-def parse_holds(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, Hold]:
+def parse_holds(kvs: tuple[KeyValue, ...], keys: HoldKeys) -> dict[str, Hold]:
     """Holds from ``holds/`` keys, ended ones included; a record that does not parse is
     logged and skipped."""
     out: dict[str, Hold] = {}
@@ -186,11 +202,11 @@ def parse_holds(kvs: tuple[KeyValue, ...], keys: JobKeys) -> dict[str, Hold]:
         try:
             out[keys.node_id_of(kv.key)] = Hold.from_json(kv.value, kv.key)
         except RecordError as exc:
-            log.error("Job %s: ignoring a bad hold record: %s", keys.job_id, exc)
+            log.error("Ignoring a bad hold record under %s: %s", keys.holds, exc)
     return out
 
 
-def read_holds(store: KVStore, keys: JobKeys, now: float | None = None) -> dict[str, Hold]:
+def read_holds(store: KVStore, keys: HoldKeys, now: float | None = None) -> dict[str, Hold]:
     """The holds in force at wall-clock ``now`` (default: now), by node: one range read.
 
     Raises:

@@ -7,7 +7,10 @@ restart."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +69,34 @@ def test_a_job_fills_free_gpus_then_shrinks_in_place_for_priority_and_for_a_fore
     fleet.wait("job low on 2 GPUs again", lambda: trains_at(low, 2), 240)
     assert one["pids"] <= newest(low)["pids"]  # type: ignore[operator]
     assert "grew by 1 GPU" in fleet.status("low").reason
+
+
+def test_a_drained_host_s_agents_leave_in_place_and_it_is_used_again_once_released(
+    fleet: Fleet,
+) -> None:
+    """efdl drain --fleet HOST: the job on it goes on in place on its other host (the same
+    workers there, none lost), the drained host's agents leave; efdl release --fleet lets the
+    job grow back onto it."""
+    a, b = "gpu-e.us-central1-a.c.proj.internal", "gpu-f.us-central1-a.c.proj.internal"
+    fleet.host(a)
+    fleet.host(b)
+    job = fleet.submit("wide", 1, 4, 0)
+    fleet.wait("job wide on all 4 GPUs", lambda: trains_at(job, 4), 240)
+    before = newest(job)
+    env = {**os.environ, "EFDL_ETCD": str(fleet.server.endpoint)}
+    drain = [sys.executable, "-m", "efdl", "drain", "--fleet", fleet.keys.fleet, b]
+    out = subprocess.run([*drain, "--reason", "kernel upgrade"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and f"host {b} is drained" in out.stdout, out
+    fleet.wait("job wide on 2 GPUs", lambda: trains_at(job, 2), 240)
+    assert newest(job)["pids"] <= before["pids"]  # type: ignore[operator]  # in place
+    assert f"host {b} is held out (drain: kernel upgrade" in fleet.status("wide").reason
+    assert dict(fleet.status("wide").gpus).keys() == {a}
+    fleet.wait("host b's agents gone", lambda: not fleet.agents(b), 120)
+    release = [sys.executable, "-m", "efdl", "release", "--fleet", fleet.keys.fleet, b]
+    out = subprocess.run(release, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"host {b} is released" in out.stdout, out
+    fleet.wait("job wide on 4 GPUs again", lambda: trains_at(job, 4), 240)
 
 
 def test_a_job_suspended_for_a_higher_priority_one_resumes_from_its_cache(

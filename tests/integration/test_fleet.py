@@ -37,6 +37,7 @@ from efdl.fleet.registry import (
 from efdl.rendezvous.api import Compare, KVStore
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore
+from efdl.rendezvous.holds import HoldKind, hold
 from efdl.rendezvous.records import JobKeys, NodeRecord
 from tests.wait import wait_until
 
@@ -485,3 +486,67 @@ def test_the_allocator_waits_out_an_etcd_crash_and_allocates_again(
             assert c.threads["only"].is_alive()
     finally:
         c.close()
+
+
+def test_a_drained_host_s_gpus_leave_every_job_and_come_back_when_released(
+    etcd_server: EmbeddedEtcd, keys: FleetKeys, candidates: Candidates
+) -> None:
+    """efdl drain --fleet: the leader sees the hold at once (it watches holds/), takes the
+    host's GPUs from the job on it (in place, the reason names the drain), places nothing
+    there; efdl nodes --fleet lists it; efdl release --fleet lets it back. A quarantine that
+    a host's daemon carried up from a job (efdl.fleet.host_holds) is read the same way."""
+    a, b = "ip-10-3-0-1.ec2.internal", "ip-10-3-0-2.ec2.internal"
+    with EtcdStore(etcd_server.settings()) as store:
+        add_host(store, keys, a, 4)
+        add_host(store, keys, b, 4)
+        candidates.start(a)
+        submit(store, keys, spec("wide", 2, 8, 0))
+        wait_until("job wide on all 8 GPUs", lambda: statuses(store, keys)["wide"].size == 8, 30)
+        code, out = efdl_here(etcd_server, keys, "drain", "--fleet", keys.fleet, b, "--reason",
+                              "kernel upgrade")  # fmt: skip
+        assert code == 0 and f"host {b} is drained (kernel upgrade)" in out, out
+        wait_until("job wide off host b", lambda: statuses(store, keys)["wide"].size == 4, 30)
+        st = statuses(store, keys)["wide"]
+        assert st.phase is Phase.RUNNING and dict(st.gpus) == {a: (0, 1, 2, 3)}
+        assert f"host {b} is held out (drain: kernel upgrade" in st.reason, st.reason
+        code, out = efdl_here(etcd_server, keys, "nodes", "--fleet", keys.fleet, "--json")
+        rows = {r["host"]: r for r in json.loads(out)}
+        assert code == 0 and rows[b]["state"] == "held" and rows[a]["state"] == "serving"
+        assert rows[b]["hold"]["kind"] == "drain" and rows[b]["hold"]["until"] is None
+        for args, message in [
+            (["drain", "--fleet", keys.fleet, "--job-id", "wide", b], "give one"),
+            (["release", "--fleet", keys.fleet, a], f"Host {a} is not held in fleet"),
+            (["drain", "--fleet", keys.fleet, "a/b"], "host id 'a/b' is not allowed"),
+        ]:
+            code, out = efdl_here(etcd_server, keys, *args)
+            assert code == 2 and message in out, (args, out)
+        code, out = efdl_here(etcd_server, keys, "release", "--fleet", keys.fleet, b)
+        assert code == 0 and f"host {b} is released (it was held: drain: kernel upgrade" in out
+        wait_until("job wide back on 8 GPUs", lambda: statuses(store, keys)["wide"].size == 8, 30)
+        add_host(store, keys, "ip-10-3-0-3.ec2.internal", 4)
+        hold(store, keys, "ip-10-3-0-3.ec2.internal", HoldKind.QUARANTINE, "ECC", 3600)
+        submit(store, keys, spec("next", 1, 4, 0))
+        wait_until(
+            "job next placed", lambda: statuses(store, keys)["next"].phase is Phase.RUNNING, 30
+        )
+        assert "ip-10-3-0-3.ec2.internal" not in dict(statuses(store, keys)["next"].gpus)
+
+
+def test_a_daemon_carries_a_job_s_quarantine_of_its_agent_up_to_its_host(
+    store: KVStore, keys: FleetKeys
+) -> None:
+    """A health check or a crash loop quarantined one of this host's agents in its job: the
+    daemon's next pass holds the host out of the fleet until that quarantine ends (once)."""
+    from efdl.fleet.host_holds import agent_prefix, carry_quarantines
+    from efdl.rendezvous.holds import read_holds
+
+    host = "ip-10-4-0-1.ec2.internal"
+    node = f"{agent_prefix(host)}3-9f0c"
+    hold(store, JobKeys("gpt"), node, HoldKind.QUARANTINE, "GPU 3: Xid 79 (fell off the bus)", 900)
+    assert carry_quarantines(store, keys, host, ["bert"], {}) is None  # not bert's node
+    written = carry_quarantines(store, keys, host, ["gpt", "bert"], {})
+    assert written is not None
+    held = read_holds(store, keys)[host]
+    assert held == written and held.kind is HoldKind.QUARANTINE and held.until is not None
+    assert held.reason == f"job gpt quarantined its node {node}: GPU 3: Xid 79 (fell off the bus)"
+    assert carry_quarantines(store, keys, host, ["gpt"], read_holds(store, keys)) is None

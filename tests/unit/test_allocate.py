@@ -677,3 +677,27 @@ def test_when_gpus_are_short_a_job_past_its_suspension_budget_is_suspended_last(
     assert d.statuses["tired"].phase is Phase.RUNNING and d.statuses["tired"].gpus == (
         ("a", (0, 1)),
     )
+
+
+def test_a_held_host_s_gpus_go_to_no_job_and_its_jobs_shrink_in_place() -> None:
+    """A drained or quarantined host (efdl drain --fleet): the jobs on it lose those GPUs as
+    to a foreign process (in place, the reason names the hold), no job is placed there, and
+    a job that cannot keep its min elsewhere is suspended; released, it is used again."""
+    a, b = "gpu-a.us-central1-a.c.proj.internal", "gpu-b.us-central1-a.c.proj.internal"
+    hosts = [host(a, 4), host(b, 4)]
+    jobs = [
+        running(spec("wide", 2, 8), ((a, (0, 1, 2, 3)), (b, (0, 1, 2, 3)))),
+        queued(spec("new", 1, 1)),
+    ]
+    why = "drain: kernel upgrade (since 2026-11-29 01:00:00, until released (efdl release))"
+    d = allocate(hosts, jobs, NOW, held={b: why})
+    assert d.statuses["wide"].phase is Phase.RUNNING
+    assert dict(d.statuses["wide"].gpus).get(b) is None
+    assert f"host {b} is held out (drain: kernel upgrade" in d.statuses["wide"].reason
+    assert d.statuses["new"].gpus == ((a, (3,)),)  # smallest first, never on b
+    assert d.statuses["wide"].gpus == ((a, (0, 1, 2)),)
+    rigid = [running(spec("rigid", 8, 8), ((a, (0, 1, 2, 3)), (b, (0, 1, 2, 3))))]
+    d = allocate(hosts, rigid, NOW, held={b: why})
+    assert d.statuses["rigid"].phase is Phase.SUSPENDED
+    again = allocate(hosts, after(d, rigid), NOW + 3600)  # released
+    assert gpu_count(again.statuses["rigid"].gpus) == 8
