@@ -55,7 +55,7 @@ from efdl.launcher.react import AgentPhase, AgentView, Limits, Reaction
 from efdl.launcher.restarts import RestartBudget
 from efdl.launcher.stragglers import PaceJudge
 from efdl.launcher.tcpstore import TCPStoreServer, preload
-from efdl.launcher.warm import RefillTimer, WarmPool, warm_pool
+from efdl.launcher.warm import RefillTimer, WarmPool, cores_to_spare, warm_pool
 from efdl.launcher.workers import WorkerExit
 from efdl.protocol.messages import Hello, Paced, PeerFailed, Persisted, StateLost, Stepped
 from efdl.rendezvous.api import KVStore
@@ -148,7 +148,9 @@ class NodeAgent:
             if isinstance(store, EtcdStore):
                 store.on_request = self._metrics.etcd_request.observe
         self._server = TCPStoreServer(node.host, cfg.store_port)
-        preload()
+        if cfg.standalone or cores_to_spare(node.slots, bool(node.gpus), node.cpus):
+            preload()  # (else imported when this node first serves a store: on a node short
+            # of cores, every agent importing torch beside its workers costs more than it saves)
         ctx = JobContext(
             job_id,
             node,

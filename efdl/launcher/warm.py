@@ -435,11 +435,18 @@ if __name__ == "__main__":
     main()
 
 
+def cores_to_spare(slots: int, gpus: bool, cpus: int) -> bool:
+    """Whether a node has cores for work beside its workers' (an import of torch ahead of
+    need: the fork server's, the agent's preload): a GPU node, or a CPU node with at least 4
+    cores per worker slot. Not a CPU node with fewer, where that work shares the cores the
+    first workers start and train on, and costs more than it saves."""
+    return gpus or cpus >= 4 * slots
+
+
 def default_warm(slots: int, gpus: bool, cpus: int) -> int:
-    """Whether a node forks its workers unless told (1) or starts them cold (0): on a GPU
-    node, or a CPU node with at least 4 cores per worker slot; not on a CPU node with fewer,
-    where the server's import shares the cores the first workers train on."""
-    return 1 if gpus or cpus >= 4 * slots else 0
+    """Whether a node forks its workers unless told (1) or starts them cold (0): where it has
+    :func:`cores_to_spare`."""
+    return 1 if cores_to_spare(slots, gpus, cpus) else 0
 
 
 def warm_pool(size: int | None, args: Sequence[str], slots: int, gpus: bool, cpus: int) -> WarmPool:

@@ -51,9 +51,10 @@ def test_exit_keeps_cleanup_and_code(tmp_path: Path, mode: str) -> None:
 
 
 def test_the_agent_and_the_fleet_commands_start_without_torch() -> None:
-    """efdl-run and efdl node import torch's c10d in the background, once they are joining
-    (efdl.launcher.tcpstore.preload): importing it first (2-3 s of CPU here, seconds more on a
-    busy host) would hold up every agent's registration, on every host of a fleet job."""
+    """efdl-run and efdl node import torch's c10d in the background once they are joining
+    where the node has cores to spare (efdl.launcher.tcpstore.preload), else when the node
+    first serves a store: importing it first (2-3 s of CPU here, seconds more on a busy host)
+    would hold up every agent's registration, on every host of a fleet job."""
     code = (
         "import sys; import efdl.cli, efdl.fleet.daemon, efdl.launcher.agent; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
