@@ -70,6 +70,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from efdl.fleet.claims import Grown, Pending
 from efdl.fleet.placement import FreeIndex, Held, count, give_back, take
 from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import (
@@ -174,7 +175,7 @@ def allocate(
     usable = {h.host_id: set() if h.host_id in held else set(h.usable()) for h in hosts}
     staying = set(lingering) - set(usable)
     work = [
-        _Work(j)
+        _Work(_stamped_by(j, now, policy))
         for j in sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.submitted, j.spec.job_id))
         if not j.status.phase.final
     ]
@@ -196,6 +197,20 @@ def allocate(
     shared = {h.host_id for h in hosts if any(g.foreign for g in h.gpus)}
     changed = _place(work, free, staying, shared)  # rule 5
     return _decision(work, changed, now)
+
+
+def _stamped_by(job: Job, now: float, policy: FleetPolicy) -> Job:
+    """``job`` with its status's times at most one resize interval before ``now``: a leader
+    whose clock ran ahead stamped them in the future, and read as they are they would freeze
+    and protect the job for as long as the skew (an hour's skew, an hour of no resize). So
+    such a stamp counts as a change the interval ago: the job may be resized at once, once."""
+    st, last = job.status, now - policy.resize_interval_s
+    if st.changed <= now and st.started <= now:
+        return job
+    return Job(
+        job.spec,
+        dataclasses.replace(st, changed=min(st.changed, last), started=min(st.started, last)),
+    )
 
 
 def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...]:
@@ -275,23 +290,30 @@ def _still_held(
 _MIN, _GROW = 0, 1
 
 
-def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[tuple[int, _Work]]:
+Claim = tuple[tuple[object, ...], int, "_Work"]  # (its place in the order, _MIN or _GROW, job)
+
+
+def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[Claim]:
     """Every claim in the order served: the jobs that waited past ``max_wait_s`` first (min,
     then growth), then in :func:`_rank` order, each job's min then its growth (the first
     served grows to its max before the next starts). Then the running jobs' mins in
     :func:`_kept_key` order (the last are the first suspended)."""
-    keyed: list[tuple[tuple[object, ...], int, _Work]] = []
+    keyed: list[Claim] = []
     for w in work:
         if w.incumbent:
             keyed.append(((2, *_kept_key(w, now, policy)), _MIN, w))
             keyed.append(((1, *_rank(w, 0, w.level, policy), _GROW), _GROW, w))
         else:
-            band = 0 if _starved(w, now, policy) else 1
-            level = 0 if band == 0 else w.level
             for kind in (_MIN, _GROW):
-                keyed.append(((band, *_rank(w, 1, level, policy), kind), kind, w))
+                keyed.append((_waiting_key(w, kind, now, policy), kind, w))
     keyed.sort(key=lambda x: x[0])
-    return [(kind, w) for _, kind, w in keyed]
+    return keyed
+
+
+def _waiting_key(w: _Work, kind: int, now: float, policy: FleetPolicy) -> tuple[object, ...]:
+    """The place of a waiting job's claim (a running one's min, were it waiting)."""
+    band = 0 if _starved(w, now, policy) else 1
+    return (band, *_rank(w, 1, 0 if band == 0 else w.level, policy), kind)
 
 
 def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int, ...]:
@@ -321,25 +343,6 @@ def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int,
     return (kept, -w.spec.priority, w.level, w.order)
 
 
-class _Pending:
-    """The running jobs' mins, claimed last: kept against every claim before them but a
-    waiting job's that waited ``preempt_after_s``, which may take those of the last of them
-    (in :func:`_kept_key` order: not protected) that it goes before: of a lower priority, or
-    of its own and a higher level."""
-
-    def __init__(self, running: list[tuple[tuple[int, int, int, int], int]]) -> None:
-        running = sorted((x for x in running if x[1] > 0), key=lambda x: x[0])
-        self._keys = [k for k, _ in running]
-        self._suffix = [0] * (len(running) + 1)
-        for i in range(len(running) - 1, -1, -1):
-            self._suffix[i] = self._suffix[i + 1] + running[i][1]
-        self.total = self._suffix[0]
-
-    def open_to(self, priority: int, level: int) -> int:
-        """What a waiting job of ``priority`` at ``level`` may take of them."""
-        return self._suffix[bisect.bisect_left(self._keys, (2, -priority, level + 1, -1))]
-
-
 def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
     """Rules 2-4: whose min is admitted and each job's size. Only what can never be
     suspended is reserved ahead (a frozen job at its min or above, the min of a job without
@@ -347,8 +350,9 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     competes for it in its turn like any other. One pass over the claims in serving order
     (:func:`_claims`) decides whose min is admitted: a running job's min is kept for it
     against every claim before it but those of waiting jobs that waited ``preempt_after_s``
-    and go before it (:class:`_Pending`), and only if it is not protected; no job grows into
-    a running job's min. Then the sizes: the admitted mins, and growth in the same order."""
+    and go before it (efdl.fleet.claims.Pending), and only if it is not protected; no job
+    grows into a running job's min. Then the sizes: the admitted mins, and growth in the
+    same order."""
     for w in work:
         if not w.running:
             w.floor = 0
@@ -379,7 +383,7 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
     for w in work:
         w.target = w.base if w.admitted else w.floor
     left = pool - sum(w.target for w in work)
-    for kind, w in claims:
+    for _, kind, w in claims:
         if kind == _GROW and _grows(w) and left > 0:
             step = min(w.high - w.target, left)
             w.target += step
@@ -388,7 +392,7 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
 
 def _admit_pass(
     work: list[_Work],
-    claims: list[tuple[int, _Work]],
+    claims: list[Claim],
     pool: int,
     reserved: int,
     stopped: set[str],
@@ -412,12 +416,13 @@ def _admit_pass(
             kept.append((key, need))
             sure.add(w.id)
             room -= need
-    pending = _Pending(kept)
+    pending = Pending(kept)
+    grown = Grown()
     held_back = pending.total  # what the claims before the running mins leave them
     blocked_below: int | None = None  # a starved job's priority: nobody of it or lower
     for w in work:  # (a running job grows on top of its min, kept for it until its claim)
         w.target = w.base if w.id in sure else w.floor
-    for kind, w in claims:
+    for place, kind, w in claims:
         if w.id in stopped:
             w.target = w.floor
             w.waiting = ""
@@ -428,21 +433,37 @@ def _admit_pass(
                 if step > 0:
                     w.target += step
                     left -= step
+                    grown.add(w, step, place)
             continue
         need = w.base - w.floor
         w.hopeless = need > pool - reserved
+        opens: int | None = (
+            None  # the level up to which it may take others' (see efdl.fleet.claims.Grown)
+        )
         if w.incumbent:
             held_back = 0
             avail = left
+            if (
+                need > avail and w.spec.cache_url
+            ):  # rather than suspended: see efdl.fleet.claims.Grown
+                mine = _waiting_key(w, _MIN, now, policy)
+                if need <= avail + grown.after(mine):
+                    left += grown.take_after(mine, need - avail)
+                    avail = left
         else:
             avail = left - held_back
             if _starved(w, now, policy):  # it may take the min of any job not protected,
-                avail += pending.open_to(w.spec.priority, -1)  # of its priority or lower
+                opens = -1  # of its priority or lower
             elif _urgent(w, now, policy):
-                avail += pending.open_to(w.spec.priority, w.level)
+                opens = w.level
+            if opens is not None:
+                avail += pending.open_to(w.spec.priority, opens)
+                avail += grown.open_to(w.spec.priority, opens)
         blocked = not w.incumbent and blocked_below is not None and w.spec.priority <= blocked_below
         if need <= avail and not blocked and _may_start(w, now, policy):
             w.admitted = True
+            if opens is not None and need > left - held_back:  # growth back before mins
+                left += grown.take(w.spec.priority, opens, need - (left - held_back))
             left -= need
         elif w.running and not w.spec.cache_url:
             w.waiting = (

@@ -98,11 +98,11 @@ def test_a_min_that_cannot_be_met_takes_nothing_from_anyone() -> None:
 
 def test_free_gpus_go_to_the_smallest_jobs_first_each_up_to_its_max() -> None:
     jobs = [
-        queued(spec("big", 2, 8, 1, at=1)),
-        queued(spec("a", 1, 4, 0, at=2)),
-        queued(spec("b", 1, 4, 0, at=3)),
-        queued(spec("c", 1, 4, 1, at=4)),
-    ]
+        queued(spec("big", 2, 8, 1, at=NOW - 40)),
+        queued(spec("a", 1, 4, 0, at=NOW - 30)),
+        queued(spec("b", 1, 4, 0, at=NOW - 20)),
+        queued(spec("c", 1, 4, 1, at=NOW - 10)),
+    ]  # (submitted moments ago: none may take from another yet)
     d = allocate(fleet(1, 12), jobs, NOW)
     # by size (max) first, priority before submission among equals: c, a, b, then big
     assert [size(d, j) for j in ("c", "a", "b")] == [4, 4, 4]
@@ -533,6 +533,12 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
         since = st_.changed if st_.phase is Phase.SUSPENDED else j.spec.submitted
         return st_.phase is not Phase.RUNNING and now - since >= policy.max_wait_s
 
+    def took_by_right(v: Job, w: Job) -> bool:  # a higher job that waited preempt_after_s
+        st_ = before[v.spec.job_id]  # may take a lower one's growth (efdl.fleet.claims.Grown)
+        since = st_.changed if st_.phase is Phase.SUSPENDED else v.spec.submitted
+        waited = st_.phase is not Phase.RUNNING and now - since >= policy.preempt_after_s
+        return v.spec.priority > w.spec.priority and waited
+
     suspended_now = any(
         before[j.spec.job_id].phase is Phase.RUNNING and j.status.phase is Phase.SUSPENDED
         for j in final
@@ -560,6 +566,7 @@ def test_every_decision_keeps_the_invariants_and_is_a_fixed_point(
             old = before[v.spec.job_id]
             frozen = old.phase is Phase.RUNNING and now - old.changed < 60
             later = v.spec.max_workers > w.spec.max_workers and not starved(v)
+            later = later and not took_by_right(v, w)
             if v is w or v.status.phase is not Phase.RUNNING or frozen or not later:
                 continue
             if old.phase is Phase.RUNNING:
