@@ -329,15 +329,16 @@ def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int,
 
 def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
     """The order of the running jobs' mins (when they do not all fit, the last are
-    suspended): first those no waiting job may take, those without a cache or past their
-    suspension budget, then those started less than ``protect_s`` ago (or in this
-    decision); then the others; each by priority, then by level (the most attained service
-    last), the largest min first (the smallest are suspended first: fewer GPUs restart)."""
+    suspended): first those no waiting job may take, those without a cache that still hold
+    GPUs (their state lives in their workers) or past their suspension budget, then those
+    started less than ``protect_s`` ago (or in this decision); then the others; each by
+    priority, then by level (the most attained service last), the largest min first (the
+    smallest are suspended first: fewer GPUs restart)."""
     st = w.job.status
     if w.seated:
         kept = 1  # (it starts now: protected)
-    elif not w.spec.cache_url or _over_budget(st, now, policy):
-        kept = 0
+    elif (not w.spec.cache_url and w.running) or _over_budget(st, now, policy):
+        kept = 0  # (one without a cache that lost every GPU has no state left to keep)
     else:
         kept = 1 if now - st.started < policy.protect_s else 2
     return (kept, -w.spec.priority, w.level, w.order)
