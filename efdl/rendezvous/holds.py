@@ -202,7 +202,7 @@ def parse_holds(kvs: tuple[KeyValue, ...], keys: HoldKeys) -> dict[str, Hold]:
         try:
             out[keys.node_id_of(kv.key)] = Hold.from_json(kv.value, kv.key)
         except RecordError as exc:
-            log.error("Ignoring a bad hold record under %s: %s", keys.holds, exc)
+            log.error("Under %s: ignoring a bad hold record: %s", keys.holds, exc)
     return out
 
 
