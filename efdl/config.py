@@ -403,6 +403,9 @@ class LaunchConfig(EtcdClientConfig):
             tail in the reason.
         health_check_timeout_s: the longest ``health_check`` may run; past it, it is killed
             and counts as failed.
+        health_collective: before it joins, the node runs its own all-reduce, one process per
+            slot over the workers' backend (efdl.launcher.collective); a failure or a hang
+            past ``health_check_timeout_s`` quarantines it.
         health_min_free_mb: the node is unhealthy when its cache directory (a local
             ``--cache-url``) has less free space than this, or than twice the last snapshot
             it wrote, whichever is more.
@@ -457,6 +460,7 @@ class LaunchConfig(EtcdClientConfig):
     health_interval_s: float = 300.0
     health_check: str | None = None
     health_check_timeout_s: float = 60.0
+    health_collective: bool = False
     health_min_free_mb: int = dataclasses.field(
         default=1024, metadata={"option": "health_min_free"}
     )

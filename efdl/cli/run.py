@@ -306,6 +306,13 @@ from efdl.rendezvous.served import (
     help="Seconds --health-check may run before it is killed and counts as failed.",
 )
 @click.option(
+    "--health-collective",
+    is_flag=True,
+    default=None,
+    help="Before joining, run the node's own all-reduce (NCCL on its GPUs, else gloo); a "
+    "failure or a hang past --health-check-timeout: quarantined.",
+)
+@click.option(
     "--health-min-free",
     "health_min_free_mb",
     type=int,

@@ -388,6 +388,8 @@ class HealthSettings:
         command_timeout_s: its deadline.
         cache_dir: the local cache directory whose free space is checked (None: none).
         min_free_bytes: the least free space there.
+        collective: run the node's own collective before it joins (efdl.launcher.collective)
+            over this many ranks on these CUDA devices (none: gloo on the CPU); None: not.
     """
 
     interval_s: float
@@ -395,6 +397,7 @@ class HealthSettings:
     command_timeout_s: float
     cache_dir: Path | None
     min_free_bytes: int
+    collective: tuple[int, tuple[str, ...]] | None = None
 
 
 class HealthMonitor:
@@ -421,10 +424,18 @@ class HealthMonitor:
         self._soon = threading.Event()  # check now, not at the interval's end
         self._thread: threading.Thread | None = None
 
-    def check(self) -> list[Finding]:
-        """Run every check once; the findings (faults and warnings)."""
+    def check(self, joining: bool = False) -> list[Finding]:
+        """Run every check once; the findings (faults and warnings). ``joining``: before the
+        node joins (the node's collective too, when asked for: its GPUs are free then)."""
         s = self._settings
         found = judge_gpus(self._gpus.read())
+        if joining and s.collective is not None and not faults(found):
+            from efdl.launcher import collective
+
+            ranks, devices = s.collective
+            verdict = collective.check(ranks, devices, s.command_timeout_s)
+            if verdict is not None:
+                found.append(verdict)
         if s.cache_dir is not None:
             need = max(s.min_free_bytes, 2 * self._snapshot_bytes())
             try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from efdl.config import LaunchConfig
 from efdl.errors import ConfigError, StoreError
@@ -34,13 +34,26 @@ from efdl.launcher.inbox import HealthFound, HoldChanged
 from efdl.protocol.env import SIMULATED_GPUS_ENV
 from efdl.rendezvous.api import EventType, KVStore, Watch, WatchBatch
 from efdl.rendezvous.holds import Hold, HoldKind, hold, normal_reason, parse_holds
-from efdl.rendezvous.records import EventKind, JobKeys, NodeRecord
+from efdl.rendezvous.records import EventKind, GpuInfo, JobKeys, NodeRecord
 
 log = logging.getLogger(__name__)
 
 # How long before a quarantine ends its node's health is checked again (at most a tenth of
 # what is left): a node still bad has its quarantine renewed before the leader places it.
 RECHECK_BEFORE_S = 30.0
+
+
+def collective_of(
+    asked: bool, slots: int, gpus: Sequence[GpuInfo], simulated: bool
+) -> tuple[int, tuple[str, ...]] | None:
+    """What the node's own collective runs over (efdl.launcher.health.HealthSettings): one
+    rank per slot, on its GPUs by UUID (gloo on the CPU where it has none, or simulated
+    ones); None unless ``--health-collective``."""
+    if not asked:
+        return None
+    if simulated or not gpus:
+        return slots, ()
+    return len(gpus), tuple(g.uuid or str(g.index) for g in gpus)
 
 
 class Holding:
@@ -97,6 +110,7 @@ class Holding:
                 cfg.health_check_timeout_s,
                 local_cache_dir(cfg.cache_for(job_id)),
                 cfg.health_min_free_mb << 20,
+                collective_of(cfg.health_collective, node.slots, node.gpus, simulated),
             ),
             [] if simulated else [(g.index, g.uuid) for g in node.gpus if g.uuid],
             lambda: self.snapshot_bytes,
@@ -129,7 +143,7 @@ class Holding:
         passed, said; or they failed to run, said too: a reader's bug must not keep the node
         out of the job)."""
         try:
-            found = self._health.check()
+            found = self._health.check(joining=True)
         except Exception as exc:
             log.warning("%s: the health checks failed to run: %s", self._tag(), exc)
             return []

@@ -168,6 +168,26 @@ def test_a_node_sick_at_its_start_is_held_renewed_while_sick_and_placed_once_wel
     assert "renewed this node's quarantine" in job.agents["b"].output()
 
 
+def test_a_node_whose_own_collective_fails_is_quarantined_before_it_joins(job: Job) -> None:
+    """--health-collective: a node whose gloo cannot start (an interface that does not
+    exist, as a bad GLOO_SOCKET_IFNAME in its unit file) is held out before it joins, the
+    library's own words in the reason; a node whose collective works trains."""
+    job.start("a", "--health-collective", script="elastic_steps.py")
+    job.wait_for("a alone", steps_at_world(1))
+    assert "health checks passed" in job.agents["a"].output()
+    job.env = {**job.env, "GLOO_SOCKET_IFNAME": "efdl-no-such0"}
+    job.start("b", "--health-collective", script="elastic_steps.py")
+
+    def reason() -> str:
+        hold = nodes(job).get("b", {}).get("hold")
+        return str(hold["reason"]) if isinstance(hold, dict) else ""
+
+    wait_until("b quarantined before it joins", reason, 120)
+    assert reason().startswith("health check failed: the node's own all-reduce (gloo, 1 rank)")
+    assert "Unable to find address for: efdl-no-such0" in reason(), reason()
+    assert job.agents["b"].worker_pids() == []
+
+
 def test_an_uncorrectable_ecc_error_quarantines_its_node(job: Job, tmp_path: Path) -> None:
     nvml = tmp_path / "nvml.json"
     gpu = {"uuid": "GPU-00000000-1111-2222-3333-000000000007", "ecc_uncorrected": 0}

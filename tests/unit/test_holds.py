@@ -404,3 +404,18 @@ def test_the_agents_holding_renews_a_quarantine_quietly_and_keeps_a_drain() -> N
         wait_until("the watch to bring the release", lambda: holding.text() == "", 5)
     finally:
         holding.close()
+
+
+def test_the_node_s_collective_runs_one_rank_per_gpu_by_uuid_else_gloo_per_slot() -> None:
+    from efdl.launcher.collective import command
+    from efdl.launcher.holding import collective_of
+    from efdl.rendezvous.records import GpuInfo
+
+    gpus = (GpuInfo(0, uuid="GPU-aa"), GpuInfo(1, uuid="GPU-bb"), GpuInfo(2))
+    assert collective_of(False, 3, gpus, simulated=False) is None  # not asked for
+    assert collective_of(True, 3, gpus, simulated=False) == (3, ("GPU-aa", "GPU-bb", "2"))
+    assert collective_of(True, 4, (), simulated=False) == (4, ())  # a CPU node: gloo
+    assert collective_of(True, 2, gpus, simulated=True) == (2, ())  # simulated GPUs
+    line = command(3, ("GPU-aa", "GPU-bb", "2"), 60)
+    assert "--ranks 3 --devices GPU-aa,GPU-bb,2 --timeout 60" in line
+    assert "--devices - " in command(4, (), 60)
