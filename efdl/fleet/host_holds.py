@@ -11,6 +11,7 @@ the host until it ends or an operator releases it (``efdl release --fleet``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -27,8 +28,12 @@ log = logging.getLogger(__name__)
 
 def agent_prefix(host_id: str) -> str:
     """How the node ids of a host's agents begin (efdl.fleet.spawn names them
-    ``<host>-g<first GPU>-<4 hex>``)."""
-    return f"{host_id[:80]}-g"
+    ``<host>-g<first GPU>-<4 hex>``): the host id, or where it is longer than 80 characters
+    (a node id has 128 at most), its first 71 and 8 hex of its hash, so that two hosts whose
+    ids begin alike never share their agents' names."""
+    if len(host_id) > 80:
+        host_id = f"{host_id[:71]}-{hashlib.blake2b(host_id.encode(), digest_size=4).hexdigest()}"
+    return f"{host_id}-g"
 
 
 def _agent_of(node: str, host_id: str) -> bool:

@@ -32,6 +32,7 @@ from efdl.config import EtcdClientConfig
 from efdl.errors import ConfigError, StoreError
 from efdl.fleet import sandbox
 from efdl.fleet.etcd_users import AgentUsers, agent_user_prefix
+from efdl.fleet.host_holds import agent_prefix
 from efdl.fleet.launch import EtcdAccess, agent_argv, agent_env, wrapped
 from efdl.fleet.records import JobSpec
 from efdl.rendezvous.api import EtcdSettings
@@ -284,7 +285,7 @@ class Spawner:
             StoreError: etcd failed making the agent's user (nothing left behind either).
         """
         rid = uuid.uuid4().hex[:8]
-        node_id = f"{self.host_id[:80]}-g{gpus[0]}-{rid[:4]}"
+        node_id = f"{agent_prefix(self.host_id)}{gpus[0]}-{rid[:4]}"
         private = self.run_dir / rid
         user = f"{agent_user_prefix(self.host_id)}{rid}" if self._auth else None
         files = AgentFiles(str(log_path), str(private / "exit"), str(private), uid, user)

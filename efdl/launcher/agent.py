@@ -73,6 +73,10 @@ __all__ = ["AgentExit", "NodeAgent", "leave_code"]
 
 log = logging.getLogger(__name__)
 
+# The longest the agent's loop waits for a deadline before it looks again (a queue's
+# timeout past threading.TIMEOUT_MAX, about 292 years, raises OverflowError).
+LONGEST_TIMER_S = 3600.0
+
 # How long a node whose workers failed (restart mode) waits for a round before asking for one:
 # if a dead peer killed them, its eviction (found by probing, efdl.rendezvous.probe) brings a
 # round within a fraction of a second, and one round restarts the workers once, not twice
@@ -302,8 +306,10 @@ class NodeAgent:
                     if t is not None
                 ]
                 wait_s = min(due) - time.monotonic() if due else None
+                if wait_s is not None:  # (a deadline years away, as a hold's end may be:
+                    wait_s = min(max(0.0, wait_s), LONGEST_TIMER_S)  # wake and look again)
                 try:
-                    event = self._events.get(timeout=None if wait_s is None else max(0.0, wait_s))
+                    event = self._events.get(timeout=wait_s)
                 except queue.Empty:
                     self._on_timer(fence_at)
                     continue
@@ -345,7 +351,7 @@ class NodeAgent:
                 self._rdzv.request_restart()
         elif self._refills.due is not None and now >= self._refills.due:
             self._refills.fill()
-        else:
+        elif self._finish_by is not None and now >= self._finish_by:
             self._stop_workers()
             raise AgentExit(
                 0,

@@ -44,7 +44,7 @@ def check(ranks: int, gpus: Sequence[str], timeout_s: float) -> Finding | None:
     rank, if any; else gloo on the CPU); a fault if it fails or outlasts ``timeout_s``."""
     backend = "nccl" if gpus else "gloo"
     try:
-        code, output = run_command(command(ranks, gpus, timeout_s), timeout_s + 30)
+        code, output = run_command(command(ranks, gpus, timeout_s), timeout_s)
     except OSError as exc:
         code, output = 127, str(exc)
     if code == 0:

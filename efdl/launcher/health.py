@@ -48,6 +48,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -196,23 +197,28 @@ def reason_of(found: Sequence[Finding]) -> str:
 
 def run_command(command: str, timeout_s: float) -> tuple[int | None, str]:
     """Run ``command`` through the shell, in a process group of its own; its exit code
-    (None: killed at ``timeout_s``, with its children) and its output."""
-    proc = subprocess.Popen(
-        command,
-        shell=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out.decode(errors="replace")
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out.decode(errors="replace")
+    (None: killed at ``timeout_s``, with its group) and its output. The output goes to a
+    temporary file, not a pipe: a helper the command left behind (in the background, or
+    in a session of its own) that still holds it neither keeps a check that passed from
+    ending nor holds a hung one past its deadline."""
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(
+            command,
+            shell=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+        out.seek(0)
+        return code, out.read().decode(errors="replace")
 
 
 def free_bytes(path: Path) -> int:

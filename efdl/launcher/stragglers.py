@@ -49,10 +49,17 @@ class PaceJudge:
         )
         if not self._evict:
             return Slow(text + "; not evicted (--evict-stragglers is off)", self.last_ratio, False)
-        if others < min_workers and not spares:
+        if ev.slower:  # one at a time, the slowest first: two slow nodes judging alone
+            # that the others keep --min would both leave and break it
             return Slow(
-                text + f"; not evicted: the other nodes hold {others} worker(s), below "
-                f"--min {min_workers}, and no spare waits",
+                text + f"; not evicted now: {ev.slower} node(s) slower still leave first",
+                self.last_ratio,
+                False,
+            )
+        if others + spares < min_workers:  # (a spare offers at least one worker)
+            return Slow(
+                text + f"; not evicted: the other nodes hold {others} worker(s) and "
+                f"{spares} spare(s) wait, which may not make --min {min_workers}",
                 self.last_ratio,
                 False,
             )

@@ -120,13 +120,16 @@ class ResumedFromCache:
 @dataclass(frozen=True, slots=True)
 class Paced:
     """Local rank 0's node took ``node_s`` seconds of its own per step (median over ``steps``
-    steps of ``generation``) while the other nodes took ``others_s`` (efdl.worker.pace)."""
+    steps of ``generation``) while the other nodes took ``others_s`` (efdl.worker.pace);
+    ``slower``: how many other nodes were slower still (0: this node is the slowest, the one
+    that may leave first)."""
 
     KIND: ClassVar[str] = "pace"
     generation: int
     node_s: float
     others_s: float
     steps: int
+    slower: int = 0
 
 
 @dataclass(frozen=True, slots=True)

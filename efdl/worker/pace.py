@@ -109,6 +109,7 @@ class NodePace:
     node_s: float
     others_s: float
     steps: int
+    slower: int = 0  # other nodes slower still (equal medians: the lower index is slower)
 
     @property
     def ratio(self) -> float:
@@ -148,7 +149,9 @@ class Pace:
         width = len(self._rows[0])
         medians = [statistics.median(r[i] for r in self._rows) / 1e6 for i in range(width)]
         others = [m for i, m in enumerate(medians) if i != node]
-        return NodePace(medians[node], statistics.median(others), len(self._rows))
+        mine = (medians[node], -node)
+        slower = sum(1 for i, m in enumerate(medians) if i != node and (m, -i) > mine)
+        return NodePace(medians[node], statistics.median(others), len(self._rows), slower)
 
 
 def verdict(node_s: float, others_s: float, ratio: float) -> bool:

@@ -293,7 +293,9 @@ class ElasticState:
             return
         pace = self._pace.of_node(p.group_rank)
         if pace is not None and rt.channel is not None:
-            rt.channel.notify(Paced(p.generation, pace.node_s, pace.others_s, pace.steps))
+            rt.channel.notify(
+                Paced(p.generation, pace.node_s, pace.others_s, pace.steps, pace.slower)
+            )
 
     def recover(self) -> Recovery:
         """After a failure inside a step or a sync: make this rank's state a committed one

@@ -458,7 +458,9 @@ class Participant:
         try:
             while True:
                 due = [t for t in (wake_at, retry_at) if t is not None]
-                timeout = max(0.0, min(due) - self._clock()) if due else None
+                # (at most an hour: a deadline years away, as a hold's end may be, would
+                # overflow the queue's timeout; a wake with nothing due decides nothing new)
+                timeout = min(max(0.0, min(due) - self._clock()), 3600.0) if due else None
                 try:
                     msg = self._inbox.get(timeout=timeout)
                 except queue.Empty:
