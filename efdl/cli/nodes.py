@@ -16,9 +16,9 @@ import click
 from efdl.cli.common import etcd_config, etcd_options, handle_errors, job_config, job_option
 from efdl.config import EtcdClientConfig
 from efdl.errors import ConfigError, EfdlError
-from efdl.rendezvous.api import KeyValue, KVStore
+from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.etcd_store import EtcdStore
-from efdl.rendezvous.holds import Hold, HoldKind, hold
+from efdl.rendezvous.holds import Hold, HoldKeys, HoldKind, hold
 from efdl.rendezvous.holds import release as release_hold
 from efdl.rendezvous.reading import parse_round
 from efdl.rendezvous.records import Event, EventKind, JobKeys, check_id
@@ -131,13 +131,8 @@ def release(
     check_id(node, "node id")
     keys = JobKeys(job_id)
     with EtcdStore(cfg.etcd_settings()) as store:
-        raw = store.get(keys.hold(node))
-        if not release_hold(store, keys, node):
-            raise EfdlError(
-                f"Node {node} is not held in job {job_id} (etcd holds no {keys.hold(node)}); "
-                f"efdl nodes --job-id {job_id} lists the nodes held."
-            )
-        was = _was(raw)
+        was = _release(store, keys, node, f"Node {node} is not held in job {job_id}",
+                       f"--job-id {job_id}")  # fmt: skip
         _record(store, keys, EventKind.RELEASE, node, f"released by efdl release ({_who()})")
     click.echo(f"job {job_id}: node {node} is released{was}; the next round may place it.")
 
@@ -160,17 +155,22 @@ def _drain_host(keys: FleetKeys, cfg: EtcdClientConfig, host: str, text: str) ->
 
 def _release_host(keys: FleetKeys, cfg: EtcdClientConfig, host: str) -> None:
     with EtcdStore(cfg.etcd_settings()) as store:
-        raw = store.get(keys.hold(host))
-        if not release_hold(store, keys, host):
-            raise EfdlError(
-                f"Host {host} is not held in fleet {keys.fleet} (etcd holds no {keys.hold(host)});"
-                f" efdl nodes --fleet {keys.fleet} lists the hosts held."
-            )
-    was = _was(raw)
+        was = _release(store, keys, host, f"Host {host} is not held in fleet {keys.fleet}",
+                       f"--fleet {keys.fleet}")  # fmt: skip
     click.echo(f"fleet {keys.fleet}: host {host} is released{was}; the allocator may use it.")
 
 
-def _was(raw: KeyValue | None) -> str:
+def _release(store: KVStore, keys: HoldKeys, held: str, not_held: str, where: str) -> str:
+    """Delete ``held``'s hold (a job's node, a fleet's host); what it was, for the message.
+
+    Raises:
+        EfdlError: nothing held it (``not_held``, and where ``efdl nodes`` lists the holds).
+    """
+    raw = store.get(keys.hold(held))
+    if not release_hold(store, keys, held):
+        raise EfdlError(
+            f"{not_held} (etcd holds no {keys.hold(held)}); efdl nodes {where} lists the holds."
+        )
     if raw is None:
         return ""
     try:

@@ -50,3 +50,24 @@ def test_a_drain_holds_until_released_and_a_new_leader_reads_it(
     assert c.leaders() == ["b"]
     assert release(store, keys, "c")
     c.wait(shape(("b", 1), ("c", 1)), "b", "c")
+
+
+def test_a_quarantine_ending_centuries_from_now_does_not_stop_the_leader(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """A leader's timer for a quarantine's end past threading.TIMEOUT_MAX (a breaker's
+    find): the leader decides on, and a release puts the node back."""
+    # A quarantine with a long TTL (an operator's script: "hold it out for good"), its
+    # ``until`` within what a hold record accepts (< 1e11): the leader times the end of the
+    # first quarantine with its inbox's get(timeout=...), past threading.TIMEOUT_MAX.
+    c = cluster(min_workers=1, settle_s=0.2)
+    for n in "abc":
+        c.add(n)
+    c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
+    keys = JobKeys(c.job)
+    store = c.store()
+    hold(store, keys, "c", HoldKind.QUARANTINE, "bad DIMM: out for good", 1e10)
+    c.wait(shape(("a", 1), ("b", 1)))
+    # The leader still decides: a release puts c back.
+    assert release(store, keys, "c")
+    c.wait(shape(("a", 1), ("b", 1), ("c", 1)), timeout_s=20)
