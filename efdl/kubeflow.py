@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from efdl.config import LaunchConfig, env_name
+from efdl.config import LaunchConfig
 from efdl.errors import ConfigError
+from efdl.options import env_name
 
 # PET_* variable -> efdl-run's parameter (the name click passes).
 PET = {

@@ -49,10 +49,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from efdl import __version__
-from efdl.config import EtcdClientConfig, load
+from efdl.config import EtcdClientConfig
 from efdl.errors import ConfigError, EfdlError, LeaseLostError, StoreError
 from efdl.launcher.node import default_host
 from efdl.launcher.tcpstore import TCPStoreServer
+from efdl.options import load
 from efdl.protocol.env import SECRET_VARIABLES
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy

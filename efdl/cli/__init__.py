@@ -16,7 +16,8 @@ import click
 from efdl import __version__
 from efdl.cli import fleet, job, nodes
 from efdl.cli.common import setup_logging
-from efdl.cli.run import launch, launch_config, run_main
+from efdl.cli.launching import launch
+from efdl.cli.run import launch_config, run_main
 
 __all__ = ["launch", "launch_config", "main", "run_main"]
 

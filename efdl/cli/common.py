@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 import click
 
 from efdl import logs
-from efdl.config import EtcdClientConfig, load, read_yaml
+from efdl.config import EtcdClientConfig
 from efdl.errors import ConfigError, EfdlError
+from efdl.options import load, read_yaml
 from efdl.rendezvous.api import EtcdSettings
 from efdl.rendezvous.embedded import EmbeddedEtcd
 from efdl.rendezvous.etcd_store import EtcdStore

@@ -67,97 +67,20 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from efdl.fleet.claims import Grown, Pending
+from efdl.fleet.outcome import decision, gpus_word, phase_of, why_lost
 from efdl.fleet.placement import FreeIndex, Held, count, give_back, take
 from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import (
-    Gpus,
     Host,
-    JobSpec,
     JobStatus,
     Phase,
-    describe,
-    gpu_count,
 )
+from efdl.fleet.work import Allocation, Job, Reason, Work
 
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """A job as the allocator sees it: what was asked (spec) and where it stands (status)."""
-
-    spec: JobSpec
-    status: JobStatus
-
-
-@dataclass(frozen=True, slots=True)
-class Reason:
-    """Why one job's status changed: one sentence, recorded as a fleet event."""
-
-    job_id: str
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """Each job's new status (only the jobs whose status changed) and why."""
-
-    statuses: dict[str, JobStatus]
-    reasons: tuple[Reason, ...]
-
-
-@dataclass(slots=True)
-class _Work:
-    """One job while deciding."""
-
-    job: Job
-    order: int = 0  # its place in the serving order of rule 3
-    held: Held = field(default_factory=dict)
-    kept: int = 0  # GPUs on lingering hosts: held, never moved
-    running: bool = False  # it trains on GPUs it still holds after rule 1
-    incumbent: bool = False  # recorded running (it may have lost every GPU): its min is kept
-    seated: bool = False  # started in an earlier pass of this decision (kept, protected)
-    facts: list[str] = field(default_factory=list)  # what befell it (rule 1), not a choice
-    frozen: bool = False  # resized less than the interval ago (rule 2)
-    floor: int = 0  # what the allocator may not take from it (rule 2)
-    admitted: bool = False  # its min (rule 3)
-    target: int = 0  # its size after this decision
-    waiting: str = ""  # why it lacks its min, if it does
-    hopeless: bool = False  # its min exceeds what could ever be freed for it now
-    level: int = 0  # its level of attained service (rule 3)
-
-    @property
-    def id(self) -> str:
-        return self.job.spec.job_id
-
-    @property
-    def spec(self) -> JobSpec:
-        return self.job.spec
-
-    @property
-    def size(self) -> int:
-        return sum(len(ix) for ix in self.held.values())
-
-    @property
-    def movable(self) -> int:
-        """What it holds that the allocator could move (not on a lingering host)."""
-        return self.size - self.kept
-
-    @property
-    def low(self) -> int:
-        """Its min, less what it keeps on lingering hosts: what it needs of the pool."""
-        return max(0, self.spec.min_workers - self.kept)
-
-    @property
-    def high(self) -> int:
-        return max(0, self.spec.max_workers - self.kept)
-
-    @property
-    def base(self) -> int:
-        """Its share of the pool once its min is admitted (a frozen job keeps more)."""
-        return max(self.low, self.floor)
+__all__ = ["Allocation", "Job", "Reason", "allocate"]
 
 
 def allocate(
@@ -175,7 +98,7 @@ def allocate(
     usable = {h.host_id: set() if h.host_id in held else set(h.usable()) for h in hosts}
     staying = set(lingering) - set(usable)
     work = [
-        _Work(_stamped_by(j, now, policy))
+        Work(_stamped_by(j, now, policy))
         for j in sorted(jobs, key=lambda j: (-j.spec.priority, j.spec.submitted, j.spec.job_id))
         if not j.status.phase.final
     ]
@@ -196,7 +119,7 @@ def allocate(
     _admit(work, pool, now, policy)  # rules 2-4
     shared = {h.host_id for h in hosts if any(g.foreign for g in h.gpus)}
     changed = _place(work, free, staying, shared)  # rule 5
-    return _decision(work, changed, now)
+    return decision(work, changed, now)
 
 
 def _stamped_by(job: Job, now: float, policy: FleetPolicy) -> Job:
@@ -213,7 +136,7 @@ def _stamped_by(job: Job, now: float, policy: FleetPolicy) -> Job:
     )
 
 
-def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...]:
+def _serving_key(w: Work, now: float, policy: FleetPolicy) -> tuple[object, ...]:
     """Rule 3's order, by priority: running jobs first (those started less than
     ``protect_s`` ago, then by level of attained service, the least first; the largest min
     first), then waiting jobs (those that waited past ``max_wait_s``, then by level, the
@@ -230,7 +153,7 @@ def _serving_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[object, ...
     return (p, 1, band, w.level, spec.max_workers, spec.submitted, spec.job_id)
 
 
-def _protected(w: _Work, now: float, policy: FleetPolicy) -> bool:
+def _protected(w: Work, now: float, policy: FleetPolicy) -> bool:
     """A running job that no waiting job may take the min of (it is suspended only for want
     of GPUs): started or resumed less than ``protect_s`` ago, or one more suspension would
     take it past ``suspends_per_h`` per hour it held GPUs (the first is free)."""
@@ -243,7 +166,7 @@ def _over_budget(st: JobStatus, now: float, policy: FleetPolicy) -> bool:
     return st.suspends + 1 > max(1.0, policy.suspends_per_h * st.held(now) / 3600.0)
 
 
-def _urgent(w: _Work, now: float, policy: FleetPolicy) -> bool:
+def _urgent(w: Work, now: float, policy: FleetPolicy) -> bool:
     """A waiting job that may take lower-priority jobs' mins: it waited ``preempt_after_s``
     (since it was submitted, or suspended), or it is recorded running (it lost its GPUs)."""
     st = w.job.status
@@ -253,7 +176,7 @@ def _urgent(w: _Work, now: float, policy: FleetPolicy) -> bool:
 
 
 def _still_held(
-    w: _Work,
+    w: Work,
     free: Held,
     usable: dict[str, set[int]],
     staying: set[str],
@@ -276,12 +199,12 @@ def _still_held(
                 lost.append(f"{host}:{i}")
     if lost:
         named = " ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
-        w.facts.append(f"lost {_gpus_word(len(lost))} ({named}: {_why_lost(lost, usable, held)})")
+        w.facts.append(f"lost {gpus_word(len(lost))} ({named}: {why_lost(lost, usable, held)})")
     if w.size > w.spec.max_workers:  # a record from before a change of its spec
         before = w.size
         give_back(w.held, free, w.size - w.spec.max_workers, staying)
         if w.size < before:
-            w.facts.append(f"shrunk by {_gpus_word(before - w.size)} toward its max")
+            w.facts.append(f"shrunk by {gpus_word(before - w.size)} toward its max")
 
 
 # ---------------------------------------------------------------- rules 2-3: mins
@@ -290,10 +213,10 @@ def _still_held(
 _MIN, _GROW = 0, 1
 
 
-Claim = tuple[tuple[object, ...], int, "_Work"]  # (its place in the order, _MIN or _GROW, job)
+Claim = tuple[tuple[object, ...], int, "Work"]  # (its place in the order, _MIN or _GROW, job)
 
 
-def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[Claim]:
+def _claims(work: list[Work], now: float, policy: FleetPolicy) -> list[Claim]:
     """Every claim in the order served: the jobs that waited past ``max_wait_s`` first (min,
     then growth), then in :func:`_rank` order, each job's min then its growth (the first
     served grows to its max before the next starts). Then the running jobs' mins in
@@ -310,13 +233,13 @@ def _claims(work: list[_Work], now: float, policy: FleetPolicy) -> list[Claim]:
     return keyed
 
 
-def _waiting_key(w: _Work, kind: int, now: float, policy: FleetPolicy) -> tuple[object, ...]:
+def _waiting_key(w: Work, kind: int, now: float, policy: FleetPolicy) -> tuple[object, ...]:
     """The place of a waiting job's claim (a running one's min, were it waiting)."""
     band = 0 if _starved(w, now, policy) else 1
     return (band, *_rank(w, 1, 0 if band == 0 else w.level, policy), kind)
 
 
-def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int, ...]:
+def _rank(w: Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int, ...]:
     """A claim's place (after the starved jobs'): the smallest job (by max) first, then by
     level of attained service (the least first), running jobs before waiting ones, then by
     priority and serving order; with ``priority_first``, by priority first, then level,
@@ -327,7 +250,7 @@ def _rank(w: _Work, waiting: int, level: int, policy: FleetPolicy) -> tuple[int,
     return (size, level, waiting, p, w.order)
 
 
-def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
+def _kept_key(w: Work, now: float, policy: FleetPolicy) -> tuple[int, int, int, int]:
     """The order of the running jobs' mins (when they do not all fit, the last are
     suspended): first those no waiting job may take, those without a cache that still hold
     GPUs (their state lives in their workers) or past their suspension budget, then those
@@ -344,7 +267,7 @@ def _kept_key(w: _Work, now: float, policy: FleetPolicy) -> tuple[int, int, int,
     return (kept, -w.spec.priority, w.level, w.order)
 
 
-def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> None:
+def _admit(work: list[Work], pool: int, now: float, policy: FleetPolicy) -> None:
     """Rules 2-4: whose min is admitted and each job's size. Only what can never be
     suspended is reserved ahead (a frozen job at its min or above, the min of a job without
     a cache), so no job's turn depends on a job after it; a frozen job below its min
@@ -392,7 +315,7 @@ def _admit(work: list[_Work], pool: int, now: float, policy: FleetPolicy) -> Non
 
 
 def _admit_pass(
-    work: list[_Work],
+    work: list[Work],
     claims: list[Claim],
     pool: int,
     reserved: int,
@@ -480,7 +403,7 @@ def _admit_pass(
         w.target = w.base if w.admitted else w.floor
 
 
-def _grows(w: _Work) -> bool:
+def _grows(w: Work) -> bool:
     """Whether ``w`` may grow (rule 4): admitted, or running below its min without a cache;
     not frozen; below its max."""
     return (
@@ -488,7 +411,7 @@ def _grows(w: _Work) -> bool:
     )
 
 
-def _may_start(w: _Work, now: float, policy: FleetPolicy) -> bool:
+def _may_start(w: Work, now: float, policy: FleetPolicy) -> bool:
     st = w.job.status
     return not (st.phase is Phase.SUSPENDED and now - st.changed < _hold(st, policy))
 
@@ -501,7 +424,7 @@ def _hold(st: JobStatus, policy: FleetPolicy) -> float:
     return policy.resume_after_s * float(2**over)
 
 
-def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
+def _starved(w: Work, now: float, policy: FleetPolicy) -> bool:
     """Queued, or suspended and free to resume, for longer than ``max_wait_s`` (a job
     recorded running that holds no GPU is not: it is suspended now, or waits as it is)."""
     st = w.job.status
@@ -512,7 +435,7 @@ def _starved(w: _Work, now: float, policy: FleetPolicy) -> bool:
 
 
 def _why_waiting(
-    w: _Work, need: int, left: int, blocked: bool, now: float, policy: FleetPolicy
+    w: Work, need: int, left: int, blocked: bool, now: float, policy: FleetPolicy
 ) -> str:
     if not _may_start(w, now, policy):
         return (
@@ -522,7 +445,7 @@ def _why_waiting(
     if need <= left and blocked:
         return "waits: a job of its priority or higher has waited longer and goes first"
     return (
-        f"waits: its min of {w.spec.min_workers} needs {_gpus_word(need)}; at most "
+        f"waits: its min of {w.spec.min_workers} needs {gpus_word(need)}; at most "
         f"{max(0, left)} could be freed for it"
     )
 
@@ -530,12 +453,12 @@ def _why_waiting(
 # ---------------------------------------------------------------- rule 5: placement
 
 
-def _place(work: list[_Work], free: Held, staying: set[str], shared: set[str]) -> dict[str, int]:
+def _place(work: list[Work], free: Held, staying: set[str], shared: set[str]) -> dict[str, int]:
     """Move GPUs so that each job holds its target: shrinks first, then growth, the largest
     growth first (it finds whole hosts). Returns each moved job's change in GPUs."""
     changed: dict[str, int] = {}
     for w in work:
-        if _phase(w) is not Phase.RUNNING:
+        if phase_of(w) is not Phase.RUNNING:
             w.target = 0
         if w.movable > w.target:
             changed[w.id] = w.target - w.movable
@@ -548,108 +471,3 @@ def _place(work: list[_Work], free: Held, staying: set[str], shared: set[str]) -
         changed[w.id] = w.target - w.movable
         take(w.held, index, w.target - w.movable)
     return changed
-
-
-# ---------------------------------------------------------------- the result
-
-
-def _phase(w: _Work) -> Phase:
-    was = w.job.status.phase
-    if w.admitted or (was is Phase.RUNNING and not w.spec.cache_url):
-        return Phase.RUNNING
-    return Phase.SUSPENDED if was is Phase.RUNNING else was
-
-
-def _decision(work: list[_Work], changed: dict[str, int], now: float) -> Allocation:
-    gained = sorted(
-        (w for w in work if changed.get(w.id, 0) > 0), key=lambda w: (-w.spec.priority, w.order)
-    )
-    statuses: dict[str, JobStatus] = {}
-    reasons: list[Reason] = []
-    for w in work:
-        old, phase = w.job.status, _phase(w)
-        gpus = _gpus(w.held) if phase is Phase.RUNNING else ()
-        notes = [*w.facts, *_notes(w, phase, changed.get(w.id, 0), gained)]
-        text = "; ".join([*notes, w.waiting] if w.waiting else notes)
-        if gpus != old.gpus or phase is not old.phase:  # (the GPUs are in the record:
-            # a reason names them while they are few)
-            text = text or "placed"
-            if phase is Phase.RUNNING:
-                size = f"{w.spec.min_workers}-{w.spec.max_workers}"
-                where = describe(gpus) if len(gpus) <= 4 else f"{len(gpus)} hosts"
-                text += f": {gpu_count(gpus)} of {size} workers on {where}"
-            if phase is not Phase.RUNNING:
-                started = 0.0
-            elif old.phase is Phase.RUNNING:
-                started = old.started  # (also placed again after losing every GPU)
-            else:
-                started = now  # started or resumed
-            stopped = old.phase is Phase.RUNNING and phase is not Phase.RUNNING
-            lost_all = old.phase is Phase.RUNNING and bool(old.gpus) and not w.running
-            statuses[w.id] = JobStatus(
-                phase,
-                gpus,
-                now,
-                text,
-                old.attained(now),
-                started,
-                old.held(now),
-                old.suspends + int(stopped or (lost_all and phase is Phase.RUNNING)),
-            )
-        elif text and (same := dataclasses.replace(old, reason=text)) != old:
-            statuses[w.id] = same  # the same place, a new reason (a waiting job)
-        else:
-            continue
-        reasons.append(Reason(w.id, statuses[w.id].reason))
-    return Allocation(statuses, tuple(reasons))
-
-
-def _notes(w: _Work, phase: Phase, delta: int, gained: list[_Work]) -> list[str]:
-    """What this decision did to ``w``, in words."""
-    was = w.job.status.phase
-    if phase is not Phase.RUNNING:
-        if was is not Phase.RUNNING:
-            return []
-        if w.hopeless or not _for(w, gained):
-            return [f"suspended: below its min of {w.spec.min_workers} and no GPUs to make it up"]
-        return [f"suspended to make room for {_for(w, gained) or 'higher-priority jobs'}"]
-    if was is not Phase.RUNNING:
-        return ["resumed" if was is Phase.SUSPENDED else "started"]
-    if delta > 0:
-        return [f"grew by {_gpus_word(delta)}"]
-    if delta < 0:
-        by = _for(w, gained)
-        return [f"shrunk by {_gpus_word(-delta)}" + (f" for {by}" if by else "")]
-    return []
-
-
-def _for(w: _Work, gained: list[_Work]) -> str:
-    """The job of ``w``'s priority or higher that gained GPUs this decision, the highest
-    priority first ("x (priority p)"), or "": whom ``w``'s loss served."""
-    for v in gained:
-        if v is not w and v.spec.priority >= w.spec.priority:
-            return f"{v.id} (priority {v.spec.priority})"
-    return ""
-
-
-def _gpus(held: Held) -> Gpus:
-    return tuple((h, tuple(sorted(ix))) for h, ix in sorted(held.items()) if ix)
-
-
-def _gpus_word(n: int) -> str:
-    return f"{n} GPU" if n == 1 else f"{n} GPUs"
-
-
-def _why_lost(lost: Iterable[str], usable: dict[str, set[int]], held: Mapping[str, str]) -> str:
-    hosts = {g.split(":")[0] for g in lost}
-    out = sorted(hosts & set(held))
-    if out:
-        return f"host {out[0]} is held out ({held[out[0]]})" + (
-            f" and {len(out) - 1} more" if len(out) > 1 else ""
-        )
-    gone = {h for h in hosts if h not in usable}
-    if gone:
-        return (
-            f"host {', '.join(sorted(gone))} is gone" if len(gone) == 1 else "their hosts are gone"
-        )
-    return "taken by a process that is not efdl's, or by a higher-priority claim"

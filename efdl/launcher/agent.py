@@ -6,8 +6,10 @@ failed rendezvous, a worker's message. What the agent does on a round, a worker'
 a signal is decided by pure reactions (efdl.launcher.react) over a snapshot of its state;
 this loop runs the actions they return. Its parts: the workers' book
 (efdl.launcher.node_workers), the fence (efdl.launcher.fencing), the job's progress and cache
-records (efdl.launcher.job_progress), this node's hold and health checks
-(efdl.launcher.holding: SIGUSR2 drains the node; :meth:`NodeAgent._hold_out` holds it out).
+records (efdl.launcher.job_progress), what the workers tell of their training
+(efdl.launcher.news), this node's hold and health checks (efdl.launcher.holding: SIGUSR2
+drains the node; ``Holding.hold_out`` is the one call for whatever finds it bad or slow),
+what it serves others (efdl.launcher.services).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from types import FrameType
 from typing import Any, assert_never
 
@@ -30,7 +31,7 @@ from efdl.launcher import ending, joining, react
 from efdl.launcher.ending import AgentExit, leave_code
 from efdl.launcher.env import JobContext
 from efdl.launcher.fencing import WorkerFence
-from efdl.launcher.hangs import HangJudge, hang_text
+from efdl.launcher.hangs import HangJudge
 from efdl.launcher.health import Finding, Severity
 from efdl.launcher.holding import Holding
 from efdl.launcher.inbox import (
@@ -48,23 +49,21 @@ from efdl.launcher.inbox import (
 )
 from efdl.launcher.job_progress import JobProgress
 from efdl.launcher.metrics import Metrics
+from efdl.launcher.news import WorkerNews
 from efdl.launcher.node import interface_of
 from efdl.launcher.node_workers import NodeWorkers
-from efdl.launcher.pauses import PauseClock
 from efdl.launcher.react import AgentPhase, AgentView, Limits, Reaction
 from efdl.launcher.restarts import RestartBudget
+from efdl.launcher.services import NodeServices
 from efdl.launcher.stragglers import PaceJudge
-from efdl.launcher.tcpstore import TCPStoreServer, preload
-from efdl.launcher.warm import RefillTimer, WarmPool, cores_to_spare, warm_pool
+from efdl.launcher.warm import RefillTimer, WarmPool, warm_pool
 from efdl.launcher.workers import WorkerExit
 from efdl.protocol.messages import Hello, Paced, PeerFailed, Persisted, StateLost, Stepped
 from efdl.rendezvous.api import KVStore
 from efdl.rendezvous.decide import Policy
-from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.event_log import EventLog
-from efdl.rendezvous.holds import Hold, HoldKind
+from efdl.rendezvous.holds import HoldKind
 from efdl.rendezvous.participant import Participant
-from efdl.rendezvous.probe import ProbeListener
 from efdl.rendezvous.records import Event, EventKind, NodeRecord, Round
 from efdl.worker.cache import CacheSettings, SnapshotStorage
 from efdl.worker.channel import ChannelServer
@@ -117,7 +116,6 @@ class NodeAgent:
         self._store = store
         self._policy = policy
         self._job = job_id
-        self._pace = PaceJudge(cfg.straggler_ratio, cfg.evict_stragglers)
         self._events: queue.Queue[object] = queue.Queue()
         url = cfg.cache_for(job_id)
         self._cache = (
@@ -129,32 +127,11 @@ class NodeAgent:
             # A bad URL, a missing fsspec backend, no credentials or permission: fail now,
             # before anything is started.
             SnapshotStorage(self._cache.url).check()
-        # Listens while this process lives: a refused connection tells the others it died.
-        try:
-            self._probe: ProbeListener | None = ProbeListener(node.host, self._describe)
-            node = replace(node, probe_port=self._probe.port)
-        except OSError as exc:
-            log.warning("Cannot listen on %s for liveness probes (%s).", node.host, exc)
-            self._probe = None
-        self._node = node
+        self._metrics = Metrics(job_id, node.node_id)  # served with --metrics-port only
+        self._services = NodeServices(cfg, node, store, self._metrics, self._describe)
+        node = self._node = self._services.node
         logs.context.set(job=job_id, node=node.node_id)
         self._history = EventLog(store, job_id, node.node_id)
-        self._metrics = Metrics(job_id, node.node_id)  # served with --metrics-port only
-        if cfg.metrics_port is not None:
-            try:
-                port = self._metrics.serve(node.host, cfg.metrics_port)
-            except OSError as exc:
-                self._history.close(0)
-                raise AgentExit(
-                    1, f"Cannot serve metrics on {node.host}:{cfg.metrics_port}: {exc}."
-                ) from None
-            log.info("Serving Prometheus metrics at http://%s:%d/metrics.", node.host, port)
-            if isinstance(store, EtcdStore):
-                store.on_request = self._metrics.etcd_request.observe
-        self._server = TCPStoreServer(node.host, cfg.store_port)
-        if cfg.standalone or cores_to_spare(node.slots, bool(node.gpus), node.cpus):
-            preload()  # (else imported when this node first serves a store: on a node short
-            # of cores, every agent importing torch beside its workers costs more than it saves)
         ctx = JobContext(
             job_id,
             node,
@@ -179,7 +156,6 @@ class NodeAgent:
             quarantine_after=cfg.quarantine_after,
             window_s=cfg.quarantine_window_s,
         )
-        self._pauses = PauseClock()  # restart mode's measure of a pause
         self._finish_by: float | None = None
         self._progress = JobProgress(store, job_id, self._tag)
         self._reports = WorkerReports(
@@ -222,6 +198,15 @@ class NodeAgent:
         except BaseException:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
+        self._news = WorkerNews(
+            self._workers,
+            PaceJudge(cfg.straggler_ratio, cfg.evict_stragglers),
+            policy.min_workers,
+            self._metrics,
+            self._progress,
+            self._record,
+            self._tag,
+        )
         self._rdzv: Participant | None = None
         # This node's hold (drained, quarantined), watched from before it joins, and the
         # health checks that may write one.
@@ -257,7 +242,7 @@ class NodeAgent:
             "step": self._reports.trained,
             "step_time": self._reports.trained_at,
             "holds": self._holds(),
-            "held": self._held_text(),
+            "held": self._holding.text(),
         }
 
     def _holds(self) -> str:
@@ -269,10 +254,6 @@ class NodeAgent:
         if self._phase is AgentPhase.LEAVING:
             return ""
         return self._workers.holds(self._generation)
-
-    def _held_text(self) -> str:
-        """This node's hold in force, in words ("" if none); from any thread."""
-        return self._holding.text()
 
     def _tag(self) -> str:
         return f"job {self._job} node {self._node.node_id} gen {self._generation}"
@@ -327,10 +308,7 @@ class NodeAgent:
             self._warm.close()
             self._judge.close()
             self._history.close(timeout_s=2.0)
-            self._metrics.close()
-            self._server.close()
-            if self._probe is not None:
-                self._probe.close()
+            self._services.close()
             self._channel.close()
             self._fence.close()
             self._progress.close(timeout_s=2.0)
@@ -374,7 +352,7 @@ class NodeAgent:
             on_lease_expired=lambda reason: post(LeaseLost(reason)),
             on_etcd_silent=lambda: post(EtcdSilent()),
             holds=self._holds,
-            serve_tcpstore=self._server.serve,
+            serve_tcpstore=self._services.tcpstore.serve,
             on_failure=lambda reason: post(RendezvousFailed(reason)),
             events=self._history,
             on_forgot=self._progress.publish_again,
@@ -417,7 +395,7 @@ class NodeAgent:
             self._workers.round is not None,
             self._restarts,
             self._reports.trained,
-            held=self._held_text(),
+            held=self._holding.text(),
             now=time.monotonic(),
         )
 
@@ -425,7 +403,9 @@ class NodeAgent:
         if isinstance(event, RoundSeen):
             self._react(react.on_round(self._view(), event.round))
         elif isinstance(event, SignalReceived) and self._drains(event.signum):
-            self._hold_out(HoldKind.DRAIN, f"{DRAIN_SIGNAL.name} to its agent (pid {os.getpid()})")
+            self._holding.hold_out(
+                HoldKind.DRAIN, f"{DRAIN_SIGNAL.name} to its agent (pid {os.getpid()})"
+            )
         elif isinstance(event, HoldChanged):
             self._holding.changed(event.hold)
         elif isinstance(event, HealthFound):
@@ -450,7 +430,7 @@ class NodeAgent:
         elif isinstance(event, StateLost):
             self._state_lost(event.message)
         elif isinstance(event, Hung):
-            self._hung(event)
+            self._news.hung(event.pid, event.hang, self._generation)
         elif isinstance(event, EtcdSilent):
             # A worker whose collective failed (a peer died meanwhile) waits for the round
             # that etcd's return brings, with its state in memory, up to the join timeout.
@@ -462,9 +442,11 @@ class NodeAgent:
         elif isinstance(event, Event):
             self._note(event)
         elif isinstance(event, Stepped):
-            self._stepped(event)
+            self._news.stepped(event)
         elif isinstance(event, Paced):
-            self._paced(event)
+            slow = self._news.paced(event)
+            if slow is not None and slow.evict:
+                self._holding.hold_out(HoldKind.QUARANTINE, slow.text)
         elif isinstance(event, PeerFailed) and self._rdzv is not None:
             self._rdzv.report_failure(event.generation)
 
@@ -508,7 +490,7 @@ class NodeAgent:
             case react.TellLeave():
                 workers.tell_leave()
             case react.MarkPause():
-                self._pauses.restarting()
+                self._news.pauses.restarting()
             case react.NoteExit(local_rank=local, code=code):
                 workers.note_exit(local, code)
             case react.Dismiss(pid=pid):
@@ -522,7 +504,7 @@ class NodeAgent:
             case react.CountRestart(budget=budget):
                 self._restarts = budget
             case react.HoldOut(kind=kind, reason=reason, otherwise=otherwise, ttl_s=ttl_s):
-                if self._hold_out(kind, reason, ttl_s) is None:
+                if self._holding.hold_out(kind, reason, ttl_s) is None:
                     for fallback in otherwise:
                         self._run(fallback)
             case react.RefillSoon():
@@ -557,36 +539,6 @@ class NodeAgent:
         self._metrics.round(r)
         self._refills.round_came()
 
-    def _stepped(self, ev: Stepped) -> None:
-        """A worker of this node stepped: the first step of workers restarted for a round
-        ends the time training stood still (efdl.launcher.pauses)."""
-        if self._workers.find(ev.pid) is None:
-            return  # a worker of a generation that is gone
-        r = self._workers.round
-        still = self._pauses.stepped(ev.time, ev.pid in self._workers.in_place, r)
-        if still is not None and r is not None:
-            text = f"training went on at world size {r.world_size} (workers restarted)"
-            self._record(
-                EventKind.RESCALE, r.generation, text, world_size=r.world_size, seconds=still
-            )
-
-    def _paced(self, ev: Paced) -> None:
-        """Local rank 0 told how this node's own work per step compares with the other
-        nodes' (efdl.worker.pace): a metric, and once per generation a verdict."""
-        r = self._workers.round
-        mine = r.member if r is not None else None
-        if r is None or mine is None or ev.generation != r.generation:
-            return  # a report of a generation that is gone
-        others = r.world_size - mine.workers
-        slow = self._pace.judge(ev, mine.workers, others, r.spares, self._policy.min_workers)
-        self._metrics.pace_ratio.set(self._pace.last_ratio)
-        if slow is None:
-            return
-        log.warning("%s: %s.", self._tag(), slow.text)
-        self._record(EventKind.SLOW, ev.generation, slow.text)
-        if slow.evict:
-            self._hold_out(HoldKind.QUARANTINE, slow.text)
-
     def _record(self, kind: EventKind, generation: int, text: str, **fields: Any) -> None:
         self._note(self._history.event(kind, generation, text, **fields))
 
@@ -594,17 +546,6 @@ class NodeAgent:
         """Into the job's history, and into the metrics it moves."""
         self._history.write(event)
         self._metrics.count(event)
-
-    def _hung(self, ev: Hung) -> None:
-        """Kill a hung worker (its peers wait on it): its exit then replaces it in place,
-        as any lost worker (the job shrinks, then grows back)."""
-        worker = self._workers.find(ev.pid)
-        if worker is None:
-            return
-        text = hang_text(worker.rank, ev.pid, ev.hang)
-        log.error("%s: %s: killing it.", self._tag(), text)
-        self._record(EventKind.HANG, self._generation, text, step=ev.hang.step)
-        worker.signal_group(signal.SIGKILL)
 
     def _state_lost(self, message: str) -> None:
         """The job cannot go on from where it was: stop the workers and end the job."""
@@ -614,16 +555,7 @@ class NodeAgent:
     def _publish_cache(self, ev: Persisted) -> None:
         assert self._cache is not None
         self._holding.snapshot_bytes = ev.bytes
-        self._progress.persisted(ev, self._cache.url)
-        self._record(
-            EventKind.PERSIST,
-            self._generation,
-            f"persisted {ev.bytes / 1e6:.1f} MB to {self._cache.url}",
-            world_size=ev.world_size,
-            step=ev.step,
-            seconds=ev.seconds,
-        )
-        self._metrics.persisted(ev.step, ev.bytes, ev.seconds)
+        self._news.persisted(ev, self._cache.url, self._generation)
 
     # ---------------------------------------------------------------- workers
 
@@ -660,18 +592,6 @@ class NodeAgent:
             self._rdzv.set_down(replacing)
 
     # ---------------------------------------------------------------- holds
-
-    def _hold_out(self, kind: HoldKind, reason: str, ttl_s: float | None = None) -> Hold | None:
-        """Hold this node out of the job (efdl.rendezvous.holds) with ``reason`` and leave in
-        place: the leader's next round leaves it out, its in-place workers leave at the next
-        step boundary (plain ones are stopped), nothing committed is lost, and this agent
-        stays, waiting, until the hold is released (``efdl release``) or, for a quarantine,
-        ``ttl_s`` (default ``--quarantine-ttl``) has passed; then it is placed again. The one
-        call for whatever finds this node bad or slow (a health check, a crash loop, a
-        straggler). Returns the hold in force, None if etcd did not take it (said). Call on
-        the agent's loop: one etcd put, which waits for etcd at most its request timeout
-        (``--etcd-timeout``) per member tried."""
-        return self._holding.hold_out(kind, reason, ttl_s)
 
     def _drains(self, signum: int) -> bool:
         """Whether signal ``signum`` drains this node (SIGUSR2, unless --signals-to-handle

@@ -29,7 +29,7 @@ from efdl.errors import ConfigError, EfdlError
 from efdl.protocol.env import JOB_TOKEN_ENV, JOB_TOKEN_USER
 from efdl.rendezvous.api import Endpoint
 from efdl.rendezvous.embedded import AuthState, EmbeddedEtcd, auth_state, require_auth
-from efdl.rendezvous.etcd_store import is_loopback
+from efdl.rendezvous.plaintext import is_loopback
 
 log = logging.getLogger(__name__)
 

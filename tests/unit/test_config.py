@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from efdl.config import EtcdClientConfig, LaunchConfig, load, read_password, read_yaml
+from efdl.config import EtcdClientConfig, LaunchConfig, read_password
 from efdl.errors import ConfigError
 from efdl.launcher.warm import default_warm
+from efdl.options import load, read_yaml
 from efdl.rendezvous.api import Endpoint, EtcdSettings
 
 
@@ -149,7 +150,7 @@ def test_settings_validation(tmp_path: Path) -> None:
 
 
 def test_launch_config_maps_torchrun_nnodes_to_workers() -> None:
-    from efdl.cli.run import _policy
+    from efdl.cli.launching import _policy
     from efdl.config import LaunchConfig
 
     cfg = load(LaunchConfig, {"standalone": True, "nnodes": "2:4"}, env={})

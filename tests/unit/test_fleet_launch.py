@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from efdl.cli import run_main
-from efdl.config import LaunchConfig, load
+from efdl.config import LaunchConfig
 from efdl.errors import ConfigError
 from efdl.fleet import sandbox
 from efdl.fleet.launch import (
@@ -33,6 +33,7 @@ from efdl.fleet.launch import (
 from efdl.fleet.policy import FleetPolicy
 from efdl.fleet.records import JobSpec
 from efdl.fleet.sandbox import UidRange, job_uids, pick_uid
+from efdl.options import load
 from tests.wait import wait_until
 
 HOSTILE = ("train.py", "--etcd", "evil:2379", "--job-id", "other", "-", "$(id); `id` | x > y &")

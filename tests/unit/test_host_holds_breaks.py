@@ -17,9 +17,7 @@ def test_a_quarantine_of_one_long_named_hosts_agent_does_not_hold_out_another_ho
     host_a, host_b = check_id(stem + ".zone-a", "host id"), check_id(stem + ".zone-b", "host id")
     node_of_a = f"{agent_prefix(host_a)}3-ab12"  # as efdl.fleet.spawn names A's agent
     holds = {
-        "gpt": {
-            node_of_a: Hold(node_of_a, HoldKind.QUARANTINE, "GPU 3: ECC", NOW - 60, NOW + 3600)
-        }
+        "gpt": {node_of_a: Hold(node_of_a, HoldKind.QUARANTINE, "GPU 3: ECC", NOW - 60, NOW + 3600)}
     }
     assert carried_quarantine(host_a, holds, None, NOW) is not None
     assert carried_quarantine(host_b, holds, None, NOW) is None

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from efdl.config import EtcdClientConfig, LaunchConfig, load, read_job_token
+from efdl.config import EtcdClientConfig, LaunchConfig, read_job_token
 from efdl.errors import ConfigError
+from efdl.options import load
 from efdl.rendezvous.api import EtcdSettings
-from efdl.rendezvous.etcd_store import is_loopback, plaintext_endpoints, warn_plaintext
+from efdl.rendezvous.plaintext import is_loopback, plaintext_endpoints, warn_plaintext
 from efdl.rendezvous.served import default_state_dir, job_directory, make_job_directory, refusal
 
 TOKEN = "0123456789abcdef0123456789abcdef"
