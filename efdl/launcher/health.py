@@ -394,8 +394,8 @@ class HealthSettings:
         command_timeout_s: its deadline.
         cache_dir: the local cache directory whose free space is checked (None: none).
         min_free_bytes: the least free space there.
-        collective: run the node's own collective before it joins (efdl.launcher.collective)
-            over this many ranks on these CUDA devices (none: gloo on the CPU); None: not.
+        collective: the node's own collective, run before it joins with the command's
+            deadline (efdl.launcher.collective.check, its ranks and devices bound); None: not.
     """
 
     interval_s: float
@@ -403,7 +403,7 @@ class HealthSettings:
     command_timeout_s: float
     cache_dir: Path | None
     min_free_bytes: int
-    collective: tuple[int, tuple[str, ...]] | None = None
+    collective: Callable[[float], Finding | None] | None = None
 
 
 class HealthMonitor:
@@ -436,10 +436,7 @@ class HealthMonitor:
         s = self._settings
         found = judge_gpus(self._gpus.read())
         if joining and s.collective is not None and not faults(found):
-            from efdl.launcher import collective
-
-            ranks, devices = s.collective
-            verdict = collective.check(ranks, devices, s.command_timeout_s)
+            verdict = s.collective(s.command_timeout_s)
             if verdict is not None:
                 found.append(verdict)
         if s.cache_dir is not None:

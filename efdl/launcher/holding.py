@@ -14,6 +14,7 @@ node fails at the job's own join timeout, which ends every agent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from efdl.config import LaunchConfig
 from efdl.errors import ConfigError, StoreError
+from efdl.launcher import collective
 from efdl.launcher.health import (
     Finding,
     HealthMonitor,
@@ -54,6 +56,13 @@ def collective_of(
     if simulated or not gpus:
         return slots, ()
     return len(gpus), tuple(g.uuid or str(g.index) for g in gpus)
+
+
+def _collective_check(
+    over: tuple[int, tuple[str, ...]] | None,
+) -> Callable[[float], Finding | None] | None:
+    """The node's own collective over ``over`` (ranks, devices), given its deadline."""
+    return None if over is None else functools.partial(collective.check, *over)
 
 
 class Holding:
@@ -110,7 +119,9 @@ class Holding:
                 cfg.health_check_timeout_s,
                 local_cache_dir(cfg.cache_for(job_id)),
                 cfg.health_min_free_mb << 20,
-                collective_of(cfg.health_collective, node.slots, node.gpus, simulated),
+                _collective_check(
+                    collective_of(cfg.health_collective, node.slots, node.gpus, simulated)
+                ),
             ),
             [] if simulated else [(g.index, g.uuid) for g in node.gpus if g.uuid],
             lambda: self.snapshot_bytes,
