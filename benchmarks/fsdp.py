@@ -84,7 +84,12 @@ def steady(launcher: str, size: int, steps: int, tmp: Path) -> float:
     """Median step time of rank 0 in s, 2 workers on one node."""
     out = Path(tempfile.mkdtemp(dir=tmp))
     if launcher == "efdl":
-        argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
+        argv = [
+            sys.executable,
+            "-c",
+            "from efdl.cli.run import run_main; run_main()",
+            "--standalone",
+        ]
         argv += ["--job-id", f"fsdp-{uuid.uuid4().hex[:6]}", "--nproc-per-node", "2"]
         argv += [str(EFDL_SCRIPT)]
     else:
@@ -235,7 +240,7 @@ def churn_run(
 def fixed_run(size: int, steps: int, nproc: int, tmp: Path) -> Rows:
     out = Path(tempfile.mkdtemp(dir=tmp))
     log = out / "run.log"
-    argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
+    argv = [sys.executable, "-c", "from efdl.cli.run import run_main; run_main()", "--standalone"]
     argv += ["--job-id", f"fixed-{uuid.uuid4().hex[:6]}", "--nproc-per-node", str(nproc)]
     with open(log, "wb") as f:
         subprocess.run(

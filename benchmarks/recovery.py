@@ -190,7 +190,7 @@ def efdl_launcher(
         return [
             sys.executable,
             "-c",
-            "from efdl.cli import run_main; run_main()",
+            "from efdl.cli.run import run_main; run_main()",
             "--etcd",
             etcd,
             "--job-id",
@@ -449,7 +449,7 @@ def standalone_argv(launcher: str, nproc: int, script: Path = ELASTIC) -> list[s
     plain one."""
     if launcher == "efdl":
         job = f"standalone-{uuid.uuid4().hex[:6]}"
-        run = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+        run = [sys.executable, "-c", "from efdl.cli.run import run_main; run_main()"]
         return [*run, "--standalone", "--job-id", job, "--nproc-per-node", str(nproc), str(script)]
     return [
         sys.executable,

@@ -81,7 +81,12 @@ def steady(launcher: str, size: int, tmp: Path, steps: int | None = None) -> tup
     env = {**os.environ, "OUT_DIR": str(out), **env_for(size, steps)}
     if launcher == "efdl":
         job = f"scale-{uuid.uuid4().hex[:6]}"
-        argv = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--standalone"]
+        argv = [
+            sys.executable,
+            "-c",
+            "from efdl.cli.run import run_main; run_main()",
+            "--standalone",
+        ]
         argv += ["--job-id", job, "--nproc-per-node", "2", str(ELASTIC)]
     else:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

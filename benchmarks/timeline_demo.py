@@ -29,7 +29,7 @@ from efdl.timeline import draw
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "e2e" / "scripts" / "elastic_steps.py"
-RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+RUN = [sys.executable, "-c", "from efdl.cli.run import run_main; run_main()"]
 FLAGS = ["--host", "127.0.0.1", "--lease-ttl", "5", "--settle", "0.5", "--min", "1", "--max", "4"]
 FLAGS += ["--nproc-per-node", "1", str(SCRIPT)]
 

@@ -31,7 +31,7 @@ from efdl.protocol.env import JOIN_TIMEOUT_ENV, SECRET_VARIABLES
 # An efdl-run agent, and the wrapper that records its exit code (efdl.fleet.wrap). -P: the
 # job's working directory (their cwd) is not put on sys.path, so efdl and what it imports come
 # from where they are installed, never from a module of the job's that shares a name.
-EFDL_RUN = (sys.executable, "-P", "-c", "from efdl.cli import run_main; run_main()")
+EFDL_RUN = (sys.executable, "-P", "-c", "from efdl.cli.run import run_main; run_main()")
 WRAP = (sys.executable, "-P", "-m", "efdl.fleet.wrap")
 # efdl-run's flags that say what a job's command is; the only options a spec may give.
 COMMAND_FLAGS = frozenset({"-m", "--module", "--no-python", "--no_python"})

@@ -23,7 +23,7 @@ from efdl.launcher import warm
 
 SCRIPTS = Path(__file__).parent / "scripts"
 # Worker lines labelled [rankN]: (the tests tell the ranks' lines apart by it).
-EFDL_RUN = [sys.executable, "-c", "from efdl.cli import run_main; run_main()", "--rank-prefix"]
+EFDL_RUN = [sys.executable, "-c", "from efdl.cli.run import run_main; run_main()", "--rank-prefix"]
 
 
 def standalone(

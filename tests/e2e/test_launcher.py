@@ -473,7 +473,7 @@ SAY = (
     "print(f'ERR-{r}-pear', file=sys.stderr)\n"
     f"print('ENV', json.dumps({{k: os.environ.get(k) for k in {ENV_KEYS!r}}}))\n"
 )
-UNLABELLED = [sys.executable, "-c", "from efdl.cli import run_main; run_main()"]
+UNLABELLED = [sys.executable, "-c", "from efdl.cli.run import run_main; run_main()"]
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from efdl.cli import main, run_main
+from efdl.cli import main
 from efdl.cli.common import job_config
+from efdl.cli.run import run_main
 from efdl.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from efdl.cli import run_main
+from efdl.cli.run import run_main
 from efdl.config import LaunchConfig
 from efdl.errors import ConfigError
 from efdl.fleet import sandbox

@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 from kubernetes import client as k
 
-from efdl.cli import launch_config, main, run_main
+from efdl.cli import main
+from efdl.cli.run import launch_config, run_main
 from efdl.fleet.allocate import Job
 from efdl.fleet.kube.cluster import (
     FleetPod,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from torch.distributed.run import get_args_parser
 
-from efdl.cli import launch_config, run_main
+from efdl.cli.run import launch_config, run_main
 from efdl.config import LaunchConfig
 
 # A value torchrun would take, for each of its options that takes one.
