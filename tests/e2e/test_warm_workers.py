@@ -72,7 +72,12 @@ def test_a_crashed_in_place_worker_is_replaced_by_a_warm_process(in_place: Job) 
     check_consistent(rows)
 
 
-def test_a_restart_starts_every_worker_warm(restart: Job) -> None:
+def test_a_restart_starts_every_worker_warm_and_a_killed_fork_server_is_started_again(
+    restart: Job,
+) -> None:
+    """A worker's crash restarts both workers, forked by the one server. The server killed
+    (out of memory, by hand): its workers die with it and are restarted, cold while no server
+    is there, and the agent starts a new server for the later ones."""
     job = restart
     job.start("a")
     rows = job.wait_for("two workers", steps_at_world(2))
@@ -85,16 +90,9 @@ def test_a_restart_starts_every_worker_warm(restart: Job) -> None:
     assert all(r["warm"] for r in rows)  # type: ignore[call-overload]
     assert server_pid(job, "a") == server  # one server, all along
 
-
-def test_a_killed_fork_server_is_started_again(restart: Job) -> None:
-    """Killed (out of memory, by hand): its workers die with it and are restarted, cold while
-    no server is there, and the agent starts a new server for the later ones."""
-    job = restart
-    job.start("a")
-    rows = job.wait_for("two workers", steps_at_world(2))
     g = latest_gen(rows)
-    os.kill(server_pid(job, "a"), signal.SIGKILL)
-    rows = job.wait_for("the restarted workers", steps_at_world(2, g))
+    os.kill(server, signal.SIGKILL)
+    rows = job.wait_for("the workers restarted after the server", steps_at_world(2, g))
     out = job.agents["a"].output
     wait_until("a new fork server", lambda: "started it again" in out(), 90)
 
