@@ -59,6 +59,8 @@ def job(etcd_server: EmbeddedEtcd, tmp_path: Path) -> Iterator[Job]:
 
 
 def test_a_drained_node_leaves_in_place_and_stays_out_until_released(job: Job) -> None:
+    """Drained by efdl drain and by SIGUSR2, a node leaves in place and waits until released;
+    one drained before it starts waits unplaced."""
     for name in "abc":
         job.start(name, script="elastic_steps.py")
     rows = job.wait_for("three workers", steps_at_world(3))
@@ -92,28 +94,26 @@ def test_a_drained_node_leaves_in_place_and_stays_out_until_released(job: Job) -
     check_consistent(rows)  # every committed step kept: nothing lost across the drains
     events = efdl(job, "events")
     assert "hold" in events and "drain: firmware update" in events and "release" in events
+
+    # A node drained before it starts waits, registered and unplaced, until released.
+    g2 = latest_gen(rows)
+    said = efdl(job, "drain", "d")
+    assert "No node d runs in the job now: the drain holds it out when it starts" in said
+    d = job.start("d", script="elastic_steps.py")
+    wait_until(
+        "d to say that it waits, held",
+        lambda: "this node is held out of the job (drain: drained by efdl drain" in d.output(),
+        60,
+        context=lambda: d.output()[-3000:],
+    )
+    assert nodes(job)["d"]["state"] == "held"
+    assert latest_gen(job.events()) == g2  # registered, not placed: no round for it
+    assert d.worker_pids() == []
+    efdl(job, "release", "d")
+    rows = job.wait_for("b, c and d", steps_at_world(3, g2))
+    check_consistent(rows)
     for agent in job.agents.values():
         assert agent.proc.poll() is None, agent.output()[-3000:]
-
-
-def test_a_node_drained_before_it_starts_waits_unplaced_until_released(job: Job) -> None:
-    job.start("a", script="elastic_steps.py")
-    rows = job.wait_for("a alone", steps_at_world(1))
-    g1 = latest_gen(rows)
-    said = efdl(job, "drain", "b")
-    assert "No node b runs in the job now: the drain holds it out when it starts" in said
-    b = job.start("b", script="elastic_steps.py")
-    wait_until(
-        "b to say that it waits, held",
-        lambda: "this node is held out of the job (drain: drained by efdl drain" in b.output(),
-        60,
-        context=lambda: b.output()[-3000:],
-    )
-    assert nodes(job)["b"]["state"] == "held"
-    assert latest_gen(job.events()) == g1  # registered, not placed: no round for it
-    assert b.worker_pids() == []
-    efdl(job, "release", "b")
-    job.wait_for("a and b", steps_at_world(2, g1))
 
 
 def test_a_failing_health_check_quarantines_its_node_and_the_job_goes_on(job: Job) -> None:
