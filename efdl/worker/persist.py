@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from efdl.worker import sharded
 from efdl.worker.cache import (
@@ -248,7 +249,7 @@ class Persister:
         self._last_step, self._last_time = step, time.monotonic()
         leaves, _ = pytree.tree_flatten_with_path(tree)
         tensors = {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
-        split = {k: t for k, t in tensors.items() if sharded.is_dtensor(t)}
+        split = {k: t for k, t in tensors.items() if isinstance(t, DTensor)}
         cut = Cut.of(
             {k: t.nbytes for k, t in tensors.items() if k not in split},
             world,

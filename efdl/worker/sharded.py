@@ -14,37 +14,19 @@ from the ranks that hold them (efdl.worker.transfer): no rank ever holds a whole
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from efdl.worker.layout import Layout, rows
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
-# torch.distributed.tensor is imported only where a DTensor can be: its import costs a worker
-# 0.8 s of CPU at its start (a third of torch's), and a DDP script never needs it.
-_DTENSOR_MODULE = "torch.distributed.tensor"
-
-
-def is_dtensor(t: object) -> TypeGuard[DTensor]:
-    """Whether ``t`` is a DTensor (a sharded model's tensor), without importing
-    torch.distributed.tensor: a DTensor exists only once that module was imported."""
-    module = sys.modules.get(_DTENSOR_MODULE)
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def _shard0() -> tuple[Any, ...]:
-    from torch.distributed.tensor import Shard
-
-    return (Shard(0),)
+Shard0 = (Shard(0),)
 
 
 @dataclass(slots=True)
@@ -87,7 +69,9 @@ def fully_shard(
     The ranks of a new world get a new model object: read it from ``state.model`` inside the
     training function.
     """
-    if getattr(model, SHARDING, None) is not None or any(is_dtensor(p) for p in model.parameters()):
+    if getattr(model, SHARDING, None) is not None or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    ):
         raise ValueError(
             "efdl.fully_shard() takes the model before it is sharded (its parameters plain "
             "tensors): efdl calls your shard(model, mesh) itself, now and on each new world."
@@ -133,12 +117,12 @@ def check(model: nn.Module) -> None:
     """Every parameter of ``model`` sharded on dim 0 over a one-dimensional mesh (what efdl
     can lay out again); else an error that names the first that is not."""
     for name, p in model.named_parameters():
-        if not is_dtensor(p):
+        if not isinstance(p, DTensor):
             raise ValueError(
                 f"Parameter {name} is not sharded after your shard(model, mesh): call "
                 "fully_shard on the root module too (efdl lays out sharded models only)."
             )
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != _shard0():
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != Shard0:
             raise ValueError(
                 f"Parameter {name} is placed {tuple(p.placements)} on a {p.device_mesh.ndim}-"
                 "dimensional mesh; efdl lays out parameters sharded on dim 0 (FSDP2's "
@@ -148,7 +132,7 @@ def check(model: nn.Module) -> None:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A tensor's own rows: a DTensor's local tensor (writable, no autograd), else itself."""
-    if is_dtensor(t):
+    if isinstance(t, DTensor):
         out: torch.Tensor = t._local_tensor.detach()
         return out
     return t
@@ -161,15 +145,13 @@ def empty(shape: torch.Size, dtype: torch.dtype, on: DeviceMesh) -> DTensor:
     start, end = rows(shape[0], layout)
     data = torch.empty((end - start, *shape[1:]), dtype=dtype, device=on.device_type)
     stride = torch.empty(shape, device="meta").stride()
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(data, on, _shard0(), run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(data, on, Shard0, run_check=False, shape=shape, stride=stride)
 
 
 def mesh_of(model: nn.Module) -> DeviceMesh:
     """The mesh ``model`` is sharded on."""
     for p in model.parameters():
-        if is_dtensor(p):
+        if isinstance(p, DTensor):
             return p.device_mesh
     raise ValueError("The model has no sharded parameter.")
 
@@ -202,6 +184,6 @@ def release(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values()]
     for t in tensors:
-        if is_dtensor(t) and (storage := local(t).untyped_storage()).size():
+        if isinstance(t, DTensor) and (storage := local(t).untyped_storage()).size():
             storage.resize_(0)
         t.grad = None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from efdl.errors import StateLostError
 from efdl.protocol.env import SYNC_BUCKET_ENV
@@ -189,7 +190,7 @@ def hand_over(tree: StateTree, new_rank: int | None, rt: Runtime) -> transfer.Mo
     wanted: list[transfer.Region | None] = []
     kept: dict[str, transfer.Region] = {}
     for name, t in tree.own_tensors().items():
-        if not sharded.is_dtensor(t):
+        if not isinstance(t, DTensor):
             continue
         shape, itemsize = t.shape, t.element_size()
         leaves.append(

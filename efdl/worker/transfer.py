@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
-from efdl.worker import sharded
 from efdl.worker.layout import Layout, byte_span
 
 DEFAULT_BUCKET = 64 << 20  # bytes; EFDL_SYNC_BUCKET_MB overrides it
@@ -469,7 +469,7 @@ def header(tree: Any) -> dict[str, Any]:
     return {
         "tree": skeleton,
         "devices": {key: t.device.type for key, t in tensors},
-        "sharded": [key for key, t in tensors if sharded.is_dtensor(t)],
+        "sharded": [key for key, t in tensors if isinstance(t, DTensor)],
     }
 
 
