@@ -54,7 +54,13 @@ class NodeServices:
             log.info("Serving Prometheus metrics at http://%s:%d/metrics.", node.host, port)
             if isinstance(store, EtcdStore):
                 store.on_request = metrics.etcd_request.observe
-        self.tcpstore = TCPStoreServer(node.host, cfg.store_port)
+        try:
+            self.tcpstore = TCPStoreServer(node.host, cfg.store_port)  # (a port in use: refused)
+        except BaseException:
+            metrics.close()
+            if self._probe is not None:
+                self._probe.close()
+            raise
         if cfg.standalone or cores_to_spare(node.slots, bool(node.gpus), node.cpus):
             preload()  # (else imported when this node first serves a store: on a node short
             # of cores, every agent importing torch beside its workers costs more than it saves)

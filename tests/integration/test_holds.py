@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from efdl.rendezvous.etcd_store import EtcdStore
 from efdl.rendezvous.holds import HoldKind, hold, release
 from efdl.rendezvous.records import JobKeys
 from tests.integration.test_rendezvous import Cluster, cluster, shape
@@ -15,15 +16,19 @@ from tests.integration.test_rendezvous import Cluster, cluster, shape
 __all__ = ["cluster"]  # the fixture, shared
 
 
-def test_a_held_leader_stays_leader_and_is_placed_again_when_its_quarantine_ends(
-    cluster: Callable[..., Cluster],
-) -> None:
+def three_nodes(cluster: Callable[..., Cluster]) -> tuple[Cluster, JobKeys, EtcdStore]:
+    """A job of nodes a, b and c, one worker each, training; its keys and a store."""
     c = cluster(min_workers=1, settle_s=0.2)
     for n in "abc":
         c.add(n)
     c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
-    keys = JobKeys(c.job)
-    store = c.store()
+    return c, JobKeys(c.job), c.store()
+
+
+def test_a_held_leader_stays_leader_and_is_placed_again_when_its_quarantine_ends(
+    cluster: Callable[..., Cluster],
+) -> None:
+    c, keys, store = three_nodes(cluster)
     held = hold(store, keys, "a", HoldKind.QUARANTINE, "GPU 0 has 1 uncorrectable ECC error", 2.0)
     r = c.wait(shape(("b", 1), ("c", 1)))
     assert "a held out (quarantine: GPU 0 has 1 uncorrectable ECC error)" in r.reason
@@ -60,12 +65,7 @@ def test_a_quarantine_ending_centuries_from_now_does_not_stop_the_leader(
     # A quarantine with a long TTL (an operator's script: "hold it out for good"), its
     # ``until`` within what a hold record accepts (< 1e11): the leader times the end of the
     # first quarantine with its inbox's get(timeout=...), past threading.TIMEOUT_MAX.
-    c = cluster(min_workers=1, settle_s=0.2)
-    for n in "abc":
-        c.add(n)
-    c.wait(shape(("a", 1), ("b", 1), ("c", 1)))
-    keys = JobKeys(c.job)
-    store = c.store()
+    c, keys, store = three_nodes(cluster)
     hold(store, keys, "c", HoldKind.QUARANTINE, "bad DIMM: out for good", 1e10)
     c.wait(shape(("a", 1), ("b", 1)))
     # The leader still decides: a release puts c back.

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
-from efdl.cli import main
+from efdl.cli import COMMANDS, main
 from efdl.cli.common import job_config
 from efdl.cli.run import run_main
 from efdl.errors import ConfigError
@@ -18,6 +19,16 @@ def test_h_is_help_for_efdl_and_efdl_run() -> None:
     for command in (main, run_main):
         result = CliRunner().invoke(command, ["-h"])
         assert result.exit_code == 0 and "Usage:" in result.output, result.output
+
+
+def test_every_efdl_command_is_found_under_its_own_name() -> None:
+    """efdl.cli.COMMANDS names each command where it is imported from when it runs: a name
+    that differs from the command's own would list one command and run another."""
+    ctx = click.Context(main)
+    for name in COMMANDS:
+        command = main.get_command(ctx, name)
+        assert command is not None and command.name == name, (name, command)
+    assert main.get_command(ctx, "nosuch") is None
 
 
 def test_efdl_run_help_shows_the_defaults() -> None:
