@@ -94,7 +94,9 @@ def test_a_crashed_worker_is_replaced_while_the_others_go_on_without_it(job: Job
 
 
 def test_each_sample_once_per_epoch_across_a_graceful_rescale(job: Job) -> None:
-    job.env.update(EPOCHS="1", SAMPLES="600", STEP_SECONDS="0.1")
+    # 150 steps at world size 2: 2 s a step until the third joins (300 s, however slowly it
+    # starts on a busy machine), 0.1 s after.
+    job.env.update(EPOCHS="1", SAMPLES="600", STEP_SECONDS="0.1", SLOW_BELOW_WORLD="3:2")
     job.start("a", script="elastic_steps.py")
     job.start("b", script="elastic_steps.py")
     job.wait_for("two workers", steps_at_world(2))

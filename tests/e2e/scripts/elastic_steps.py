@@ -17,6 +17,9 @@ optimizer.step() and commit()) or "collective" (entering the USER_COLLECTIVE all
 PAUSE_SKEW="rank:s" makes the agent's news reach that rank s seconds late, the first time that
 rank has news (once per job); each row says whether this rank itself had seen news at the
 commit before it ("news").
+SLOW_BELOW_WORLD="n:s": while the world is smaller than n, a step lasts s seconds instead of
+STEP_SECONDS (a test that waits for a join before the data runs out, however slowly the
+newcomer starts).
 JOIN_DELAY=s: a worker not of the first generation sleeps s seconds before joining;
 SETUP_GATE=1: such a worker, after joining (efdl.init_process_group), stands for a script that
 builds its model there: it listens on $OUT_DIR/setup-<pid>.sock and goes on when the test
@@ -327,8 +330,10 @@ def train(state: efdl.ElasticState) -> None:
             if user_collective:
                 kill_here("collective")
                 dist.all_reduce(loss.detach())
-            if delay:
-                time.sleep(delay)
+            below, _, below_s = os.environ.get("SLOW_BELOW_WORLD", "").partition(":")
+            pause = float(below_s) if below and world < int(below) else delay
+            if pause:
+                time.sleep(pause)
             state.commit()
             if here == os.environ.get("HANG_AT") and once(f"hang-{here}"):
                 stick(f"after step {state.step}")
