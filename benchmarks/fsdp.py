@@ -1,11 +1,15 @@
 """FSDP2 in place: the GPT example (examples/gpt) under efdl against torchrun, side by side.
 
 - **steady state**: 2 workers on one node (``--standalone``), median step time of rank 0,
-  efdl (train_efdl.py) and torchrun (train_torchrun.py) interleaved, neither checkpointing;
+  efdl (train_efdl.py), efdl with peer copies of every commit (``--peer-copies 1``) and
+  torchrun (train_torchrun.py) interleaved, none checkpointing otherwise; and the peak
+  resident memory of each job's processes together;
 - **events**: a job of 2 nodes, one worker each (real etcd for efdl, c10d for torchrun at its
   best tuning), meets a join (a third node), a graceful leave (SIGTERM to one agent) or a
-  node SIGKILL. efdl lays the shards out anew in place and resumes a crash from its remote
-  cache (``--cache-url``, a snapshot whenever the writer is free); torchrun restarts every
+  node SIGKILL. efdl lays the shards out anew in place and resumes a crash from its peer
+  copies (``--peer-copies 1``: each rank's snapshot in its own and another node's worker's
+  memory, whenever the writer is free) or from its remote cache (``--cache-url``, a snapshot
+  whenever the writer is free), each in its own run; torchrun restarts every
   worker, which reload the DCP checkpoint it saves every 5 steps (its best practice; the
   checkpoint's cost is not in the steady state). *Stood still*: from the last step logged at
   2 workers to the first at the new size (a step is logged as it ends: this counts that
@@ -16,7 +20,8 @@
   workers, by samples seen, in a figure.
 
 Usage: python -m benchmarks.fsdp [--sizes 25,100,300] [--repeat 2] [--event-sizes 25,100]
-       [--events join,leave,node] [--churn-size 25] [--no-churn] [--no-steady]
+       [--events join,leave,node] [--launchers NAME,...] [--churn-size 25] [--no-churn]
+       [--no-steady]
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 from benchmarks.recovery import Launcher, Rows, Run, efdl_launcher, free_port, torchrun_launcher
 from benchmarks.report import pyplot, save, spread
@@ -80,10 +87,14 @@ class LogRun(Run):
 # ---------------------------------------------------------------- steady state
 
 
-def steady(launcher: str, size: int, steps: int, tmp: Path) -> float:
-    """Median step time of rank 0 in s, 2 workers on one node."""
+STEADY = ("torchrun", "efdl", "efdl, peer copies")
+
+
+def steady(launcher: str, size: int, steps: int, tmp: Path) -> tuple[float, float]:
+    """Median step time of rank 0 in s, 2 workers on one node; and the peak resident memory
+    of the job's processes together (GB, sampled every 0.2 s)."""
     out = Path(tempfile.mkdtemp(dir=tmp))
-    if launcher == "efdl":
+    if launcher.startswith("efdl"):
         argv = [
             sys.executable,
             "-c",
@@ -91,28 +102,60 @@ def steady(launcher: str, size: int, steps: int, tmp: Path) -> float:
             "--standalone",
         ]
         argv += ["--job-id", f"fsdp-{uuid.uuid4().hex[:6]}", "--nproc-per-node", "2"]
+        if launcher == "efdl, peer copies":
+            argv += ["--peer-copies", "1"]
         argv += [str(EFDL_SCRIPT)]
     else:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         argv += ["--nproc-per-node", "2", str(TORCHRUN_SCRIPT)]
     log = out / "run.log"
     with open(log, "wb") as f:
-        subprocess.run(
-            [*argv, *script_args(size, steps)],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=1800,
-            check=True,
+        proc = subprocess.Popen(
+            [*argv, *script_args(size, steps)], stdout=f, stderr=subprocess.STDOUT
         )
+        peak = 0
+        deadline = time.monotonic() + 1800
+        while proc.poll() is None and time.monotonic() < deadline:
+            peak = max(peak, tree_rss(proc.pid))
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        if proc.wait() != 0:
+            raise RuntimeError(f"{launcher} ended with {proc.returncode}: see {log}")
     times = [float(r["t"]) for r in lines([log])]  # type: ignore[arg-type]
     skip = max(2, len(times) // 5)  # warm-up
-    return statistics.median(b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False))
+    step = statistics.median(b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False))
+    return step, peak / 1e9
+
+
+def tree_rss(pid: int) -> int:
+    """The resident memory of ``pid`` and its descendants, in bytes (0 if it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
 
 
 # ---------------------------------------------------------------- events
 
 
 def launchers(size: int, etcd: str, tmp: Path) -> dict[str, Callable[[], Launcher]]:
+    def peers() -> Launcher:
+        return efdl_launcher(
+            etcd,
+            f"fsdp-{uuid.uuid4().hex[:6]}",
+            script=EFDL_SCRIPT,
+            grace=60,
+            extra=["--peer-copies", "1"],
+            script_args=script_args(size),
+        )
+
     def efdl() -> Launcher:
         cache = Path(tempfile.mkdtemp(dir=tmp)) / "cache"
         extra = ["--cache-url", str(cache), "--cache-every-steps", "1", "--cache-every", "0"]
@@ -135,7 +178,11 @@ def launchers(size: int, etcd: str, tmp: Path) -> dict[str, Callable[[], Launche
             script_args=script_args(size, checkpoint=checkpoint),
         )
 
-    return {"efdl (in place)": efdl, "torchrun tuned (DCP)": torchrun}
+    return {
+        "efdl + peer copies": peers,
+        "efdl + remote cache": efdl,
+        "torchrun tuned (DCP)": torchrun,
+    }
 
 
 RECOVER_S = 180.0  # a run with no step past the old one at the new size by then: failed
@@ -312,6 +359,11 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=0, help="0: by size")
     ap.add_argument("--event-sizes", default="25,100")
     ap.add_argument("--events", default="join,leave,node")
+    ap.add_argument(
+        "--launchers",
+        default="",
+        help="comma-separated names of the events' launchers to run (default: all)",
+    )
     ap.add_argument("--event-repeat", type=int, default=1)
     ap.add_argument("--churn-size", type=int, default=25)
     ap.add_argument("--churn-steps", type=int, default=160)
@@ -324,18 +376,27 @@ def main() -> None:
         print(__doc__.split("Usage:")[0])
         if not args.no_steady:
             print("### Steady state: median step time (s), 2 workers, no checkpoint\n")
-            print("| params | efdl | torchrun | efdl / torchrun |")
-            print("|---|---|---|---|")
+            print(
+                "| params | torchrun | efdl | efdl, peer copies | efdl / torchrun "
+                "| peer copies / torchrun | peak memory (GB): torchrun, efdl, peer copies |"
+            )
+            print("|---|---|---|---|---|---|---|")
         for size in sizes if not args.no_steady else []:
             steps = args.steady_steps or {25: 40, 100: 20, 300: 12}[size]
-            got: dict[str, list[float]] = {"efdl": [], "torchrun": []}
+            got: dict[str, list[float]] = {name: [] for name in STEADY}
+            memory: dict[str, list[float]] = {name: [] for name in STEADY}
             for _ in range(args.repeat):
-                for launcher in ("torchrun", "efdl"):
-                    got[launcher].append(steady(launcher, size, steps, tmp))
-            ratios = [e / t for e, t in zip(got["efdl"], got["torchrun"], strict=True)]
+                for launcher in STEADY:
+                    step, peak = steady(launcher, size, steps, tmp)
+                    got[launcher].append(step)
+                    memory[launcher].append(peak)
+            base = got["torchrun"]
+            ratio = {n: [e / t for e, t in zip(got[n], base, strict=True)] for n in STEADY[1:]}
+            peaks = ", ".join(f"{max(memory[n]):.1f}" for n in STEADY)
             print(
-                f"| {size}M | {spread(got['efdl'], 3)} | {spread(got['torchrun'], 3)} "
-                f"| {spread(ratios, 3)} |",
+                f"| {size}M | {' | '.join(spread(got[n], 3) for n in STEADY)} "
+                f"| {spread(ratio['efdl'], 3)} | {spread(ratio['efdl, peer copies'], 3)} "
+                f"| {peaks} |",
                 flush=True,
             )
         with EmbeddedEtcd() as etcd:
@@ -345,6 +406,8 @@ def main() -> None:
             print("|---|---|---|---|---|---|")
             for size in (int(s) for s in args.event_sizes.split(",") if s):
                 makers = launchers(size, etcd.endpoint.target, tmp)
+                chosen = [n.strip() for n in args.launchers.split(",") if n.strip()]
+                makers = {n: m for n, m in makers.items() if not chosen or n in chosen}
                 for event in events:
                     results: dict[str, list[dict[str, float] | str]] = {n: [] for n in makers}
                     for _ in range(args.event_repeat):

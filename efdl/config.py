@@ -220,6 +220,9 @@ class LaunchConfig(EtcdClientConfig):
         cache_every_steps: persist every this many commits (0: not by count).
         cache_every_s: persist when this many seconds passed since the last (0: not by time).
         cache_keep: complete snapshots kept in the cache.
+        peer_copies: a sharded model's workers also keep a snapshot every this many commits
+            in host memory, their own and a partner's on another node (efdl.worker.peers);
+            0: none.
         new_run: start a new run of a job that has ended (finished, stopped or failed); without
             it efdl-run refuses such a job. The new run keeps the job's remote cache.
         straggler_ratio: a node whose own work per step (efdl.worker.pace) takes this many
@@ -288,6 +291,7 @@ class LaunchConfig(EtcdClientConfig):
     cache_every_steps: int = 0
     cache_every_s: float = 60.0
     cache_keep: int = 2
+    peer_copies: int = 0
     new_run: bool = False
     straggler_ratio: float = 1.5
     straggler_window: int = 20
@@ -375,6 +379,11 @@ class LaunchConfig(EtcdClientConfig):
             raise ConfigError(
                 f"--cache-every-steps ({self.cache_every_steps}) and --cache-every "
                 f"({self.cache_every_s} s) must not be negative."
+            )
+        if self.peer_copies < 0:
+            raise ConfigError(
+                f"--peer-copies ({self.peer_copies}) must be a number of commits between "
+                "copies, or 0 for none."
             )
         if self.cache_keep < 1:
             raise ConfigError(f"--cache-keep ({self.cache_keep}) must be at least 1.")

@@ -235,6 +235,12 @@ from efdl.rendezvous.served import (
 )
 @click.option("--cache-keep", type=int, help="Complete snapshots to keep (default 2).")
 @click.option(
+    "--peer-copies",
+    type=int,
+    help="Sharded models: keep a snapshot every N commits in the host memory of another "
+    "node's worker, for a crash to lose no step (default 0: none).",
+)
+@click.option(
     "--new-run",
     is_flag=True,
     default=None,

@@ -12,6 +12,7 @@ from efdl.protocol.env import (
     GENERATION_ENV,
     JOB_ID_ENV,
     LOCAL_RANK_ENV,
+    NODE_HOST_ENV,
     NODE_ID_ENV,
     SECRET_VARIABLES,
 )
@@ -80,6 +81,7 @@ def worker_env(
     )
     env[JOB_ID_ENV] = ctx.job_id
     env[NODE_ID_ENV] = ctx.node.node_id
+    env[NODE_HOST_ENV] = ctx.node.host
     env[GENERATION_ENV] = str(rnd.generation)
     env[LOCAL_RANK_ENV] = str(local_rank)
     if ctx.ifname:

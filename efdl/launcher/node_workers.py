@@ -32,6 +32,7 @@ from efdl.protocol.env import (
     JOB_GENERATION_ENV,
     JOB_STEP_ENV,
     JOIN_TIMEOUT_ENV,
+    PEER_COPIES_ENV,
     PLACEMENT_TIMEOUT_ENV,
     SOCKET_ENV,
     STANDBY_ENV,
@@ -223,6 +224,8 @@ class NodeWorkers:
             env[STRAGGLER_WINDOW_ENV] = str(cfg.straggler_window)
             if self._cache is not None:
                 env.update(self._cache.to_env())
+            if cfg.peer_copies:
+                env[PEER_COPIES_ENV] = str(cfg.peer_copies)
             if standby:
                 env[STANDBY_ENV] = "1"
         if self.group is None:

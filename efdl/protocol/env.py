@@ -61,3 +61,5 @@ CACHE_URL_ENV = "EFDL_CACHE_URL"
 CACHE_EVERY_STEPS_ENV = "EFDL_CACHE_EVERY_STEPS"
 CACHE_EVERY_ENV = "EFDL_CACHE_EVERY"
 CACHE_KEEP_ENV = "EFDL_CACHE_KEEP"
+PEER_COPIES_ENV = "EFDL_PEER_COPIES"  # --peer-copies: commits between peer copies (0: none)
+NODE_HOST_ENV = "EFDL_NODE_HOST"  # the node's address (--host), where a worker serves copies

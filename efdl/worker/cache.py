@@ -196,12 +196,18 @@ class SnapshotStorage:
 
     Args:
         url: an fsspec URL or a local directory (created if missing).
+        fs: the file system to use for ``url`` (the peer copies' own, efdl.worker.peers);
+            then a snapshot counts only if every file its manifest names is listed (a
+            rank's files go with it and its partner: both may be gone).
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, fs: Any = None) -> None:
         self.url = url
+        self.whole_only = fs is not None
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(url)
+            self.fs, self.root = (
+                (fs, fs._strip_protocol(url)) if fs is not None else fsspec.core.url_to_fs(url)
+            )
         except (ImportError, ValueError) as exc:
             raise ConfigError(
                 f"--cache-url {url!r} cannot be used: {exc} (install the fsspec "
@@ -449,10 +455,23 @@ class SnapshotStorage:
             if above is not None and m.position <= above:
                 return None
             try:
+                if self.whole_only:
+                    self._all_there(m)
                 return self.structure(m)
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", m.step, exc)
         return None
+
+    def _all_there(self, m: Manifest) -> None:
+        """Every file ``m`` names is listed (one listing of its directory).
+
+        Raises:
+            SnapshotError: one is not.
+        """
+        listed = {str(e).rsplit("/", 1)[-1] for e in self.fs.ls(self.path(m.step), detail=False)}
+        missing = sorted(set(m.files) - listed)
+        if missing:
+            raise SnapshotError(f"{self.path(m.step)} lacks {', '.join(missing[:3])}.")
 
     def newest(self) -> tuple[Manifest, dict[str, Any]] | None:
         """The newest complete, intact snapshot read whole in this process: its manifest and

@@ -57,12 +57,14 @@ class Flag(enum.IntEnum):
     STAYING = 4  # this rank was not
     FAILED = 5  # this rank's group reported a communication error (efdl.worker.verdict)
     ATTEMPT = 6  # rank 0: a random number, the attempt of a snapshot started here
+    PEER_PERSIST = 7  # rank 0: a peer copy is due (efdl.worker.peers)
+    PEER_BUSY = 8  # this rank's peer-copy writer is still writing the last one
 
 
 class Agreement:
     """The all-reduce of the ranks' flags started at one commit and read at the next.
 
-    Cost: seven integers on the CPU gloo group per commit, and one per node of the
+    Cost: nine integers on the CPU gloo group per commit, and one per node of the
     generation (efdl.worker.pace: each node's busy time in the step), overlapping the step."""
 
     def __init__(self) -> None:
@@ -93,9 +95,16 @@ class Agreement:
         self._work = None
 
 
-def own_flags(rt: Runtime, failed: bool, persister: Persister | None, step: int) -> list[int]:
+def own_flags(
+    rt: Runtime,
+    failed: bool,
+    persister: Persister | None,
+    step: int,
+    peers: Persister | None = None,
+) -> list[int]:
     """This rank's flags at the commit of ``step`` (``failed``: its group reported a
-    communication error)."""
+    communication error; ``persister``: the remote cache's writer, ``peers``: the peer
+    copies')."""
     flags = [0] * len(Flag)
     if rt.channel is not None and rt.placement is not None:
         flags[Flag.NEWS] = int(rt.channel.pending(rt.placement.generation))
@@ -105,8 +114,11 @@ def own_flags(rt: Runtime, failed: bool, persister: Persister | None, step: int)
     if persister is not None:
         flags[Flag.PERSIST] = int(dist.get_rank() == 0 and persister.due(step))
         flags[Flag.BUSY] = int(persister.busy)
-        if dist.get_rank() == 0:
-            flags[Flag.ATTEMPT] = secrets.randbits(62) | 1  # not the seeded random
+    if peers is not None:
+        flags[Flag.PEER_PERSIST] = int(dist.get_rank() == 0 and peers.due(step))
+        flags[Flag.PEER_BUSY] = int(peers.busy)
+    if dist.get_rank() == 0 and (persister is not None or peers is not None):
+        flags[Flag.ATTEMPT] = secrets.randbits(62) | 1  # not the seeded random
     return flags
 
 
@@ -126,6 +138,14 @@ def persists_here(agreed: Sequence[int], pause: bool, persister: Persister | Non
             return not persister.busy
         return False
     return bool(agreed[Flag.PERSIST]) and not busy
+
+
+def peers_copy_here(agreed: Sequence[int], pause: bool, peers: Persister | None) -> bool:
+    """Whether every rank writes a peer copy at this commit: due, no rank's writer busy, and
+    no pause (a rescale's sync moves the state anyway)."""
+    if peers is None or pause:
+        return False
+    return bool(agreed[Flag.PEER_PERSIST]) and not agreed[Flag.PEER_BUSY]
 
 
 def wait_fenced(f: Fence, step: int, rt: Runtime) -> None:

@@ -175,15 +175,20 @@ class Persister:
         fence: this worker's fence (efdl.worker.fence): no manifest is written once it has
             closed, so a generation cut off from etcd completes no snapshot its successor
             could resume from or be overtaken by.
+        storage: where to write (default: ``settings.url``'s storage).
     """
 
     def __init__(
-        self, settings: CacheSettings, part_bytes: int = PART_BYTES, fence: Fence | None = None
+        self,
+        settings: CacheSettings,
+        part_bytes: int = PART_BYTES,
+        fence: Fence | None = None,
+        storage: SnapshotStorage | None = None,
     ) -> None:
         self.settings = settings
         self.part_bytes = part_bytes
         self._fence = fence
-        self.storage = SnapshotStorage(settings.url)
+        self.storage = storage if storage is not None else SnapshotStorage(settings.url)
         self._buffers: dict[str, torch.Tensor] = {}
         self._copied = threading.Event()
         self._copied.set()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from efdl.protocol.env import PEER_COPIES_ENV
 from efdl.protocol.messages import Paced, Persisted
 from efdl.worker import sync
 from efdl.worker.cache import CacheSettings, Manifest
@@ -38,11 +40,13 @@ from efdl.worker.commit import (
     Rescale,
     StepFailed,
     own_flags,
+    peers_copy_here,
     persists_here,
     wait_fenced,
 )
-from efdl.worker.fence import fence
+from efdl.worker.fence import Fence, fence
 from efdl.worker.pace import Pace, StepClock, pace_window, slots
+from efdl.worker.peers import PeerCopies
 from efdl.worker.persist import Persister
 from efdl.worker.rng import rng_state
 from efdl.worker.runtime import Runtime, get_runtime
@@ -145,6 +149,7 @@ class ElasticState:
         settings = CacheSettings.from_env()
         self._fence = fence()
         self._persister = Persister(settings, fence=self._fence) if settings is not None else None
+        self._peers = _peer_copies(self._tree, self._fence)
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._on_step_start)
             optimizer.register_step_post_hook(self._on_step_end)
@@ -231,8 +236,7 @@ class ElasticState:
 
     def _on_step_start(self, *_: Any) -> None:
         self._clock.step_started()
-        if self._persister is not None:
-            self._persister.fence()  # the snapshot being persisted has copied the tensors
+        self.fence()  # the snapshots being written have copied the tensors
         self._phase = StepPhase.STEPPING
 
     def _on_step_end(self, *_: Any) -> None:
@@ -275,12 +279,24 @@ class ElasticState:
         if agreed is not None:
             pause = bool(agreed[Flag.NEWS])
             if persists_here(agreed, pause, self._persister):
-                self._persist(agreed[Flag.ATTEMPT])
+                assert self._persister is not None
+                self._persist(agreed[Flag.ATTEMPT], self._persister, _published)
+            peers = self._peers.persister if self._peers is not None else None
+            if peers_copy_here(agreed, pause, peers):
+                assert peers is not None
+                self._persist(agreed[Flag.ATTEMPT], peers, _copied)
             if pause:
                 raise Rescale()
-        if not (rt.elastic or self._persister is not None) or rt.side is None:
+        writers = self._writers()
+        if not (rt.elastic or writers) or rt.side is None:
             return
-        flags = own_flags(rt, self._verdicts.failed, self._persister, tree.step)
+        flags = own_flags(
+            rt,
+            self._verdicts.failed,
+            self._persister,
+            tree.step,
+            self._peers.persister if self._peers is not None else None,
+        )
         p = rt.placement
         own = slots(p.group_world_size, p.group_rank, busy) if p is not None else []
         self._agreement.start(flags, rt.side, own)
@@ -340,14 +356,19 @@ class ElasticState:
     def fence(self) -> None:
         """Wait until the snapshot being persisted has copied the parameters; call before
         changing parameters in place outside ``optimizer.step()`` (which waits by itself)."""
-        if self._persister is not None:
-            self._persister.fence()
+        for writer in self._writers():
+            writer.fence()
 
-    def _persist(self, attempt: int) -> None:
-        """Hand this commit's state to the background writer (see efdl.worker.persist), as
-        ``attempt`` (the same on every rank: efdl.worker.cache)."""
-        p, tree = self._persister, self._tree
-        assert p is not None
+    def _writers(self) -> list[Persister]:
+        """The background writers: the remote cache's, the peer copies'."""
+        peers = self._peers.persister if self._peers is not None else None
+        return [w for w in (self._persister, peers) if w is not None]
+
+    def _persist(self, attempt: int, p: Persister, done: Callable[[float, Manifest], None]) -> None:
+        """Hand this commit's state to background writer ``p`` (see efdl.worker.persist), as
+        ``attempt`` (the same on every rank: efdl.worker.cache); rank 0 calls ``done`` with
+        the time it began and the manifest once the snapshot is complete."""
+        tree = self._tree
         epoch = tree.values.data.get("epoch")
         p.start(
             tree.step,
@@ -357,7 +378,7 @@ class ElasticState:
             tree.tree(),
             tree.buffer_keys(),
             {"rng": rng_state()},
-            functools.partial(_published, time.monotonic()),
+            functools.partial(done, time.monotonic()),
             attempt,
             self._generation,
         )
@@ -384,7 +405,10 @@ class ElasticState:
         sync.said_setup(self._generation, rt)
         self.fence()  # a snapshot being persisted has copied the tensors the sync may change
         self._last_sync = None
-        self._last_sync = sync.sync_tree(tree, self._generation, rt, self._persister)
+        if self._peers is not None:
+            self._peers.place(rt.side)
+        tiers = [w for w in (self._peers.persister if self._peers else None, self._persister) if w]
+        self._last_sync = sync.sync_tree(tree, self._generation, rt, tiers)
         self._verdicts.reset(tree.step)
         if self._snapshot_every:
             self._copy = tree.clone()
@@ -438,6 +462,21 @@ def _published(started: float, m: Manifest) -> None:
         size = sum(f.size for f in m.files.values())
         seconds = time.monotonic() - started
         channel.notify(Persisted(m.step, m.epoch, m.world_size, size, seconds, m.generation))
+
+
+def _copied(started: float, m: Manifest) -> None:
+    """Rank 0 completed a peer copy (begun at monotonic ``started``)."""
+    log.debug("Peer copy of step %d complete in %.2f s.", m.step, time.monotonic() - started)
+
+
+def _peer_copies(tree: StateTree, fence: Fence | None) -> PeerCopies | None:
+    """The peer copies the agent asked for (--peer-copies), for a sharded model: a
+    replicated one is held whole by every survivor of a crash."""
+    if tree.sharding is None:
+        if os.environ.get(PEER_COPIES_ENV, "0") not in ("", "0"):
+            log.info("--peer-copies is for sharded models (efdl.fully_shard): this one is not.")
+        return None
+    return PeerCopies.from_env(fence)
 
 
 def elastic_state(

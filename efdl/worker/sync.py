@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from efdl.errors import StateLostError
 from efdl.protocol.env import SYNC_BUCKET_ENV
 from efdl.protocol.messages import ResumedFromCache, StateLost
-from efdl.worker import resume, sharded, transfer
+from efdl.worker import peers, resume, sharded, transfer
+from efdl.worker.cache import SnapshotError
 from efdl.worker.device import device
 from efdl.worker.layout import Layout, byte_span, rows
 from efdl.worker.persist import Persister
@@ -44,13 +45,14 @@ SETUP_SAID_S = 1.0
 
 
 def sync_tree(
-    tree: StateTree, generation: int, rt: Runtime, persister: Persister | None
+    tree: StateTree, generation: int, rt: Runtime, tiers: Sequence[Persister]
 ) -> transfer.Moved | None:
     """Make this rank's ``tree`` the newest committed state (every rank of the group at once).
 
     Args:
         generation: the generation this rank trained in (its standing's).
-        persister: the remote cache's writer, whose storage a resume reads; None: no cache.
+        tiers: the writers whose storage a resume reads (the peer copies', the remote
+            cache's); empty: none.
 
     Raises:
         StateLostError: no rank holds the job's newest state, and the remote cache holds
@@ -92,12 +94,14 @@ def sync_tree(
             {r: hex(digests[r] & (2**64 - 1)) for r in (*choice.diverged, choice.primary)},
         )
     moved: transfer.Moved | None = None
-    resumed = None
+    found = None
     if choice.step is None:
-        resumed = resume_from_cache(tree, persister, rt)
+        found = resume_from_cache(tree, tiers, rt)
     elif choice.loss is Loss.BEHIND:  # only a newer snapshot than the holders' will do
-        resumed = resume_from_cache(tree, persister, rt, above=(choice.generation, choice.step))
-    if resumed is not None:
+        found = resume_from_cache(tree, tiers, rt, above=(choice.generation, choice.step))
+    remote = next((t.settings.url for t in tiers if t.settings.url != peers.URL), None)
+    if found is not None:
+        resumed, where = found
         moved = resumed.moved
         if rt.channel is not None and rank == 0:
             rt.channel.notify(ResumedFromCache(resumed.manifest.step))
@@ -112,11 +116,10 @@ def sync_tree(
             resumed.manifest.step,
             resumed.manifest.epoch,
             resumed.manifest.generation,
-            persister.settings.url if persister is not None else "?",
+            "the peer copies" if where == peers.URL else where,
         )
     elif choice.loss is not None:
-        url = persister.settings.url if persister is not None else None
-        error = StateLostError(why_lost(choice, keys, (job_generation, job_step), url))
+        error = StateLostError(why_lost(choice, keys, (job_generation, job_step), remote))
         if rt.channel is not None and rank == 0:
             rt.channel.notify(StateLost(str(error)))
         raise error
@@ -288,30 +291,33 @@ def reshard(
 
 def resume_from_cache(
     tree: StateTree,
-    persister: Persister | None,
+    tiers: Sequence[Persister],
     rt: Runtime,
     above: tuple[int, int] | None = None,
-) -> resume.Resumed | None:
-    """Every rank: load the remote cache's newest snapshot (newer than ``above``, a
-    (generation, step), if given; none: None). A sharded model is built on this world's
-    mesh first and its rows read into it (its old rows, of a world that is gone and a
-    step not whole, are freed before)."""
-    if persister is None:
+) -> tuple[resume.Resumed, str] | None:
+    """Every rank: load the newest snapshot of ``tiers`` (newer than ``above``, a
+    (generation, step), if given), and the URL of the tier it came from; none: None. The
+    tier with the newest complete snapshot is tried first; one that cannot be read whole
+    gives way to the next. A sharded model is built on this world's mesh first and its rows
+    read into it (its old rows, of a world that is gone and a step not whole, are freed
+    before)."""
+    if not tiers:
         return None
     own = tree.own_tensors()
+    order = newest_first(tiers, rt)
     load = functools.partial(
-        resume.resume,
-        persister.storage,
+        _resume_from,
+        order,
         links=links(rt),
         timeout=rt.timeout,
         bucket=bucket(),
         above=above,
     )
     if tree.sharding is None:
-        resumed = load(own=own, own_device=device())
-        if resumed is not None:
-            tree.load(resumed.tree, resumed.model_in_place)
-        return resumed
+        found = load(own=own, own_device=device())
+        if found is not None:
+            tree.load(found[0].tree, found[0].model_in_place)
+        return found
     model = tree.on_this_world()
     if model is not tree.model:
         tree.holds, tree.torn = False, tree.holds or tree.torn
@@ -323,10 +329,44 @@ def resume_from_cache(
         found = into.get(name)
         return found if found is not None else sharded.empty(meta.shape, meta.dtype, mesh)
 
-    resumed = load(own={**own, **into}, own_device=device(), rows_into=rows_into)
-    if resumed is not None:
-        tree.adopt(model, resumed.tree)
-    return resumed
+    found = load(own={**own, **into}, own_device=device(), rows_into=rows_into)
+    if found is not None:
+        tree.adopt(model, found[0].tree)
+    return found
+
+
+def newest_first(tiers: Sequence[Persister], rt: Runtime) -> list[Persister]:
+    """``tiers`` by their newest complete snapshot, newest first (rank 0 lists them and
+    shares the order; a tie keeps the given order)."""
+    if len(tiers) < 2:
+        return list(tiers)
+    order = None
+    if dist.get_rank() == 0:
+        newest = []
+        for tier in tiers:
+            found = tier.storage.manifests()
+            newest.append(found[0].position if found else (-1, -1))
+        order = sorted(range(len(tiers)), key=lambda i: newest[i], reverse=True)
+    shared: list[int] = transfer.share(order, 0, rt.side)
+    return [tiers[i] for i in shared]
+
+
+def _resume_from(tiers: Sequence[Persister], **kwargs: Any) -> tuple[resume.Resumed, str] | None:
+    """The first of ``tiers`` that resumes (efdl.worker.resume), with its URL. A tier whose
+    snapshots cannot be read whole gives way to the next; if none resumes, its error."""
+    failed: SnapshotError | None = None
+    for tier in tiers:
+        try:
+            resumed = resume.resume(tier.storage, **kwargs)
+        except SnapshotError as exc:
+            log.warning("%s", exc)
+            failed = failed or exc
+            continue
+        if resumed is not None:
+            return resumed, tier.settings.url
+    if failed is not None:
+        raise failed
+    return None
 
 
 def links(rt: Runtime) -> dict[bool, transfer.Link]:

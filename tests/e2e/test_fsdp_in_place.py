@@ -55,7 +55,14 @@ def opt_chain(rows: list[dict[str, object]]) -> None:
             )
 
 
-def test_a_sharded_model_grows_and_shrinks_in_place(job: Job) -> None:
+def test_a_sharded_model_grows_and_shrinks_in_place_then_a_dead_node_comes_back_from_peers(
+    job: Job,
+) -> None:
+    """A join and a graceful leave lay the rows out anew, no worker restarted; with peer
+    copies on all along (--peer-copies 1, no remote cache), a node then SIGKILLed comes back
+    from its partner's memory: the survivor is not restarted and trains on from a step no
+    older than the one before the kill (check_consistent: no worker goes back further)."""
+    job.common += ["--peer-copies", "1"]
     job.start("a", script=SCRIPT)
     job.start("b", script=SCRIPT)
     rows = job.wait_for("two workers", steps_at_world(2))
@@ -72,6 +79,15 @@ def test_a_sharded_model_grows_and_shrinks_in_place(job: Job) -> None:
     rows = job.wait_for("back to two", steps_at_world(2, g3))
     assert pids_of(rows, "a") == a_pid
     assert {r["world"] for r in rows} >= {2, 3}
+    g2b = latest_gen(rows)
+    c_workers = job.agents["c"].worker_pids()
+
+    for pid in [*c_workers, job.agents["c"].pid]:  # node c dies, its agent and worker at once
+        os.kill(pid, signal.SIGKILL)
+    job.agents["c"].wait()
+    rows = job.wait_for("one left", steps_at_world(1, g2b))
+    assert pids_of(rows, "a") == a_pid
+    assert "in the peer copies" in job.agents["a"].output()
     check_consistent(rows)
     opt_chain(rows)
 

@@ -1,0 +1,401 @@
+"""Peer copies: each rank's snapshot files kept in the memory of a rank on another node.
+
+A sharded model's rows (FSDP2) exist on one rank only: when its node dies they are gone, and
+the job reads them back from the remote cache and trains again every step since its newest
+snapshot. With peer copies (``--peer-copies N``) every rank also writes a snapshot every N
+commits (the same writer, files and manifest as the remote cache: efdl.worker.persist) into
+host memory: its own (:class:`Store`), and its partner's, a rank on the next node
+(:func:`partners`), over HTTP (:class:`Server`). After a crash the ranks read the newest
+complete snapshot from the memory of the ranks that live (:class:`PeerFileSystem`, an fsspec
+file system over them): a node's files survive on its partner's, and when the copy is of the
+newest committed step, no committed step is trained again.
+
+What it costs: per rank, the writer's staging copy of its rows, its own files and its
+partner's (for the snapshot being written and the newest complete one): about five times the
+rank's share of the state in host memory at the peak, and the rank's share sent over the
+network once per copy, from a background thread (no GPU synchronisation on the step).
+
+Who may read or write: each rank's server answers only requests that carry its token, a
+random number the ranks of the generation learn from each other over their process group
+(:class:`Peer`), never written anywhere else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import http.server
+import io
+import json
+import logging
+import os
+import secrets
+import threading
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from fsspec import AbstractFileSystem  # type: ignore[import-untyped]
+
+from efdl.errors import ConfigError
+from efdl.protocol.env import NODE_HOST_ENV, NODE_ID_ENV, PEER_COPIES_ENV
+from efdl.worker.cache import CacheSettings, SnapshotStorage
+from efdl.worker.fence import Fence
+from efdl.worker.persist import Persister
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "efdl-peers"
+URL = f"{PROTOCOL}://copies"  # the peer tier's cache URL (its root: "copies")
+TOKEN_HEADER = "X-Efdl-Token"
+TIMEOUT_S = 60.0  # one request to a peer (a part of up to 512 MB on a slow link)
+# Step directories one store keeps at most whatever the writer prunes (a rank 0 that died
+# between writing a snapshot and pruning the one before leaves it to the next).
+MAX_STEPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Where one rank of the generation keeps copies: its node, its server, its token."""
+
+    rank: int
+    node: str
+    host: str
+    port: int
+    token: str
+
+
+def partners(nodes: Sequence[str]) -> list[int]:
+    """Per rank (``nodes[r]``: its node), the rank that keeps its copies: a rank of the next
+    node (in order of first appearance), round-robin over that node's ranks, so a copy is
+    never on its own node when the job has two or more; on one node, the next rank (a worker
+    crash, not the node's, is what that covers). Pure."""
+    order = list(dict.fromkeys(nodes))
+    ranks_of = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    out = []
+    for r, node in enumerate(nodes):
+        nxt = order[(order.index(node) + 1) % len(order)]
+        j = ranks_of[node].index(r)
+        targets = ranks_of[nxt]
+        out.append(targets[(j + int(nxt == node)) % len(targets)])
+    return out
+
+
+class Store:
+    """Files in this process's memory, by path (thread-safe)."""
+
+    def __init__(self, max_steps: int = MAX_STEPS) -> None:
+        self._files: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+        self._max_steps = max_steps
+
+    def put(self, path: str, data: bytes) -> None:
+        with self._lock:
+            self._files[path] = data
+            self._bound(path)
+
+    def get(self, path: str) -> bytes | None:
+        with self._lock:
+            return self._files.get(path)
+
+    def children(self, path: str) -> list[str]:
+        """The paths one level under ``path`` (files or directories)."""
+        prefix = path.rstrip("/") + "/"
+        with self._lock:
+            names = {
+                prefix + p[len(prefix) :].split("/", 1)[0]
+                for p in self._files
+                if p.startswith(prefix)
+            }
+        return sorted(names)
+
+    def remove(self, path: str) -> None:
+        """``path`` and everything under it."""
+        prefix = path.rstrip("/") + "/"
+        with self._lock:
+            for p in [p for p in self._files if p == path or p.startswith(prefix)]:
+                del self._files[p]
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(len(d) for d in self._files.values())
+
+    def _bound(self, path: str) -> None:
+        """Keep at most ``max_steps`` directories beside ``path``'s (step directories sort
+        by step): the oldest go."""
+        parent, _, _ = path.rpartition("/")
+        root, _, _ = parent.rpartition("/")
+        if not root:
+            return
+        prefix = root + "/"
+        dirs = sorted(
+            {
+                p[len(prefix) :].split("/", 1)[0]
+                for p in self._files
+                if p.startswith(prefix) and "/" in p[len(prefix) :]
+            }
+        )
+        for old in dirs[: max(0, len(dirs) - self._max_steps)]:
+            gone = prefix + old + "/"
+            for p in [p for p in self._files if p.startswith(gone)]:
+                del self._files[p]
+
+
+class Server:
+    """This rank's copies, served over HTTP to the ranks that know its token."""
+
+    def __init__(self, store: Store, host: str) -> None:
+        self.store = store
+        self.token = secrets.token_hex(16)
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # no line per request
+                pass
+
+            def _path(self) -> tuple[str, str] | None:
+                given = self.headers.get(TOKEN_HEADER, "")
+                if not hmac.compare_digest(given.encode(), server.token.encode()):
+                    self.send_error(403, "not a rank of this generation")
+                    return None
+                kind, _, path = self.path.lstrip("/").partition("/")
+                return kind, urllib.parse.unquote(path)
+
+            def _reply(self, code: int, body: bytes = b"") -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                found = self._path()
+                if found is None:
+                    return
+                kind, path = found
+                if kind == "list":
+                    self._reply(200, json.dumps(server.store.children(path)).encode())
+                    return
+                data = server.store.get(path)
+                self._reply(404) if data is None else self._reply(200, data)
+
+            def do_PUT(self) -> None:
+                found = self._path()
+                if found is None:
+                    return
+                length = int(self.headers.get("Content-Length", "0"))
+                server.store.put(found[1], self.rfile.read(length))
+                self._reply(204)
+
+            def do_DELETE(self) -> None:
+                found = self._path()
+                if found is None:
+                    return
+                server.store.remove(found[1])
+                self._reply(204)
+
+        self._http = http.server.ThreadingHTTPServer((host, 0), Handler)
+        self._http.daemon_threads = True
+        self.host = host
+        self.port = int(self._http.server_address[1])
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, name="efdl-peer-copies", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
+    """An fsspec file system over the generation's ranks' copies: a file is written to this
+    rank's store and to its partner's; read from this rank's store or any peer's; listed and
+    deleted over all of them. :meth:`place` says who the peers are, at each new generation."""
+
+    protocol = PROTOCOL
+    cachable = False  # one per worker, never shared through fsspec's instance cache
+    root_marker = ""
+
+    def __init__(self, home: Store, timeout_s: float = TIMEOUT_S) -> None:
+        super().__init__()
+        self.home = home
+        self.timeout_s = timeout_s
+        self._others: list[Peer] = []
+        self._partner: Peer | None = None
+
+    def place(self, peers: Sequence[Peer], rank: int) -> None:
+        """This generation's ranks (``peers[r]``: rank r's), this rank being ``rank``."""
+        partner = peers[partners([p.node for p in peers])[rank]]
+        self._partner = None if partner.rank == rank else partner
+        self._others = [p for p in peers if p.rank != rank]
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        text = str(path)
+        if text.startswith(PROTOCOL + "://"):
+            text = text[len(PROTOCOL) + 3 :]
+        return text.rstrip("/")
+
+    # ------------------------------------------------------------------ writing
+
+    def _open(self, path: str, mode: str = "rb", **_: Any) -> Any:
+        if "w" in mode:
+            return _Upload(self, self._strip_protocol(path))
+        return io.BytesIO(self.cat_file(path))
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **_: Any) -> None:
+        path = self._strip_protocol(path)
+        data = bytes(value)
+        if self._partner is not None:  # first: a failure leaves this rank's store as it was
+            self._call(self._partner, "PUT", "files", path, data)
+        self.home.put(path, data)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        pass  # directories are prefixes
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        pass  # nothing is cached
+
+    # ------------------------------------------------------------------ reading
+
+    def cat_file(
+        self, path: str, start: int | None = None, end: int | None = None, **_: Any
+    ) -> bytes:
+        path = self._strip_protocol(path)
+        data = self.home.get(path)
+        for peer in self._others:
+            if data is not None:
+                break
+            try:
+                data = self._call(peer, "GET", "files", path)
+            except OSError as exc:
+                log.info("Peer copies: rank %d did not answer for %s: %s", peer.rank, path, exc)
+        if data is None:
+            raise FileNotFoundError(path)
+        return data[start:end]
+
+    def ls(self, path: str, detail: bool = False, **_: Any) -> list[Any]:
+        path = self._strip_protocol(path)
+        names = set(self.home.children(path))
+        for peer in self._others:
+            try:
+                names.update(json.loads(self._call(peer, "GET", "list", path) or b"[]"))
+            except (OSError, ValueError) as exc:
+                log.info("Peer copies: rank %d did not list %s: %s", peer.rank, path, exc)
+        found = sorted(names)
+        return [{"name": n, "type": "file", "size": None} for n in found] if detail else found
+
+    # ------------------------------------------------------------------ deleting
+
+    def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
+        for p in [path] if isinstance(path, str) else list(path):
+            target = self._strip_protocol(p)
+            self.home.remove(target)
+            for peer in self._others:
+                try:
+                    self._call(peer, "DELETE", "files", target)
+                except OSError as exc:
+                    log.info("Peer copies: rank %d did not delete %s: %s", peer.rank, target, exc)
+
+    def rm_file(self, path: str) -> None:
+        self.rm(path)
+
+    # ------------------------------------------------------------------ the wire
+
+    def _call(
+        self, peer: Peer, method: str, kind: str, path: str, body: bytes | None = None
+    ) -> bytes | None:
+        """One request to ``peer``; the body of a 200, None for a 404.
+
+        Raises:
+            OSError: the peer did not answer, or refused (any other status).
+        """
+        conn = http.client.HTTPConnection(peer.host, peer.port, timeout=self.timeout_s)
+        try:
+            conn.request(
+                method,
+                f"/{kind}/{urllib.parse.quote(path)}",
+                body=body,
+                headers={TOKEN_HEADER: peer.token},
+            )
+            reply = conn.getresponse()
+            data = reply.read()
+        except (http.client.HTTPException, TimeoutError) as exc:
+            raise OSError(f"{peer.host}:{peer.port}: {exc}") from None
+        finally:
+            conn.close()
+        if reply.status == 404:
+            return None
+        if reply.status not in (200, 204):
+            raise OSError(f"{peer.host}:{peer.port} answered {reply.status} {reply.reason}")
+        return data
+
+
+class _Upload(io.BytesIO):
+    """A file being written: sent on close."""
+
+    def __init__(self, fs: PeerFileSystem, path: str) -> None:
+        super().__init__()
+        self._fs, self._path = fs, path
+
+    def close(self) -> None:
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self._fs.pipe_file(self._path, data)
+
+
+class PeerCopies:
+    """This rank's peer copies: its store and server, the file system over the generation's
+    ranks, and the writer that fills them every ``every`` commits.
+
+    Args:
+        every: write a snapshot every this many commits (when the writer is free).
+        host: the address peers reach this rank's server at (its node's).
+        node: this rank's node, for its partner's placement.
+        fence: this worker's fence: no snapshot completes once it has closed.
+    """
+
+    def __init__(self, every: int, host: str, node: str, fence: Fence | None) -> None:
+        self.store = Store()
+        self.server = Server(self.store, host)
+        self.fs = PeerFileSystem(self.store)
+        self.node = node
+        settings = CacheSettings(URL, every_steps=every, every_s=0.0, keep=2)
+        storage = SnapshotStorage(URL, fs=self.fs)
+        self.persister = Persister(settings, fence=fence, storage=storage)
+
+    @staticmethod
+    def from_env(fence: Fence | None, env: Mapping[str, str] | None = None) -> PeerCopies | None:
+        """From the agent's ``EFDL_PEER_COPIES`` (None: off).
+
+        Raises:
+            ConfigError: it is not a whole number of commits.
+        """
+        e = os.environ if env is None else env
+        raw = e.get(PEER_COPIES_ENV, "0")
+        try:
+            every = int(raw)
+        except ValueError:
+            every = -1
+        if every < 0:
+            raise ConfigError(
+                f"{PEER_COPIES_ENV}={raw!r}: expected a number of commits between peer "
+                "copies (0: none)."
+            )
+        if every == 0:
+            return None
+        return PeerCopies(every, e.get(NODE_HOST_ENV, "127.0.0.1"), e.get(NODE_ID_ENV, ""), fence)
+
+    def place(self, group: Any) -> None:
+        """Every rank of the new generation at once (on its CPU side ``group``): learn each
+        other's servers and tokens; a rank's partner follows from their nodes."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = Peer(rank, self.node, self.server.host, self.server.port, self.server.token)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine, group=group)
+        self.fs.place(gathered, rank)
