@@ -1,9 +1,9 @@
 """FSDP2 in place: the GPT example (examples/gpt) under efdl against torchrun, side by side.
 
 - **steady state**: 2 workers on one node (``--standalone``), median step time of rank 0,
-  efdl (train_efdl.py), efdl with peer copies of every commit (``--peer-copies 1``) and
-  torchrun (train_torchrun.py) interleaved, none checkpointing otherwise; and the peak
-  resident memory of each job's processes together;
+  efdl (train_efdl.py), efdl with peer copies of every commit (``--peer-copies 1``) and of
+  every 10th (``--peer-copies 10``), and torchrun (train_torchrun.py) interleaved, none
+  checkpointing otherwise; and the peak resident memory of each job's processes together;
 - **events**: a job of 2 nodes, one worker each (real etcd for efdl, c10d for torchrun at its
   best tuning), meets a join (a third node), a graceful leave (SIGTERM to one agent) or a
   node SIGKILL. efdl lays the shards out anew in place and resumes a crash from its peer
@@ -87,7 +87,7 @@ class LogRun(Run):
 # ---------------------------------------------------------------- steady state
 
 
-STEADY = ("torchrun", "efdl", "efdl, peer copies")
+STEADY = ("torchrun", "efdl", "efdl, peer copies", "efdl, peer copies every 10")
 
 
 def steady(launcher: str, size: int, steps: int, tmp: Path) -> tuple[float, float]:
@@ -102,8 +102,8 @@ def steady(launcher: str, size: int, steps: int, tmp: Path) -> tuple[float, floa
             "--standalone",
         ]
         argv += ["--job-id", f"fsdp-{uuid.uuid4().hex[:6]}", "--nproc-per-node", "2"]
-        if launcher == "efdl, peer copies":
-            argv += ["--peer-copies", "1"]
+        if launcher.startswith("efdl, peer copies"):
+            argv += ["--peer-copies", "10" if launcher.endswith("every 10") else "1"]
         argv += [str(EFDL_SCRIPT)]
     else:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -377,10 +377,11 @@ def main() -> None:
         if not args.no_steady:
             print("### Steady state: median step time (s), 2 workers, no checkpoint\n")
             print(
-                "| params | torchrun | efdl | efdl, peer copies | efdl / torchrun "
-                "| peer copies / torchrun | peak memory (GB): torchrun, efdl, peer copies |"
+                "| params | torchrun | efdl | efdl, peer copies | efdl, peer copies every 10 "
+                "| efdl / torchrun | peer copies / torchrun | every 10 / torchrun "
+                "| peak memory (GB): torchrun, efdl, peer copies, every 10 |"
             )
-            print("|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|")
         for size in sizes if not args.no_steady else []:
             steps = args.steady_steps or {25: 40, 100: 20, 300: 12}[size]
             got: dict[str, list[float]] = {name: [] for name in STEADY}
@@ -395,7 +396,7 @@ def main() -> None:
             peaks = ", ".join(f"{max(memory[n]):.1f}" for n in STEADY)
             print(
                 f"| {size}M | {' | '.join(spread(got[n], 3) for n in STEADY)} "
-                f"| {spread(ratio['efdl'], 3)} | {spread(ratio['efdl, peer copies'], 3)} "
+                f"| {' | '.join(spread(ratio[n], 3) for n in STEADY[1:])} "
                 f"| {peaks} |",
                 flush=True,
             )

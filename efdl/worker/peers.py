@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -83,20 +84,47 @@ def partners(nodes: Sequence[str]) -> list[int]:
     return out
 
 
+def _refs(data: object) -> int:
+    return sys.getrefcount(data)
+
+
+_ALONE = _refs(bytearray(1))  # what _refs says of a buffer held by nothing but the call
+
+
 class Store:
-    """Files in this process's memory, by path (thread-safe)."""
+    """Files in this process's memory, by path (thread-safe).
+
+    The buffers of a removed step directory are kept for the next snapshot's files of the
+    same sizes (:meth:`take`; a snapshot's parts have the same sizes each time): writing
+    into memory already mapped costs a copy, into new memory a page fault per 4 KB as well,
+    which is most of the cost. At most one directory's buffers are kept, and only those no
+    reader holds."""
 
     def __init__(self, max_steps: int = MAX_STEPS) -> None:
-        self._files: dict[str, bytes] = {}
+        self._files: dict[str, bytes | bytearray] = {}
         self._lock = threading.Lock()
         self._max_steps = max_steps
+        self._spare: dict[int, list[bytearray]] = {}
+        self._sizes: dict[str, int] = {}  # a file name's size when last written
 
-    def put(self, path: str, data: bytes) -> None:
+    def take(self, size: int) -> bytearray | None:
+        """A kept buffer of exactly ``size`` bytes, no longer anyone's; None: none."""
+        with self._lock:
+            found = self._spare.get(size)
+            return found.pop() if found else None
+
+    def take_for(self, path: str) -> bytearray | None:
+        """A kept buffer of the size the file of ``path``'s name had last time."""
+        size = self._sizes.get(path.rsplit("/", 1)[-1])
+        return self.take(size) if size is not None else None
+
+    def put(self, path: str, data: bytes | bytearray) -> None:
         with self._lock:
             self._files[path] = data
+            self._sizes[path.rsplit("/", 1)[-1]] = len(data)
             self._bound(path)
 
-    def get(self, path: str) -> bytes | None:
+    def get(self, path: str) -> bytes | bytearray | None:
         with self._lock:
             return self._files.get(path)
 
@@ -115,8 +143,17 @@ class Store:
         """``path`` and everything under it."""
         prefix = path.rstrip("/") + "/"
         with self._lock:
-            for p in [p for p in self._files if p == path or p.startswith(prefix)]:
-                del self._files[p]
+            self._drop([p for p in self._files if p == path or p.startswith(prefix)])
+
+    def _drop(self, paths: list[str]) -> None:
+        """Remove ``paths`` (under the lock); their buffers become the kept ones."""
+        if not paths:
+            return
+        self._spare = {}
+        for p in paths:
+            data = self._files.pop(p)
+            if isinstance(data, bytearray) and _refs(data) == _ALONE + 1:  # +1: ``data``
+                self._spare.setdefault(len(data), []).append(data)
 
     @property
     def nbytes(self) -> int:
@@ -140,8 +177,7 @@ class Store:
         )
         for old in dirs[: max(0, len(dirs) - self._max_steps)]:
             gone = prefix + old + "/"
-            for p in [p for p in self._files if p.startswith(gone)]:
-                del self._files[p]
+            self._drop([p for p in self._files if p.startswith(gone)])
 
 
 class Server:
@@ -164,7 +200,7 @@ class Server:
                 kind, _, path = self.path.lstrip("/").partition("/")
                 return kind, urllib.parse.unquote(path)
 
-            def _reply(self, code: int, body: bytes = b"") -> None:
+            def _reply(self, code: int, body: bytes | bytearray = b"") -> None:
                 self.send_response(code)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -187,7 +223,16 @@ class Server:
                 if found is None:
                     return
                 length = int(self.headers.get("Content-Length", "0"))
-                server.store.put(found[1], self.rfile.read(length))
+                data = server.store.take(length) or bytearray(length)
+                view, got = memoryview(data), 0
+                while got < length:
+                    n = self.rfile.readinto(view[got:])
+                    if not n:
+                        self.send_error(400, f"the body ended at {got} of {length} bytes")
+                        return
+                    got += n
+                view.release()
+                server.store.put(found[1], data)
                 self._reply(204)
 
             def do_DELETE(self) -> None:
@@ -247,9 +292,11 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
             return _Upload(self, self._strip_protocol(path))
         return io.BytesIO(self.cat_file(path))
 
-    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **_: Any) -> None:
+    def pipe_file(
+        self, path: str, value: bytes | bytearray, mode: str = "overwrite", **_: Any
+    ) -> None:
         path = self._strip_protocol(path)
-        data = bytes(value)
+        data = value if isinstance(value, bytes | bytearray) else bytes(value)
         if self._partner is not None:  # first: a failure leaves this rank's store as it was
             self._call(self._partner, "PUT", "files", path, data)
         self.home.put(path, data)
@@ -276,7 +323,8 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
                 log.info("Peer copies: rank %d did not answer for %s: %s", peer.rank, path, exc)
         if data is None:
             raise FileNotFoundError(path)
-        return data[start:end]
+        whole = start is None and end is None
+        return bytes(data) if whole else bytes(data[start:end])
 
     def ls(self, path: str, detail: bool = False, **_: Any) -> list[Any]:
         path = self._strip_protocol(path)
@@ -307,7 +355,12 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
     # ------------------------------------------------------------------ the wire
 
     def _call(
-        self, peer: Peer, method: str, kind: str, path: str, body: bytes | None = None
+        self,
+        peer: Peer,
+        method: str,
+        kind: str,
+        path: str,
+        body: bytes | bytearray | None = None,
     ) -> bytes | None:
         """One request to ``peer``; the body of a 200, None for a 404.
 
@@ -335,18 +388,35 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
         return data
 
 
-class _Upload(io.BytesIO):
-    """A file being written: sent on close."""
+class _Upload(io.RawIOBase):
+    """A file being written, into one growing buffer that is sent and kept as it is on
+    close (no copy of it is made here)."""
 
     def __init__(self, fs: PeerFileSystem, path: str) -> None:
         super().__init__()
         self._fs, self._path = fs, path
+        # The buffer of this file's previous snapshot (the same size, as a rule), if kept.
+        self._data = fs.home.take_for(path) or bytearray()
+        self._at = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        end = self._at + len(view)
+        if end <= len(self._data):
+            self._data[self._at : end] = view  # a copy into memory already there
+        else:
+            self._data[self._at :] = view
+        self._at = end
+        return len(view)
 
     def close(self) -> None:
         if not self.closed:
-            data = self.getvalue()
             super().close()
-            self._fs.pipe_file(self._path, data)
+            del self._data[self._at :]
+            self._fs.pipe_file(self._path, self._data)
 
 
 class PeerCopies:
@@ -365,7 +435,9 @@ class PeerCopies:
         self.server = Server(self.store, host)
         self.fs = PeerFileSystem(self.store)
         self.node = node
-        settings = CacheSettings(URL, every_steps=every, every_s=0.0, keep=2)
+        # One complete snapshot kept: the next one is written beside it, and it goes once
+        # that one is complete.
+        settings = CacheSettings(URL, every_steps=every, every_s=0.0, keep=1)
         storage = SnapshotStorage(URL, fs=self.fs)
         self.persister = Persister(settings, fence=fence, storage=storage)
 
