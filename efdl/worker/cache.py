@@ -40,7 +40,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import fsspec  # type: ignore[import-untyped]
@@ -62,7 +62,7 @@ PROBE_TIMEOUT_S = 30.0
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 _FILE_NAME = re.compile(r"^(state|rank-\d{5}|part-\d{5})\.pt$")
-_REPORT = re.compile(r"^report-(\d{5})\.json$")
+REPORT = re.compile(r"^report-(\d{5})\.json$")  # a rank's report of its files
 
 Position = tuple[int, int]  # (generation, step): see Manifest.position
 
@@ -337,7 +337,7 @@ class SnapshotStorage:
             return set()
         found = set()
         for entry in entries:
-            m = _REPORT.match(str(entry).rsplit("/", 1)[-1])
+            m = REPORT.match(str(entry).rsplit("/", 1)[-1])
             if m:
                 found.add(int(m.group(1)))
         return found
@@ -461,6 +461,14 @@ class SnapshotStorage:
             except SnapshotError as exc:
                 log.warning("Skipping cached snapshot of step %d: %s", m.step, exc)
         return None
+
+    def holders(self, step: int) -> dict[str, list[int]]:
+        """Where each file of snapshot ``step`` was found, by rank (the peer copies'; a
+        storage of its own: nothing to say)."""
+        return {}
+
+    def know(self, holders: Mapping[str, Sequence[int]]) -> None:
+        """Where files were found (another rank's :meth:`holders`)."""
 
     def _all_there(self, m: Manifest) -> None:
         """Every file ``m`` names is listed (one listing of its directory).

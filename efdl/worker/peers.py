@@ -22,6 +22,7 @@ random number the ranks of the generation learn from each other over their proce
 
 from __future__ import annotations
 
+import concurrent.futures
 import hmac
 import http.client
 import http.server
@@ -42,7 +43,7 @@ from fsspec import AbstractFileSystem  # type: ignore[import-untyped]
 
 from efdl.errors import ConfigError
 from efdl.protocol.env import NODE_HOST_ENV, NODE_ID_ENV, PEER_COPIES_ENV
-from efdl.worker.cache import CacheSettings, SnapshotStorage
+from efdl.worker.cache import REPORT, CacheSettings, SnapshotStorage
 from efdl.worker.fence import Fence
 from efdl.worker.persist import Persister
 
@@ -55,6 +56,7 @@ TIMEOUT_S = 60.0  # one request to a peer (a part of up to 512 MB on a slow link
 # Step directories one store keeps at most whatever the writer prunes (a rank 0 that died
 # between writing a snapshot and pruning the one before leaves it to the next).
 MAX_STEPS = 4
+LISTERS = 16  # ranks asked at once for a listing
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,12 +273,27 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
         self.timeout_s = timeout_s
         self._others: list[Peer] = []
         self._partner: Peer | None = None
+        self._leader: Peer | None = None  # rank 0, where reports go too (not this rank's partner)
+        self._holders: dict[str, set[int]] = {}  # file -> the ranks a listing found it at
+
+    def holders(self, path: str) -> dict[str, list[int]]:
+        """The ranks a listing found holding each file under ``path`` (rank 0 shares them at
+        a resume: :meth:`know`)."""
+        prefix = self._strip_protocol(path) + "/"
+        return {n: sorted(r) for n, r in self._holders.items() if n.startswith(prefix)}
+
+    def know(self, holders: Mapping[str, Sequence[int]]) -> None:
+        """Who holds which file (another rank's :meth:`holders`)."""
+        for name, ranks in holders.items():
+            self._holders.setdefault(name, set()).update(ranks)
 
     def place(self, peers: Sequence[Peer], rank: int) -> None:
         """This generation's ranks (``peers[r]``: rank r's), this rank being ``rank``."""
         partner = peers[partners([p.node for p in peers])[rank]]
         self._partner = None if partner.rank == rank else partner
         self._others = [p for p in peers if p.rank != rank]
+        self._leader = peers[0] if rank != 0 and peers[0] is not partner else None
+        self._holders = {}  # ranks are numbered anew
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:
@@ -299,6 +316,10 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
         data = value if isinstance(value, bytes | bytearray) else bytes(value)
         if self._partner is not None:  # first: a failure leaves this rank's store as it was
             self._call(self._partner, "PUT", "files", path, data)
+        if self._leader is not None and REPORT.match(path.rsplit("/", 1)[-1]):
+            # Rank 0 waits for every rank's report: it finds them all in its own store,
+            # without asking every rank at each look (at 1,024 ranks, 1,023 requests a look).
+            self._call(self._leader, "PUT", "files", path, data)
         self.home.put(path, data)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
@@ -314,7 +335,12 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
     ) -> bytes:
         path = self._strip_protocol(path)
         data = self.home.get(path)
-        for peer in self._others:
+        # Those a listing found holding it first (rank 0's, shared at a resume): at 1,024
+        # ranks a search in rank order would ask hundreds of ranks for each file.
+        known = self._holders.get(path, ())
+        for peer in [p for p in self._others if p.rank in known] + [
+            p for p in self._others if p.rank not in known
+        ]:
             if data is not None:
                 break
             try:
@@ -329,11 +355,19 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def ls(self, path: str, detail: bool = False, **_: Any) -> list[Any]:
         path = self._strip_protocol(path)
         names = set(self.home.children(path))
-        for peer in self._others:
+
+        def listing(peer: Peer) -> list[str]:
             try:
-                names.update(json.loads(self._call(peer, "GET", "list", path) or b"[]"))
+                return list(json.loads(self._call(peer, "GET", "list", path) or b"[]"))
             except (OSError, ValueError) as exc:
                 log.info("Peer copies: rank %d did not list %s: %s", peer.rank, path, exc)
+                return []
+
+        with concurrent.futures.ThreadPoolExecutor(LISTERS, "efdl-peer-ls") as pool:
+            for peer, listed in zip(self._others, pool.map(listing, self._others), strict=True):
+                names.update(listed)
+                for name in listed:
+                    self._holders.setdefault(name, set()).add(peer.rank)
         found = sorted(names)
         return [{"name": n, "type": "file", "size": None} for n in found] if detail else found
 
@@ -419,6 +453,25 @@ class _Upload(io.RawIOBase):
             self._fs.pipe_file(self._path, self._data)
 
 
+class PeerStorage(SnapshotStorage):
+    """The snapshots of the peer copies: rank 0 looks for the ranks' reports in its own
+    store, where every rank sends its report (:meth:`PeerFileSystem.pipe_file`)."""
+
+    def __init__(self, fs: PeerFileSystem) -> None:
+        super().__init__(URL, fs=fs)
+        self.peers = fs
+
+    def holders(self, step: int) -> dict[str, list[int]]:
+        return self.peers.holders(self.path(step))
+
+    def know(self, holders: Mapping[str, Sequence[int]]) -> None:
+        self.peers.know(holders)
+
+    def reporters(self, step: int) -> set[int]:
+        names = self.peers.home.children(self.path(step))
+        return {int(m.group(1)) for n in names if (m := REPORT.match(n.rsplit("/", 1)[-1]))}
+
+
 class PeerCopies:
     """This rank's peer copies: its store and server, the file system over the generation's
     ranks, and the writer that fills them every ``every`` commits.
@@ -438,7 +491,7 @@ class PeerCopies:
         # One complete snapshot kept: the next one is written beside it, and it goes once
         # that one is complete.
         settings = CacheSettings(URL, every_steps=every, every_s=0.0, keep=1)
-        storage = SnapshotStorage(URL, fs=self.fs)
+        storage = PeerStorage(self.fs)
         self.persister = Persister(settings, fence=fence, storage=storage)
 
     @staticmethod

@@ -89,8 +89,11 @@ def resume(
                 "parts": structure.parts,
                 "rows": structure.rows,
                 "devices": structure.devices,
+                "holders": storage.holders(structure.manifest.step),
             }
         found = transfer.share(found, 0, side)
+        if found is not None:
+            storage.know(found["holders"])
         if found is None:
             if broken:
                 raise SnapshotError(

@@ -463,6 +463,7 @@ ENV_KEYS = [
     *("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"),
     *("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS"),
     *("MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "EFDL_GENERATION", "EFDL_ETCD_PASSWORD"),
+    "EFDL_NODE_HOST",
     "GLOO_SOCKET_IFNAME",
 ]
 SAY = (
@@ -642,6 +643,7 @@ def test_worker_environment_follows_torchrun(
         assert e["OMP_NUM_THREADS"] == "1" and e["MKL_NUM_THREADS"] == "3"
         assert e["OPENBLAS_NUM_THREADS"] is None and e["EFDL_GENERATION"] == "1"
         assert e["EFDL_ETCD_PASSWORD"] is None
+        assert e["EFDL_NODE_HOST"] == "127.0.0.1"  # where a worker serves its peer copies
         # gloo's sockets on the interface of the node's address (--standalone: 127.0.0.1)
         assert e["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1") == "lo"
 

@@ -223,6 +223,7 @@ def test_cache_options_from_flags_env_and_yaml_and_their_checks(tmp_path: Path) 
         ({"cache_keep": 0}, r"--cache-keep \(0\) must be at least 1"),
         ({"cache_every_steps": -1}, r"--cache-every-steps \(-1\)"),
         ({"cache_url": " "}, "--cache-url is empty"),
+        ({"peer_copies": -1}, r"--peer-copies \(-1\) must be a number of commits"),
     ):
         with pytest.raises(ConfigError, match=message):
             load(LaunchConfig, {"standalone": True, **flags}, env={})

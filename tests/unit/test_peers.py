@@ -10,7 +10,16 @@ import torch
 
 from efdl.errors import ConfigError
 from efdl.worker.cache import CacheSettings, SnapshotStorage
-from efdl.worker.peers import URL, Peer, PeerCopies, PeerFileSystem, Server, Store, partners
+from efdl.worker.peers import (
+    URL,
+    Peer,
+    PeerCopies,
+    PeerFileSystem,
+    PeerStorage,
+    Server,
+    Store,
+    partners,
+)
 from efdl.worker.persist import Persister
 
 
@@ -100,7 +109,7 @@ def test_a_request_without_the_token_is_refused(
 def test_a_dead_peer_is_skipped_when_reading(
     two: tuple[list[Server], list[PeerFileSystem]],
 ) -> None:
-    servers, (fs0, fs1) = two
+    servers, (_, fs1) = two
     fs1.pipe_file("copies/f", b"one")
     servers[0].close()  # rank 0's node died; rank 1 still reads and lists its own
     assert fs1.cat_file("copies/f") == b"one"
@@ -150,3 +159,30 @@ def test_peer_copies_from_the_agent_s_setting() -> None:
         assert copies.persister.settings.every_steps == 2 and copies.server.host == "127.0.0.1"
     finally:
         copies.server.close()
+
+
+def test_reports_reach_rank_0_and_a_listing_says_who_holds_what() -> None:
+    """At 1,024 ranks rank 0 must not ask every rank at each look for the reports, nor a
+    reader ask rank after rank for a file: reports go to rank 0 as well, and rank 0's
+    listing of a snapshot says which ranks hold each file."""
+    servers = [Server(Store(), "127.0.0.1") for _ in range(3)]
+    try:
+        peers = [Peer(r, f"node-{r}", s.host, s.port, s.token) for r, s in enumerate(servers)]
+        systems = [PeerFileSystem(s.store, timeout_s=10) for s in servers]
+        for r, fs in enumerate(systems):
+            fs.place(peers, r)
+        step = "copies/step-000000000005"
+        systems[1].pipe_file(f"{step}/report-00001.json", b"{}")  # rank 1's partner: rank 2
+        systems[1].pipe_file(f"{step}/part-00001.pt", b"rows")
+        assert servers[0].store.get(f"{step}/report-00001.json") == b"{}"
+        assert servers[0].store.get(f"{step}/part-00001.pt") is None
+        assert PeerStorage(systems[0]).reporters(5) == {1}
+        systems[0].ls(step)
+        holders = PeerStorage(systems[0]).holders(5)
+        assert holders[f"{step}/part-00001.pt"] == [1, 2]
+        systems[2].know(holders)
+        servers[2].store.remove(step)  # rank 2 reads rank 1's part from rank 1, as told
+        assert systems[2].cat_file(f"{step}/part-00001.pt") == b"rows"
+    finally:
+        for s in servers:
+            s.close()
