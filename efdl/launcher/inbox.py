@@ -164,7 +164,7 @@ class WorkerReports:
             # Every rank of the generation committed `agreed`.
             self._progress.agreed(msg.generation, msg.agreed, self._publishes())
         elif isinstance(msg, ResumedFromCache):
-            text = f"resumed from the cache's snapshot of step {msg.step}"
+            text = f"resumed from the snapshot of step {msg.step} in {msg.source}"
             self._post(
                 self._history.event(EventKind.RESUME, self._generation(), text, step=msg.step)
             )

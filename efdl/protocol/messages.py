@@ -111,10 +111,12 @@ class Persisted:
 
 @dataclass(frozen=True, slots=True)
 class ResumedFromCache:
-    """The generation resumed from the cache's snapshot of ``step``."""
+    """The generation resumed from the snapshot of ``step`` in ``source``: "the cache" (the
+    remote cache) or "the peer copies" (efdl.worker.peers)."""
 
     KIND: ClassVar[str] = "resumed"
     step: int
+    source: str = "the cache"
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,8 +103,9 @@ def sync_tree(
     if found is not None:
         resumed, where = found
         moved = resumed.moved
+        source = "the peer copies" if where == peers.URL else "the cache"
         if rt.channel is not None and rank == 0:
-            rt.channel.notify(ResumedFromCache(resumed.manifest.step))
+            rt.channel.notify(ResumedFromCache(resumed.manifest.step, source))
         why = (
             "No committed step is held whole by the ranks"
             if choice.step is None
@@ -116,7 +117,7 @@ def sync_tree(
             resumed.manifest.step,
             resumed.manifest.epoch,
             resumed.manifest.generation,
-            "the peer copies" if where == peers.URL else where,
+            source if where == peers.URL else where,
         )
     elif choice.loss is not None:
         error = StateLostError(why_lost(choice, keys, (job_generation, job_step), remote))
