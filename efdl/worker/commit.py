@@ -58,7 +58,7 @@ class Flag(enum.IntEnum):
     FAILED = 5  # this rank's group reported a communication error (efdl.worker.verdict)
     ATTEMPT = 6  # rank 0: a random number, the attempt of a snapshot started here
     PEER_PERSIST = 7  # rank 0: a peer copy is due (efdl.worker.peers)
-    PEER_BUSY = 8  # this rank's peer-copy writer is still writing the last one
+    PEER_BUSY = 8  # this rank's peer-copy writer still writes one begun before this commit
 
 
 class Agreement:
@@ -115,8 +115,10 @@ def own_flags(
         flags[Flag.PERSIST] = int(dist.get_rank() == 0 and persister.due(step))
         flags[Flag.BUSY] = int(persister.busy)
     if peers is not None:
-        flags[Flag.PEER_PERSIST] = int(dist.get_rank() == 0 and peers.due(step))
-        flags[Flag.PEER_BUSY] = int(peers.busy)
+        flags[Flag.PEER_PERSIST] = int(dist.get_rank() == 0 and peers.due(step, pipelined=True))
+        # A copy begun at this commit does not count: it has a step to finish, and each rank
+        # waits a little for its own at the next (so copies can follow every commit).
+        flags[Flag.PEER_BUSY] = int(peers.busy_before(step))
     if dist.get_rank() == 0 and (persister is not None or peers is not None):
         flags[Flag.ATTEMPT] = secrets.randbits(62) | 1  # not the seeded random
     return flags

@@ -195,6 +195,7 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._stream: Any = None
         self._last_step = 0
+        self._writing = 0  # the step of the snapshot being (or last) written
         self._last_time = time.monotonic()
         self.last_persisted: int | None = None
         self.blocked_s = 0.0  # time the training loop spent waiting for copies (for benchmarks)
@@ -203,16 +204,44 @@ class Persister:
         self.durations: list[float] = []
         self.written: list[int] = []
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` should be persisted (by count or time), the writer being free."""
+    def due(self, step: int, pipelined: bool = False) -> bool:
+        """Whether ``step`` should be persisted (by count or time), the writer being free.
+
+        Args:
+            pipelined: the decision is for the next commit's step (the agreement carries it
+                there), and a snapshot begun at this commit does not count as busy: it has
+                a step to finish (efdl.worker.peers copies every commit so).
+        """
         s = self.settings
-        by_count = s.every_steps > 0 and step - self._last_step >= s.every_steps
+        counted = step + 1 if pipelined else step
+        by_count = s.every_steps > 0 and counted - self._last_step >= s.every_steps
         by_time = s.every_s > 0 and time.monotonic() - self._last_time >= s.every_s
-        return (by_count or by_time) and not self.busy
+        free = not self.busy_before(step) if pipelined else not self.busy
+        return (by_count or by_time) and free
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def busy_before(self, step: int) -> bool:
+        """Still writing a snapshot begun at a commit before ``step``'s (one begun at this
+        very commit has had no time yet)."""
+        return self.busy and self._writing < step
+
+    def skip(self, step: int, rank: int, attempt: int) -> None:
+        """This rank writes nothing of snapshot ``step`` in ``attempt`` (its writer is still
+        busy with the last one): it reports no files, in the background, so that rank 0 gives
+        the snapshot up at once instead of waiting for this rank's report."""
+        if rank == 0:
+            return
+
+        def report() -> None:
+            try:
+                self.storage.report(step, rank, {}, attempt)
+            except Exception as exc:  # rank 0 then waits out its deadline
+                log.info("Could not report skipping step %d: %s", step, exc)
+
+        threading.Thread(target=report, name="efdl-persist-skip", daemon=True).start()
 
     def fence(self) -> None:
         """Wait until the last snapshot's tensors are copied (before they change)."""
@@ -252,6 +281,7 @@ class Persister:
         """
         self.fence()
         self._last_step, self._last_time = step, time.monotonic()
+        self._writing = step
         leaves, _ = pytree.tree_flatten_with_path(tree)
         tensors = {pytree.keystr(p): t for p, t in leaves if isinstance(t, torch.Tensor)}
         split = {k: t for k, t in tensors.items() if isinstance(t, DTensor)}

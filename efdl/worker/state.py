@@ -61,6 +61,10 @@ __all__ = ["RESERVED", "ElasticState", "Fenced", "Rescale", "StepFailed", "elast
 
 log = logging.getLogger(__name__)
 
+# At a commit where a peer copy is due, a rank waits at most this share of its last step for
+# its copy of the commit before to finish; past it, it skips this copy.
+PEER_WAIT = 0.1
+
 # DistributedDataParallel's options that efdl sets on each wrapper it builds.
 _DDP_OWN = frozenset({"process_group", "device_mesh", "init_sync", "module"})
 
@@ -150,6 +154,7 @@ class ElasticState:
         self._fence = fence()
         self._persister = Persister(settings, fence=self._fence) if settings is not None else None
         self._peers = _peer_copies(self._tree, self._fence)
+        self._committed_at = time.monotonic()
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._on_step_start)
             optimizer.register_step_post_hook(self._on_step_end)
@@ -252,6 +257,8 @@ class ElasticState:
         """
         tree, rt = self._tree, get_runtime()
         busy = self._clock.committed()
+        now = time.monotonic()
+        step_s, self._committed_at = now - self._committed_at, now
         # Values changed in place (a list appended to) are checked here, before they spread.
         tree.values.check()
         tree.count_step()
@@ -284,7 +291,11 @@ class ElasticState:
             peers = self._peers.persister if self._peers is not None else None
             if peers_copy_here(agreed, pause, peers):
                 assert peers is not None
-                self._persist(agreed[Flag.ATTEMPT], peers, _copied)
+                # Its copy of the commit before has had a step; a tenth of one more at most.
+                if peers.flush(PEER_WAIT * step_s):
+                    self._persist(agreed[Flag.ATTEMPT], peers, _copied)
+                else:
+                    peers.skip(tree.step, dist.get_rank(), agreed[Flag.ATTEMPT])
             if pause:
                 raise Rescale()
         writers = self._writers()

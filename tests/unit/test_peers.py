@@ -3,13 +3,14 @@ the file system over them, and a snapshot written and read back through it."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from efdl.errors import ConfigError
-from efdl.worker.cache import CacheSettings, SnapshotStorage
+from efdl.worker.cache import CacheSettings, FileInfo, SnapshotStorage
 from efdl.worker.peers import (
     URL,
     Peer,
@@ -186,3 +187,35 @@ def test_reports_reach_rank_0_and_a_listing_says_who_holds_what() -> None:
     finally:
         for s in servers:
             s.close()
+
+
+def test_a_copy_can_be_decided_while_the_one_begun_at_this_commit_is_written() -> None:
+    """The agreement carries a decision to the next commit: a peer copy begun at this commit
+    has that step to finish, so it neither blocks the next decision nor is counted as
+    writing an older one (copies can follow every commit); one begun earlier does."""
+    writer = Persister(CacheSettings(URL, every_steps=1, every_s=0), storage=_Slow())
+    assert writer.due(4, pipelined=True) and not writer.busy_before(4)
+    writer.start(4, None, 1, 2, {"model": {"w": torch.ones(2)}}, set(), {}, lambda m: None)
+    try:
+        assert writer.busy and not writer.due(4)  # the remote cache's rule: one at a time
+        assert writer.due(4, pipelined=True) and not writer.busy_before(4)
+        assert writer.busy_before(5) and not writer.due(5, pipelined=True)
+    finally:
+        _Slow.gate.set()
+        assert writer.flush(30)
+
+
+class _Slow(SnapshotStorage):
+    """A storage whose writes wait for the test."""
+
+    gate = threading.Event()
+
+    def __init__(self) -> None:
+        super().__init__("memory://efdl-slow")
+
+    def write(self, step: int, name: str, obj: object, sync: bool = True) -> FileInfo:
+        self.gate.wait(30)
+        return FileInfo(0, "0" * 32)
+
+    def report(self, step: int, rank: int, files: object, attempt: int) -> None:
+        pass
