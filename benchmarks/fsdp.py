@@ -15,7 +15,8 @@
   2 workers to the first at the new size (a step is logged as it ends: this counts that
   first step's own time too); *back*: to the first step past the last one trained before
   the event (the steps lost, trained again, counted in); *lost*: how many steps were
-  trained again. A run with no step past the old one within 180 s did not recover;
+  trained again. Each event comes at a point of a step drawn at random (seeded), not as a
+  step ends. A run with no step past the old one within 180 s did not recover;
 - **churn**: the loss of a run whose workers go 2 -> 4 -> 3 -> 4 against fixed runs of 2 and 4
   workers, by samples seen, in a figure.
 
@@ -28,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -52,6 +55,7 @@ EFDL_SCRIPT, TORCHRUN_SCRIPT = GPT / "train_efdl.py", GPT / "train_torchrun.py"
 # millions of parameters -> (layers, width, batch per worker); context 64, 8 heads
 SIZES = {25: (6, 576, 2), 100: (12, 832, 1), 300: (24, 1024, 1)}
 SAVE_EVERY = 5  # torchrun's DCP checkpoint, in steps
+PLACE = random.Random(58)  # where in a step each event comes
 
 
 def script_args(size: int, steps: int = 0, checkpoint: Path | None = None) -> list[str]:
@@ -211,7 +215,12 @@ def event_run(launcher: Launcher, event: str, tmp: Path) -> dict[str, float] | s
     try:
         run.start("a")
         run.start("b")
-        run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= SAVE_EVERY + 2, 900)
+        rows = run.wait(lambda rs: sum(1 for r in rs if r["world"] == 2) >= SAVE_EVERY + 2, 900)
+        # The event at a point of a step drawn at random (seeded), not just as one ends:
+        # a crash right after a commit meets a snapshot of that step still being written.
+        stamps = sorted(float(r["t"]) for r in rows if r["world"] == 2)  # type: ignore[arg-type]
+        step_s = statistics.median(b - a for a, b in itertools.pairwise(stamps))
+        time.sleep(PLACE.uniform(0, step_s))
         t0 = time.time()
         if event == "join":
             run.start("c")
