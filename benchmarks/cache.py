@@ -98,8 +98,8 @@ def rank_main(
         "rank": rank,
         "commit": statistics.median(commits),
         "fence": statistics.median(fences) if fences else 0.0,
-        "durations": persister.durations,
-        "written": persister.written,
+        "durations": list(persister.durations),
+        "written": list(persister.written),
         "snapshot_bytes": 0,
     }
     if rank == 0:

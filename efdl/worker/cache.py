@@ -191,6 +191,14 @@ def digest(data: bytes) -> str:
     return str(xxhash.xxh3_128(data).hexdigest())
 
 
+def check_file(where: str, data: bytes, info: FileInfo) -> None:
+    """``data`` (file ``where``) is of the size and digest ``info`` says; else SnapshotError."""
+    if len(data) != info.size:
+        raise SnapshotError(f"{where} has {len(data)} bytes; its manifest says {info.size}.")
+    if digest(data) != info.digest:
+        raise SnapshotError(f"{where} does not match the {DIGEST} digest in its manifest.")
+
+
 class SnapshotStorage:
     """Snapshots under one cache URL (fsspec), newest first.
 
@@ -378,18 +386,24 @@ class SnapshotStorage:
         info = m.files.get(name)
         if info is None:
             raise SnapshotError(f"{where} is not in its manifest.")
-        try:
-            data = bytes(self.fs.cat_file(where))
-        except FileNotFoundError:
-            raise SnapshotError(f"{where} is missing.") from None
-        if len(data) != info.size:
-            raise SnapshotError(f"{where} has {len(data)} bytes; its manifest says {info.size}.")
-        if digest(data) != info.digest:
-            raise SnapshotError(f"{where} does not match the {DIGEST} digest in its manifest.")
+        data = self._fetch(where, info)
         try:
             return _torch().load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as exc:  # a valid digest of a file that was bad when written
             raise SnapshotError(f"{where} cannot be loaded: {exc}") from None
+
+    def _fetch(self, where: str, info: FileInfo) -> bytes:
+        """The bytes of file ``where``, of the size and digest ``info`` says.
+
+        Raises:
+            SnapshotError: missing, or not what the manifest says.
+        """
+        try:
+            data = bytes(self.fs.cat_file(where))
+        except FileNotFoundError:
+            raise SnapshotError(f"{where} is missing.") from None
+        check_file(where, data, info)
+        return data
 
     def structure(self, m: Manifest) -> Structure:
         """Snapshot ``m``'s structure: ``state.pt``, checked."""

@@ -31,10 +31,11 @@ import json
 import logging
 import os
 import secrets
+import socket
 import sys
 import threading
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,14 @@ from fsspec import AbstractFileSystem  # type: ignore[import-untyped]
 
 from efdl.errors import ConfigError
 from efdl.protocol.env import NODE_HOST_ENV, NODE_ID_ENV, PEER_COPIES_ENV
-from efdl.worker.cache import REPORT, CacheSettings, SnapshotStorage
+from efdl.worker.cache import (
+    REPORT,
+    CacheSettings,
+    FileInfo,
+    SnapshotError,
+    SnapshotStorage,
+    check_file,
+)
 from efdl.worker.fence import Fence
 from efdl.worker.persist import Persister
 
@@ -57,6 +65,8 @@ TIMEOUT_S = 60.0  # one request to a peer (a part of up to 512 MB on a slow link
 # between writing a snapshot and pruning the one before leaves it to the next).
 MAX_STEPS = 4
 LISTERS = 16  # ranks asked at once for a listing
+CONNECTIONS = 64  # requests one rank's server serves at once
+MAX_FILE = 16 << 30  # the largest file a server takes (parts are at most 512 MB, or a tensor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +201,8 @@ class Server:
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = TIMEOUT_S  # a peer gone silent mid-request frees its thread and buffer
+
             def log_message(self, *args: Any) -> None:  # no line per request
                 pass
 
@@ -224,7 +236,13 @@ class Server:
                 found = self._path()
                 if found is None:
                     return
-                length = int(self.headers.get("Content-Length", "0"))
+                try:
+                    length = int(self.headers.get("Content-Length", ""))
+                except ValueError:
+                    length = -1
+                if not 0 <= length <= MAX_FILE:
+                    self.send_error(400, f"a file of 0 to {MAX_FILE} bytes, with its length")
+                    return
                 data = server.store.take(length) or bytearray(length)
                 view, got = memoryview(data), 0
                 while got < length:
@@ -244,8 +262,7 @@ class Server:
                 server.store.remove(found[1])
                 self._reply(204)
 
-        self._http = http.server.ThreadingHTTPServer((host, 0), Handler)
-        self._http.daemon_threads = True
+        self._http = _Listener((host, 0), Handler)
         self.host = host
         self.port = int(self._http.server_address[1])
         self._thread = threading.Thread(
@@ -256,6 +273,35 @@ class Server:
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+
+
+class _Listener(http.server.ThreadingHTTPServer):
+    """At most ``CONNECTIONS`` requests served at once (more are closed at once), on IPv4 or
+    IPv6 as the host is written."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self._slots = threading.BoundedSemaphore(CONNECTIONS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
@@ -333,24 +379,30 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
     def cat_file(
         self, path: str, start: int | None = None, end: int | None = None, **_: Any
     ) -> bytes:
+        data = next(self.copies(path), None)
+        if data is None:
+            raise FileNotFoundError(path)
+        return data if start is None and end is None else data[start:end]
+
+    def copies(self, path: str) -> Iterator[bytes]:
+        """Each copy of file ``path`` there is, asked for one at a time: this rank's own,
+        then those a listing found holding it (rank 0's, shared at a resume: at 1,024 ranks
+        a search in rank order would ask hundreds of ranks for each file), then the rest."""
         path = self._strip_protocol(path)
-        data = self.home.get(path)
-        # Those a listing found holding it first (rank 0's, shared at a resume): at 1,024
-        # ranks a search in rank order would ask hundreds of ranks for each file.
+        own = self.home.get(path)
+        if own is not None:
+            yield bytes(own)
         known = self._holders.get(path, ())
         for peer in [p for p in self._others if p.rank in known] + [
             p for p in self._others if p.rank not in known
         ]:
-            if data is not None:
-                break
             try:
                 data = self._call(peer, "GET", "files", path)
             except OSError as exc:
                 log.info("Peer copies: rank %d did not answer for %s: %s", peer.rank, path, exc)
-        if data is None:
-            raise FileNotFoundError(path)
-        whole = start is None and end is None
-        return bytes(data) if whole else bytes(data[start:end])
+                continue
+            if data is not None:
+                yield data
 
     def ls(self, path: str, detail: bool = False, **_: Any) -> list[Any]:
         path = self._strip_protocol(path)
@@ -377,6 +429,9 @@ class PeerFileSystem(AbstractFileSystem):  # type: ignore[misc]
         for p in [path] if isinstance(path, str) else list(path):
             target = self._strip_protocol(p)
             self.home.remove(target)
+            gone = target + "/"
+            for name in [n for n in self._holders if n == target or n.startswith(gone)]:
+                del self._holders[name]
             for peer in self._others:
                 try:
                     self._call(peer, "DELETE", "files", target)
@@ -466,6 +521,19 @@ class PeerStorage(SnapshotStorage):
 
     def know(self, holders: Mapping[str, Sequence[int]]) -> None:
         self.peers.know(holders)
+
+    def _fetch(self, where: str, info: FileInfo) -> bytes:
+        """The first copy of the file that is what the manifest says: a copy left by an
+        earlier attempt at the same step, or a damaged one, gives way to the next holder's."""
+        bad: SnapshotError | None = None
+        for data in self.peers.copies(where):
+            try:
+                check_file(where, data, info)
+            except SnapshotError as exc:
+                bad = bad or exc
+                continue
+            return data
+        raise bad or SnapshotError(f"{where} is missing.")
 
     def reporters(self, step: int) -> set[int]:
         names = self.peers.home.children(self.path(step))

@@ -31,6 +31,7 @@ reused from one snapshot to the next.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import logging
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 PART_BYTES = 512 << 20  # the largest part (a larger tensor is a part by itself)
 MIN_PART_BYTES = 16 << 20  # parts are no smaller than this, however many ranks share the work
 WRITERS = 4  # parts of one rank written at once (a disk takes several streams faster than one)
+STATS = 1000  # snapshots whose duration and size a writer keeps (benchmarks read them)
 REPORT_WAIT_S = 30.0  # rank 0 waits this long for the other ranks' reports, plus 3x its write
 
 
@@ -201,8 +203,8 @@ class Persister:
         self.blocked_s = 0.0  # time the training loop spent waiting for copies (for benchmarks)
         # Per snapshot, for benchmarks: seconds from the commit to this rank's report (rank 0:
         # to the manifest, the snapshot complete), and the bytes this rank wrote.
-        self.durations: list[float] = []
-        self.written: list[int] = []
+        self.durations: collections.deque[float] = collections.deque(maxlen=STATS)
+        self.written: collections.deque[int] = collections.deque(maxlen=STATS)
 
     def due(self, step: int, pipelined: bool = False) -> bool:
         """Whether ``step`` should be persisted (by count or time), the writer being free.
@@ -222,6 +224,12 @@ class Persister:
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def count_from(self, step: int) -> None:
+        """The next snapshot is due ``every_steps`` after ``step`` (the step held after a
+        sync, which a resume may have taken back before the last snapshot's)."""
+        self._last_step = min(self._last_step, step)
+        self._writing = min(self._writing, step)  # one still being written is an old one
 
     def busy_before(self, step: int) -> bool:
         """Still writing a snapshot begun at a commit before ``step``'s (one begun at this

@@ -328,6 +328,7 @@ class ElasticState:
         """After a failure inside a step or a sync: make this rank's state a committed one
         again (efdl.worker.transaction), and drop the step's partial gradients."""
         tree = self._tree
+        self.fence()  # the writers have copied the rows a rollback is about to overwrite
         self._verdicts.after_failure(get_runtime().timeout.total_seconds())
         if self._copy is not None:
             target = int(self._copy["step"])
@@ -420,6 +421,8 @@ class ElasticState:
             self._peers.place(rt.side)
         tiers = [w for w in (self._peers.persister if self._peers else None, self._persister) if w]
         self._last_sync = sync.sync_tree(tree, self._generation, rt, tiers)
+        for writer in tiers:  # counted from the step held now (a resume may go back)
+            writer.count_from(tree.step)
         self._verdicts.reset(tree.step)
         if self._snapshot_every:
             self._copy = tree.clone()

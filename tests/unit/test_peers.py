@@ -184,6 +184,8 @@ def test_reports_reach_rank_0_and_a_listing_says_who_holds_what() -> None:
         systems[2].know(holders)
         servers[2].store.remove(step)  # rank 2 reads rank 1's part from rank 1, as told
         assert systems[2].cat_file(f"{step}/part-00001.pt") == b"rows"
+        systems[0].rm(step, recursive=True)  # a pruned snapshot leaves nothing in the map
+        assert PeerStorage(systems[0]).holders(5) == {}
     finally:
         for s in servers:
             s.close()
@@ -219,3 +221,40 @@ class _Slow(SnapshotStorage):
 
     def report(self, step: int, rank: int, files: object, attempt: int) -> None:
         pass
+
+
+def test_a_damaged_copy_gives_way_to_another_holder_s(
+    two: tuple[list[Server], list[PeerFileSystem]],
+) -> None:
+    """A copy in the reader's own memory that is not what the manifest says (left by an
+    earlier attempt at the same step, or damaged) must not hide its partner's good one."""
+    servers, (fs0, _) = two
+    storage = PeerStorage(fs0)
+    writer = Persister(CacheSettings(URL, every_steps=1, every_s=0), storage=storage)
+    writer.start(2, None, 0, 1, {"model": {"w": torch.arange(8.0)}}, set(), {}, lambda m: None)
+    assert writer.flush(30)
+    for name in servers[0].store.children("copies/step-000000000002"):
+        if "part-" in name:
+            data = servers[0].store.get(name)
+            assert data is not None
+            servers[0].store.put(name, bytes(len(data)))  # rank 0's own copy: zeros
+    found = storage.newest()
+    assert found is not None and torch.equal(found[1]["model"]["w"], torch.arange(8.0))
+
+
+def test_a_server_refuses_a_file_without_a_sane_length(
+    two: tuple[list[Server], list[PeerFileSystem]],
+) -> None:
+    import http.client
+
+    servers, _ = two
+    s = servers[0]
+    for length in ("-1", "nonsense", str(1 << 40)):
+        conn = http.client.HTTPConnection(s.host, s.port, timeout=10)
+        conn.putrequest("PUT", "/files/copies/x")
+        conn.putheader("X-Efdl-Token", s.token)
+        conn.putheader("Content-Length", length)
+        conn.endheaders()
+        assert conn.getresponse().status == 400
+        conn.close()
+    assert s.store.get("copies/x") is None
