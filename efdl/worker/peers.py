@@ -540,6 +540,25 @@ class PeerStorage(SnapshotStorage):
         return {int(m.group(1)) for n in names if (m := REPORT.match(n.rsplit("/", 1)[-1]))}
 
 
+def copies_every(env: Mapping[str, str]) -> int:
+    """The commits between peer copies the agent asked for (``EFDL_PEER_COPIES``; 0: none).
+
+    Raises:
+        ConfigError: not a whole number of commits.
+    """
+    raw = env.get(PEER_COPIES_ENV, "0") or "0"
+    try:
+        every = int(raw)
+    except ValueError:
+        every = -1
+    if every < 0:
+        raise ConfigError(
+            f"{PEER_COPIES_ENV}={raw!r}: expected a number of commits between peer copies "
+            "(0: none)."
+        )
+    return every
+
+
 class PeerCopies:
     """This rank's peer copies: its store and server, the file system over the generation's
     ranks, and the writer that fills them every ``every`` commits.
@@ -570,16 +589,7 @@ class PeerCopies:
             ConfigError: it is not a whole number of commits.
         """
         e = os.environ if env is None else env
-        raw = e.get(PEER_COPIES_ENV, "0")
-        try:
-            every = int(raw)
-        except ValueError:
-            every = -1
-        if every < 0:
-            raise ConfigError(
-                f"{PEER_COPIES_ENV}={raw!r}: expected a number of commits between peer "
-                "copies (0: none)."
-            )
+        every = copies_every(e)
         if every == 0:
             return None
         return PeerCopies(every, e.get(NODE_HOST_ENV, "127.0.0.1"), e.get(NODE_ID_ENV, ""), fence)

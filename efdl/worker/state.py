@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from efdl.protocol.env import PEER_COPIES_ENV
 from efdl.protocol.messages import Paced, Persisted
 from efdl.worker import sync
 from efdl.worker.cache import CacheSettings, Manifest
@@ -46,7 +45,7 @@ from efdl.worker.commit import (
 )
 from efdl.worker.fence import Fence, fence
 from efdl.worker.pace import Pace, StepClock, pace_window, slots
-from efdl.worker.peers import PeerCopies
+from efdl.worker.peers import PeerCopies, copies_every
 from efdl.worker.persist import Persister
 from efdl.worker.rng import rng_state
 from efdl.worker.runtime import Runtime, get_runtime
@@ -487,7 +486,7 @@ def _peer_copies(tree: StateTree, fence: Fence | None) -> PeerCopies | None:
     """The peer copies the agent asked for (--peer-copies), for a sharded model: a
     replicated one is held whole by every survivor of a crash."""
     if tree.sharding is None:
-        if os.environ.get(PEER_COPIES_ENV, "0") not in ("", "0"):
+        if copies_every(os.environ):
             log.info("--peer-copies is for sharded models (efdl.fully_shard): this one is not.")
         return None
     return PeerCopies.from_env(fence)
